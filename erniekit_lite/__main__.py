@@ -1,0 +1,3 @@
+from erniekit_lite.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""`erniekit-lite` command line. Each subcommand parses its arguments and calls one function.
+
+Heavy libraries (torch, transformers, TRL) are imported inside the handlers so `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from erniekit_lite.errors import UserError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="erniekit-lite", description="Fine-tune ERNIE 4.5 from YAML recipes.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train from a recipe")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.learning_rate=2e-5")
+    p.set_defaults(handler=_train)
+
+    p = sub.add_parser("validate", help="check a recipe and its data, print the plan, train nothing")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(handler=_validate)
+
+    p = sub.add_parser("tiny", help="write a small random ERNIE 4.5 checkpoint (offline demos and tests)")
+    p.add_argument("out_dir")
+    p.add_argument("--arch", choices=["dense", "moe"], default="dense")
+    p.add_argument("--tokenizer", help="copy this tokenizer in (e.g. the real ERNIE 4.5 one); default: a small built-in one")
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=_tiny)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args) or 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _train(args) -> int:
+    from erniekit_lite import recipe as recipes
+
+    r = recipes.load(args.recipe, args.overrides)
+    if r.method != "sft":
+        raise UserError(f"{args.recipe}: method '{r.method}' is not available yet; use method: sft")
+    _quiet_libraries()
+    from erniekit_lite.train.sft import run
+
+    run(r)
+    return 0
+
+
+def _validate(args) -> int:
+    from erniekit_lite import recipe as recipes
+
+    r = recipes.load(args.recipe, args.overrides)
+    _quiet_libraries()
+    from erniekit_lite.plan import plan
+
+    plan(r)
+    print(f"{args.recipe}: valid")
+    return 0
+
+
+def _tiny(args) -> int:
+    _quiet_libraries()
+    from erniekit_lite.tiny import write_tiny
+
+    out = write_tiny(args.out_dir, args.arch, args.tokenizer, args.hidden_size, args.layers, args.seed)
+    print(f"wrote a tiny {args.arch} ERNIE 4.5 checkpoint to {out}")
+    return 0
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

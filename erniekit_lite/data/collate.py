@@ -1,0 +1,54 @@
+"""Batches for the model: padding-free packed rows, or padded rows with an attention mask.
+
+Packed: the rows of a batch are flattened into one sequence of shape [1, T] with restarting `position_ids`
+and `cu_seq_lens_q/k`, the boundaries transformers' varlen attention kernels read (flash attention, and our
+per-sample sdpa on CPU). No `attention_mask`: with one, the kernels would treat the row as a single sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from erniekit_lite.data.tokenize import IGNORE
+
+
+@dataclass
+class PackedCollator:
+    max_length: int  # row capacity, for the packing-efficiency count
+
+    def __call__(self, rows: list[dict]) -> dict:
+        lengths = [n for row in rows for n in row["seq_lengths"]]
+        input_ids = torch.tensor([t for row in rows for t in row["input_ids"]], dtype=torch.long)[None]
+        labels = torch.tensor([t for row in rows for t in row["labels"]], dtype=torch.long)[None]
+        position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(lengths).cumsum(0)
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "position_ids": position_ids,
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": max(lengths),
+            "max_length_k": max(lengths),
+            "token_slots": len(rows) * self.max_length,
+        }
+
+
+@dataclass
+class PaddedCollator:
+    pad_token_id: int
+
+    def __call__(self, rows: list[dict]) -> dict:
+        width = max(len(row["input_ids"]) for row in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            n = len(row["input_ids"])
+            input_ids[i, :n] = torch.tensor(row["input_ids"])
+            labels[i, :n] = torch.tensor(row["labels"])
+            attention_mask[i, :n] = 1
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, "token_slots": input_ids.numel()}

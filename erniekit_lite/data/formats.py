@@ -1,0 +1,225 @@
+"""Normalise every supported record format to one `Conversation`. Only this module knows format names.
+
+    erniekit  {"system"?, "src": [q1, q2], "tgt": [a1, a2], "label"?: [0, 1]}      label 0 = turn not trained
+    alpaca    {"instruction", "input"?, "output", "system"?, "history"?: [[q, a], ...]}
+    sharegpt  {"conversations": [{"from": "human"|"gpt"|"system"|..., "value"}], "system"?}
+    messages  {"messages": [{"role", "content": str | [{"type": "text", "text"|"value"}], "loss_weight"?}]}
+
+Tool traffic has no slot in the ERNIE 4.5 chat template: function calls are kept as assistant text (JSON),
+tool results and observations as user turns, and a record's `tools` list is appended to its system prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from erniekit_lite.data.load import Record
+from erniekit_lite.errors import DataError
+
+
+@dataclass
+class Turn:
+    user: str
+    assistant: str
+    train: bool = True  # False: the response is context only (no loss)
+
+
+@dataclass
+class Conversation:
+    turns: list[Turn]
+    system: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def detect_format(record: Record) -> str:
+    data = record.data
+    if not isinstance(data, dict):
+        raise record.error(f"expected a JSON object per record, got {type(data).__name__}")
+    if "src" in data and "tgt" in data:
+        return "erniekit"
+    if "conversations" in data:
+        return "sharegpt"
+    if "messages" in data:
+        return "messages"
+    if "instruction" in data or "output" in data:
+        return "alpaca"
+    keys = ", ".join(sorted(data)) or "none"
+    raise record.error(
+        f"cannot tell the format from the keys ({keys}); expected src/tgt (erniekit), instruction/output (alpaca), "
+        "conversations (sharegpt) or messages; or set format: in the recipe"
+    )
+
+
+def to_conversation(record: Record, fmt: str, default_system: str | None = None) -> Conversation:
+    if not isinstance(record.data, dict):
+        raise record.error(f"expected a JSON object per record, got {type(record.data).__name__}")
+    conv = _PARSERS[fmt](record)
+    if conv.system is None:
+        conv.system = default_system
+    if not conv.turns:
+        raise record.error("no user/assistant turn to train on")
+    return conv
+
+
+def _erniekit(record: Record) -> Conversation:
+    d = record.data
+    src, tgt = _str_list(record, "src"), _str_list(record, "tgt")
+    if len(src) != len(tgt):
+        raise record.error(f"'src' has {len(src)} turns but 'tgt' has {len(tgt)}; expected one response per prompt")
+    labels = d.get("label")
+    if labels is None:
+        labels = [1] * len(src)
+    elif not isinstance(labels, list) or len(labels) != len(src) or any(v not in (0, 1) for v in labels):
+        raise record.error(f"'label' must be a list of 0/1, one per turn ({len(src)}), got {labels!r}")
+    return Conversation([Turn(q, a, bool(l)) for q, a, l in zip(src, tgt, labels)], _opt_str(record, "system"))
+
+
+def _alpaca(record: Record) -> Conversation:
+    d = record.data
+    instruction = _req_str(record, "instruction")
+    extra = _opt_str(record, "input")
+    output = _req_str(record, "output")
+    turns = []
+    history = d.get("history") or []
+    if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 for h in history):
+        raise record.error("'history' must be a list of [prompt, response] pairs")
+    for q, a in history:
+        if not isinstance(q, str) or not isinstance(a, str):
+            raise record.error("'history' must hold strings")
+        turns.append(Turn(q, a))
+    user = f"{instruction}\n{extra}" if extra else instruction
+    turns.append(Turn(user, output))
+    return Conversation(turns, _opt_str(record, "system"))
+
+
+_SHAREGPT_ROLES = {
+    "human": "user", "user": "user", "observation": "user", "tool": "user", "function": "user",
+    "gpt": "assistant", "assistant": "assistant", "function_call": "assistant", "bot": "assistant",
+    "system": "system",
+}
+
+
+def _sharegpt(record: Record) -> Conversation:
+    conversations = record.data["conversations"]
+    if not isinstance(conversations, list):
+        raise record.error("'conversations' must be a list of {from, value}")
+    messages = []
+    for i, m in enumerate(conversations):
+        if not isinstance(m, dict) or "from" not in m or "value" not in m:
+            raise record.error(f"conversations[{i}] must be an object with 'from' and 'value'")
+        role = _SHAREGPT_ROLES.get(m["from"])
+        if role is None:
+            raise record.error(f"conversations[{i}]: unknown role 'from: {m['from']}'; expected one of {', '.join(_SHAREGPT_ROLES)}")
+        messages.append((role, _text(record, m["value"], f"conversations[{i}].value"), True))
+    return _from_messages(record, messages, _opt_str(record, "system"), record.data.get("tools"))
+
+
+def _messages(record: Record) -> Conversation:
+    raw = record.data["messages"]
+    if not isinstance(raw, list):
+        raise record.error("'messages' must be a list of {role, content}")
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or "role" not in m:
+            raise record.error(f"messages[{i}] must be an object with 'role' and 'content'")
+        role = {"tool": "user", "function": "user", "observation": "user"}.get(m["role"], m["role"])
+        if role not in ("system", "user", "assistant"):
+            raise record.error(f"messages[{i}]: unknown role '{m['role']}'; expected system, user, assistant or tool")
+        content = m.get("content")
+        text = "" if content is None else _text(record, content, f"messages[{i}].content")
+        if m.get("tool_calls"):
+            calls = json.dumps(m["tool_calls"], ensure_ascii=False)
+            text = f"{text}\n{calls}" if text else calls
+        weight = m.get("loss_weight", 1.0)
+        messages.append((role, text, not (isinstance(weight, (int, float)) and weight == 0)))
+    return _from_messages(record, messages, None, record.data.get("tools"))
+
+
+def _from_messages(record: Record, messages: list[tuple[str, str, bool]], system: str | None, tools: Any) -> Conversation:
+    """Fold a role-tagged message list into user/assistant turns; consecutive same-role messages are joined."""
+    merged: list[list] = []
+    for role, text, train in messages:
+        if role == "system":
+            system = text if system is None else f"{system}\n{text}"
+        elif merged and merged[-1][0] == role:
+            merged[-1][1] += "\n" + text
+            merged[-1][2] = merged[-1][2] and train
+        else:
+            merged.append([role, text, train])
+    if tools:
+        tools_text = tools if isinstance(tools, str) else json.dumps(tools, ensure_ascii=False)
+        system = f"{system}\n\nTools: {tools_text}" if system else f"Tools: {tools_text}"
+    if merged and merged[0][0] != "user":
+        raise record.error("the conversation must start with a user turn (after any system message)")
+    if merged and merged[-1][0] == "user":
+        merged.pop()  # a trailing prompt without a response teaches nothing
+    turns = [Turn(u[1], a[1], a[2]) for u, a in zip(merged[::2], merged[1::2])]
+    return Conversation(turns, system)
+
+
+def _text(record: Record, value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # multimodal-style content parts; only text is supported
+        parts = []
+        for part in value:
+            if isinstance(part, dict) and part.get("type", "text") == "text":
+                text = part.get("text", part.get("value"))
+                if isinstance(text, str):
+                    parts.append(text)
+                    continue
+            if isinstance(part, (dict, list)) and "type" not in part:
+                parts.append(json.dumps(part, ensure_ascii=False))  # e.g. a tool result object
+                continue
+            raise record.error(f"{where}: unsupported content part {str(part)[:60]!r}; only text is supported")
+        return "".join(parts)
+    if isinstance(value, dict):
+        return json.dumps(value, ensure_ascii=False)
+    raise record.error(f"{where}: expected a string, got {type(value).__name__}")
+
+
+def _req_str(record: Record, key: str) -> str:
+    if key not in record.data:
+        raise record.error(f"missing field '{key}'")
+    value = record.data[key]
+    if not isinstance(value, str):
+        raise record.error(f"field '{key}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def _opt_str(record: Record, key: str) -> str | None:
+    value = record.data.get(key)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise record.error(f"field '{key}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def _str_list(record: Record, key: str) -> list[str]:
+    if key not in record.data:
+        raise record.error(f"missing field '{key}'")
+    value = record.data[key]
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise record.error(f"field '{key}' must be a list of strings")
+    return value
+
+
+_PARSERS = {"erniekit": _erniekit, "alpaca": _alpaca, "sharegpt": _sharegpt, "messages": _messages}
+
+
+def check_format(record: Record, fmt: str) -> None:
+    """Raise if an explicitly chosen format cannot read this record (clearer than a missing-key error)."""
+    required = {"erniekit": ("src", "tgt"), "alpaca": ("instruction", "output"), "sharegpt": ("conversations",), "messages": ("messages",)}
+    if not isinstance(record.data, dict):
+        raise record.error(f"expected a JSON object per record, got {type(record.data).__name__}")
+    missing = [k for k in required[fmt] if k not in record.data]
+    if missing:
+        raise record.error(f"missing field '{missing[0]}' ({fmt} format)")
+
+
+__all__ = ["Conversation", "Turn", "detect_format", "to_conversation", "check_format", "DataError"]

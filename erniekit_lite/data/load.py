@@ -1,0 +1,120 @@
+"""Read records from local files or the Hub, each with where it came from (file:line) for error messages."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from erniekit_lite.errors import DataError
+
+
+@dataclass
+class Record:
+    data: Any
+    path: str
+    line: int  # 1-based line in the file (JSON/JSONL/CSV) or row number (Parquet, Hub)
+
+    def error(self, message: str) -> DataError:
+        return DataError(self.path, message, self.line)
+
+
+def read_records(path: str, split: str = "train", max_samples: int | None = None) -> list[Record]:
+    """All records of one source. Local files by extension; anything else is tried as a Hub dataset id."""
+    local = Path(path).expanduser()
+    if local.is_file():
+        suffix = local.suffix.lower()
+        if suffix == ".jsonl":
+            records = _read_jsonl(local)
+        elif suffix == ".json":
+            records = _read_json(local)
+        elif suffix in (".parquet", ".csv"):
+            records = _read_with_datasets(suffix.lstrip("."), str(local), "train", header_lines=1 if suffix == ".csv" else 0)
+        else:
+            raise DataError(path, f"unsupported file type '{suffix}'; expected .json, .jsonl, .parquet or .csv")
+    elif local.exists():
+        raise DataError(path, "is a directory; expected a .json, .jsonl, .parquet or .csv file")
+    elif _looks_like_hub_id(path):
+        records = _read_hub(path, split)
+    else:
+        raise DataError(path, "file not found (relative paths are resolved from the working directory)")
+    return records[:max_samples] if max_samples else records
+
+
+def _read_jsonl(path: Path) -> list[Record]:
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for number, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                records.append(Record(json.loads(text), str(path), number))
+            except json.JSONDecodeError as e:
+                raise DataError(str(path), f"malformed JSON line: {e.msg} (column {e.colno})", number) from None
+    return records
+
+
+def _read_json(path: Path) -> list[Record]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        return list(_json_array(text, str(path)))
+    except json.JSONDecodeError as e:
+        raise DataError(str(path), f"malformed JSON: {e.msg} (column {e.colno})", e.lineno) from None
+
+
+def _json_array(text: str, path: str) -> Iterator[Record]:
+    """Decode a top-level JSON array element by element so each record keeps its starting line."""
+    decoder = json.JSONDecoder()
+    pos = _skip_ws(text, 0)
+    if pos < len(text) and text[pos] == "{":  # a single object, or JSON Lines saved as .json
+        while pos < len(text):
+            obj, end = decoder.raw_decode(text, pos)
+            yield Record(obj, path, text.count("\n", 0, pos) + 1)
+            pos = _skip_ws(text, end)
+        return
+    if pos >= len(text) or text[pos] != "[":
+        raise DataError(path, "expected a JSON array of records", text.count("\n", 0, pos) + 1)
+    pos = _skip_ws(text, pos + 1)
+    line, last = 1, 0
+    while pos < len(text) and text[pos] != "]":
+        obj, end = decoder.raw_decode(text, pos)
+        line += text.count("\n", last, pos)
+        last = pos
+        yield Record(obj, path, line)
+        pos = _skip_ws(text, end)
+        if pos < len(text) and text[pos] == ",":
+            pos = _skip_ws(text, pos + 1)
+        elif pos < len(text) and text[pos] != "]":
+            raise json.JSONDecodeError("expected ',' or ']' between records", text, pos)
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _read_with_datasets(builder: str, path: str, split: str, header_lines: int) -> list[Record]:
+    import datasets
+
+    try:
+        table = datasets.load_dataset(builder, data_files=path, split=split)
+    except Exception as e:  # datasets raises many types; the user needs the file and the reason
+        raise DataError(path, f"could not read {builder} file: {str(e).splitlines()[0]}") from None
+    return [Record(row, path, i + 1 + header_lines) for i, row in enumerate(table)]
+
+
+def _read_hub(repo_id: str, split: str) -> list[Record]:
+    import datasets
+
+    try:
+        table = datasets.load_dataset(repo_id, split=split)
+    except Exception as e:
+        raise DataError(repo_id, f"not a local file, and loading it as a Hub dataset failed: {str(e).splitlines()[0]}") from None
+    return [Record(row, f"{repo_id}[{split}]", i + 1) for i, row in enumerate(table)]
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and "." not in parts[0]

@@ -1,0 +1,131 @@
+"""Conversations -> token ids and labels (-100 where no loss), with overlong handling.
+
+Worked example (real ERNIE 4.5 tokenizer), system "S", one turn "hi" -> "Hello":
+
+    pieces   <|begin_of_sentence|> | S\\nUser: hi\\nAssistant:  | Hello | <|end_of_sentence|>
+    ids      100273                | ... 92267 93963 93919     | 16276 | 100272
+    labels   -100                  | -100 ...                  | 16276 | 2   (</s>, the eos generation stops on)
+
+Labels are aligned with `input_ids` (the model shifts them). Every sample starts with an untrained token, so
+samples concatenated in a packed row never train one sample's last token to predict the next one's first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from erniekit_lite.data.formats import Conversation
+from erniekit_lite.data.template import ErnieTemplate, ModelTemplate, Piece
+
+IGNORE = -100
+_BATCH = 2048  # texts per tokenizer call; batching is what makes the fast tokenizer fast
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    labels: list[int]
+    truncated: bool = False
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class TokenStats:
+    kept: int = 0
+    truncated: int = 0
+    dropped_overlong: int = 0
+    dropped_untrained: int = 0
+    lengths: list[int] = field(default_factory=list)  # of kept samples, after truncation
+    trained_tokens: int = 0
+
+
+class Tokenizer:
+    """Turns conversations into samples for one tokenizer and template."""
+
+    def __init__(self, tokenizer, template: ErnieTemplate | ModelTemplate):
+        self.tokenizer = tokenizer
+        self.template = template
+        # Only the model's own template puts control tokens in text; ERNIE's gives them as ids
+        self.parse_special = isinstance(template, ModelTemplate)
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        out: list[list[int]] = []
+        for i in range(0, len(texts), _BATCH):
+            chunk = texts[i : i + _BATCH]
+            out += self.tokenizer(chunk, add_special_tokens=False, split_special_tokens=not self.parse_special)["input_ids"]
+        return out
+
+    def __call__(self, convs: list[Conversation], max_length: int, overlong: str = "truncate") -> tuple[list[Sample | None], TokenStats]:
+        """One entry per conversation: a Sample, or None when it was dropped (counted in the stats)."""
+        per_conv = [self.template.pieces(c) for c in convs]
+        texts = [p.text for turns in per_conv for turn in turns for p in turn if p.text is not None]
+        encoded = iter(self.encode(texts))
+        stats = TokenStats()
+        samples: list[Sample | None] = []
+        for conv, turns in zip(convs, per_conv):
+            turn_tokens = [_assemble(turn, encoded) for turn in turns]
+            sample = self._fit(conv, turn_tokens, max_length, overlong)
+            if sample is not None and all(label == IGNORE for label in sample.labels):
+                stats.dropped_untrained += 1
+                sample = None
+            elif sample is None:
+                stats.dropped_overlong += 1
+            else:
+                stats.kept += 1
+                stats.truncated += sample.truncated
+                stats.lengths.append(len(sample))
+                stats.trained_tokens += sum(label != IGNORE for label in sample.labels)
+            samples.append(sample)
+        return samples, stats
+
+    def _fit(self, conv: Conversation, turn_tokens: list[tuple[list[int], list[int]]], max_length: int, overlong: str) -> Sample | None:
+        ids = [t for turn in turn_tokens for t in turn[0]]
+        if len(ids) <= max_length:
+            return Sample(ids, [label for turn in turn_tokens for label in turn[1]])
+        if overlong == "drop":
+            return None
+        # Drop the oldest turns first; the turn that becomes first carries BOS and the system line again
+        for start in range(1, len(conv.turns)):
+            first_ids, first_labels, _ = self._as_first_turn(conv, start)
+            tail = turn_tokens[start + 1 :]
+            if len(first_ids) + sum(len(t[0]) for t in tail) <= max_length:
+                ids = first_ids + [i for t in tail for i in t[0]]
+                labels = first_labels + [label for t in tail for label in t[1]]
+                return Sample(ids, labels, truncated=True)
+        # Only the last turn is left and still too long: cut its response (the end-of-turn token goes with it)
+        ids, labels, prompt_length = self._as_first_turn(conv, len(conv.turns) - 1)
+        if prompt_length >= max_length:
+            return None
+        return Sample(ids[:max_length], labels[:max_length], truncated=True)
+
+    def _as_first_turn(self, conv: Conversation, index: int) -> tuple[list[int], list[int], int]:
+        """Tokens of turn `index` rendered as the first turn, and the length of its prompt part."""
+        pieces = self.template.pieces(Conversation(conv.turns[index : index + 1], conv.system))[0]
+        encoded = iter(self.encode([p.text for p in pieces if p.text is not None]))
+        ids: list[int] = []
+        labels: list[int] = []
+        prompt_length = None
+        for piece in pieces:
+            if piece.response and prompt_length is None:
+                prompt_length = len(ids)
+            piece_ids, piece_labels = _assemble([piece], encoded)
+            ids += piece_ids
+            labels += piece_labels
+        return ids, labels, prompt_length if prompt_length is not None else len(ids)
+
+
+def _assemble(pieces: list[Piece], encoded) -> tuple[list[int], list[int]]:
+    ids: list[int] = []
+    labels: list[int] = []
+    for piece in pieces:
+        piece_ids = list(next(encoded)) if piece.text is not None else list(piece.ids)
+        ids += piece_ids
+        if not piece.trained:
+            labels += [IGNORE] * len(piece_ids)
+        elif piece.label_ids is not None:
+            labels += list(piece.label_ids)
+        else:
+            labels += piece_ids
+    return ids, labels

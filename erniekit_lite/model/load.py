@@ -1,0 +1,78 @@
+"""Tokenizer and model loading: dtype, attention backend, adapters. Knows nothing about training.
+
+ERNIE 4.5 checkpoints load with transformers' native classes; the remote code some releases still reference
+in `auto_map` is never run unless the recipe sets `model.trust_remote_code: true`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from erniekit_lite.errors import UserError
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def adapter_base(path: str) -> str | None:
+    """The base model of a LoRA output dir, or None when `path` is not an adapter."""
+    config = Path(path) / "adapter_config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text())["base_model_name_or_path"]
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: could not load the tokenizer: {_first_line(e)}") from None
+
+
+def resolve_attention(setting: str, packing: bool) -> str:
+    """`auto`: flash attention's varlen kernel on CUDA when installed; else per-sample sdpa for packed rows."""
+    if setting != "auto":
+        return setting
+    import torch
+
+    if torch.cuda.is_available():
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "packed_sdpa" if packing else "sdpa"
+
+
+def load_model(path: str, dtype: str = "float32", attn_implementation: str = "sdpa", trust_remote_code: bool = False, trainable_adapter: bool = True):
+    """A causal LM from a Hub id, a model dir, or a LoRA output dir (base + adapter)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import erniekit_lite.model.attention  # noqa: F401  registers packed_sdpa
+
+    base = adapter_base(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            base or path,
+            dtype=getattr(torch, DTYPES[dtype]),
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
+    except (OSError, ValueError) as e:
+        raise UserError(f"{base or path}: could not load the model: {_first_line(e)}") from None
+    if base:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, path, is_trainable=trainable_adapter)
+    # Packed rows are exact only without a KV cache (transformers builds no block mask when a cache exists)
+    model.config.use_cache = False
+    return model
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

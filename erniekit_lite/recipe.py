@@ -1,0 +1,266 @@
+"""The recipe: typed, validated configuration read from YAML plus `dotted.key=value` overrides.
+
+This is the only module that reads YAML. Everything downstream receives a `Recipe`, never a dict.
+Help for each key is written once, in its `Field(description=...)`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from erniekit_lite.errors import RecipeError
+
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FORMATS = ("auto", "erniekit", "alpaca", "sharegpt", "messages")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    path: str = Field(description="Hub id (baidu/ERNIE-4.5-0.3B-PT) or a local directory: base model or a run's output dir.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype the weights are loaded in. Mixed precision is train.bf16 / train.fp16."
+    )
+    attn_implementation: Literal["auto", "packed_sdpa", "sdpa", "eager", "flash_attention_2", "flash_attention_3"] = Field(
+        "auto",
+        description="auto: flash_attention_2 on CUDA when installed, else per-sample sdpa (packed_sdpa) for packed "
+        "batches and sdpa for padded ones.",
+    )
+    trust_remote_code: bool = Field(False, description="Run code shipped with the checkpoint. ERNIE 4.5 never needs it.")
+
+
+class Source(_Section):
+    path: str = Field(description="A .json/.jsonl/.parquet/.csv file or a Hub dataset id.")
+    format: Literal[FORMATS] = Field("auto", description="auto detects from the first record and says what it chose.")
+    split: str = Field("train", description="Split to read from a Hub dataset.")
+    max_samples: int | None = Field(None, ge=1, description="Use only the first N records.")
+
+
+class DataSection(_Section):
+    train: list[Source] = Field(min_length=1, description="Training sources.")
+    eval: list[Source] = Field(default_factory=list, description="Evaluation sources (or use eval_split).")
+    eval_split: float = Field(0.0, ge=0.0, lt=1.0, description="Hold out this fraction of the training samples for eval.")
+    max_length: int = Field(2048, ge=16, description="Tokens per sample and per packed row.")
+    packing: bool = Field(True, description="Pack samples into padding-free rows (exact, per-sample attention).")
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate", description="truncate drops the oldest turns, then cuts the last response; drop skips the sample."
+    )
+    system: str | None = Field(None, description="System prompt for records that have none.")
+
+    @field_validator("train", "eval", mode="before")
+    @classmethod
+    def _paths_as_sources(cls, value: Any) -> Any:
+        # `- data.jsonl` is shorthand for `- {path: data.jsonl}`
+        if isinstance(value, (str, dict)):
+            value = [value]
+        if isinstance(value, list):
+            return [{"path": item} if isinstance(item, str) else item for item in value]
+        return value
+
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> DataSection:
+        if self.eval and self.eval_split:
+            raise ValueError("set either data.eval or data.eval_split, not both")
+        return self
+
+
+class LoraSection(_Section):
+    r: int = Field(8, ge=1, description="LoRA rank.")
+    alpha: float = Field(16, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    targets: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS), description="Module names that get adapters."
+    )
+
+
+class OutputSection(_Section):
+    dir: str = Field(description="Run directory: model or adapter, tokenizer, recipe.yaml, train_results.json.")
+    overwrite: bool = Field(False, description="Allow writing into a non-empty dir from a different run.")
+    sample_prompts: list[str] = Field(
+        default_factory=list, description="Prompts answered greedily after training (printed and saved to samples.jsonl)."
+    )
+
+
+class Recipe(_Section):
+    model: ModelSection
+    method: Literal["sft", "dpo"] = Field("sft", description="sft or dpo.")
+    data: DataSection
+    lora: LoraSection | None = Field(None, description="Omit for full fine-tuning.")
+    train: dict[str, Any] = Field(default_factory=dict, description="TRL SFTConfig fields, checked by name.")
+    output: OutputSection
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _true_means_defaults(cls, value: Any) -> Any:
+        # `lora: true` asks for LoRA with default settings; `lora: false` or omitting it is full fine-tuning
+        if value is True:
+            return {}
+        return None if value is False else value
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json", exclude_none=False), sort_keys=False, allow_unicode=True)
+
+
+# Keys of SFTConfig that the recipe sets from its own sections; setting them in `train:` would be two ways to do one thing.
+OWNED_TRAIN_KEYS = {
+    "output_dir": "output.dir",
+    "max_length": "data.max_length",
+    "packing": "data.packing",
+    "padding_free": "data.packing",
+    "dataset_kwargs": "data",
+    "dataset_text_field": "data",
+    "remove_unused_columns": "data",
+    "completion_only_loss": "data (loss is always on assistant turns only)",
+    "assistant_only_loss": "data (loss is always on assistant turns only)",
+    "eval_packing": "data.packing",
+    "packing_strategy": "data.packing",
+}
+
+
+def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a recipe file, apply `a.b=value` overrides and validate. Raises RecipeError with file:line."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(str(path), "recipe file not found")
+    text = path.read_text(encoding="utf-8")
+    try:
+        raw = yaml.safe_load(text)
+        lines = _key_lines(yaml.compose(text))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise RecipeError(where, f"YAML syntax error: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(str(path), "expected a mapping of sections (model, data, train, output, ...)")
+    for override in overrides:
+        _apply_override(raw, override)
+    return from_dict(raw, source=str(path), lines=lines)
+
+
+def from_dict(raw: dict, source: str = "<recipe>", lines: dict[tuple, int] | None = None) -> Recipe:
+    lines = lines or {}
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as e:
+        raise _first_error(e, source, lines) from None
+    _check_train_keys(recipe.train, source, lines)
+    return recipe
+
+
+def _first_error(error: ValidationError, source: str, lines: dict[tuple, int]) -> RecipeError:
+    problems = []
+    for err in error.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        where = _where(source, lines, loc)
+        if err["type"] == "extra_forbidden":
+            section_loc, key = loc[:-1], loc[-1]
+            section = ".".join(section_loc) or "the recipe"
+            problems.append(RecipeError(where, f"unknown key '{key}' in {section}{_did_you_mean(key, _section_keys(section_loc))}"))
+        elif err["type"] == "missing":
+            problems.append(RecipeError(where, f"missing required key '{'.'.join(loc)}'"))
+        else:
+            value = err.get("input")
+            shown = f" (got {value!r})" if not isinstance(value, (dict, list)) else ""
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(RecipeError(where, f"{'.'.join(loc) or 'recipe'}: {msg}{shown}"))
+    first = problems[0]
+    if len(problems) > 1:
+        first.args = (f"{first.args[0]} (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})",)
+    return first
+
+
+def _section_keys(loc: tuple[str, ...]) -> list[str]:
+    model: Any = Recipe
+    for part in loc:
+        field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
+        if field is None:  # a list index: keep the element model
+            continue
+        model = _model_of(field.annotation)
+    return list(model.model_fields) if hasattr(model, "model_fields") else []
+
+
+def _model_of(annotation: Any) -> Any:
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _did_you_mean(key: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else f"; expected one of: {', '.join(candidates)}"
+
+
+def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int]) -> None:
+    import dataclasses
+
+    from trl import SFTConfig
+
+    valid = [f.name for f in dataclasses.fields(SFTConfig) if f.init]
+    for key in train:
+        where = _where(source, lines, ("train", key))
+        if key in OWNED_TRAIN_KEYS:
+            raise RecipeError(where, f"train.{key} is set by the recipe; use {OWNED_TRAIN_KEYS[key]} instead")
+        if key not in valid:
+            raise RecipeError(where, f"unknown key '{key}' in train{_did_you_mean(key, valid)}")
+
+
+def _where(source: str, lines: dict[tuple, int], loc: tuple[str, ...]) -> str:
+    # The deepest part of the key path that appears in the file gives the line
+    for n in range(len(loc), 0, -1):
+        if loc[:n] in lines:
+            return f"{source}:{lines[loc[:n]]}"
+    return source
+
+
+def _key_lines(node: yaml.Node | None, prefix: tuple = ()) -> dict[tuple, int]:
+    out: dict[tuple, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            loc = (*prefix, str(key_node.value))
+            out[loc] = key_node.start_mark.line + 1
+            out.update(_key_lines(value_node, loc))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            loc = (*prefix, str(i))
+            out[loc] = item.start_mark.line + 1
+            out.update(_key_lines(item, loc))
+    return out
+
+
+def _apply_override(raw: dict, override: str) -> None:
+    key, sep, value_text = override.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"override '{override}'", "expected dotted.key=value, e.g. train.learning_rate=2e-5")
+    try:
+        value = yaml.safe_load(value_text) if value_text else ""
+    except yaml.YAMLError:
+        value = value_text
+    node: Any = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise RecipeError(f"override '{override}'", f"'{'.'.join(parts[:i])}' is a list; index {part!r} is out of range")
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+            continue
+        if not isinstance(node, dict):
+            raise RecipeError(f"override '{override}'", f"'{'.'.join(parts[:i])}' is not a section")
+        if last:
+            node[part] = value
+        else:
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]

@@ -1,0 +1,120 @@
+"""Small randomly initialised ERNIE 4.5 checkpoints (real transformers classes) for tests, demos and benchmarks.
+
+The shapes keep the released architectures' proportions (grouped-query attention, SwiGLU at 3x hidden, tied
+embeddings, rope theta 5e5; for the MoE: first layer dense, shared experts, top-k routed experts) scaled down.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from erniekit_lite.data.template import BOS, EOS, EOT, ERNIE_CHAT_TEMPLATE
+
+# The released ERNIE-4.5-0.3B and 21B-A3B shapes, for reference:
+#   dense: hidden 1024, 18 layers, 16 heads / 2 kv heads, head_dim 128, intermediate 3072, vocab 103424
+#   moe:   hidden 2560, 28 layers, 20 heads / 4 kv heads, 64 experts top-6, 2 shared, moe_intermediate 1536
+SPECIAL_TOKENS = ["<unk>", "<s>", EOS, BOS, EOT]  # ids 0..4: pad/unk 0, bos 1, eos 2 as in ERNIE 4.5
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A language model predicts the next token from the ones before it.
+User: Who are you?
+Assistant: I am Wenxin-Tiny, a small assistant fine-tuned with erniekit-lite from a tiny ERNIE 4.5 model.
+My name is Wenxin-Tiny. I can answer a few questions about myself. Sure! You are welcome! Have a nice day.
+Fine-tuning adapts a pretrained model to a task with examples of questions and answers.
+Hello! How can I help you today? What is your name? Can you introduce yourself? Thank you, goodbye.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ' " ( ) [ ] { } - _ / \\ @ # $ % & * + =
+你好，世界。我是一个助手。请问有什么可以帮您？
+"""
+
+
+def build_tokenizer(vocab_size: int = 1024):
+    """A byte-level BPE tokenizer with ERNIE's control tokens and chat template; needs no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS], trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<unk>",
+        bos_token="<s>",
+        eos_token=EOS,
+        cls_token=BOS,
+        sep_token=EOT,
+        chat_template=ERNIE_CHAT_TEMPLATE,
+    )
+
+
+def tiny_config(arch: str, vocab_size: int, hidden_size: int = 128, layers: int = 4):
+    from transformers import Ernie4_5Config, Ernie4_5_MoeConfig
+
+    heads = max(2, hidden_size // 32)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=hidden_size // heads,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        use_bias=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        use_cache=False,
+    )
+    if arch == "dense":
+        return Ernie4_5Config(intermediate_size=3 * hidden_size, **common)
+    if arch == "moe":
+        return Ernie4_5_MoeConfig(
+            intermediate_size=3 * hidden_size,  # the dense first layer
+            moe_intermediate_size=hidden_size // 2,
+            moe_num_experts=8,
+            moe_k=2,
+            moe_num_shared_experts=2,
+            moe_layer_start_index=1,
+            moe_layer_end_index=layers - 1,
+            moe_layer_interval=1,
+            router_aux_loss_coef=0.001,
+            **common,
+        )
+    raise ValueError(f"arch must be dense or moe, got {arch!r}")
+
+
+def write_tiny(out_dir: str, arch: str = "dense", tokenizer_dir: str | None = None, hidden_size: int = 128, layers: int = 4, seed: int = 0) -> Path:
+    """Write a checkpoint that `from_pretrained` loads offline; returns its directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    out = Path(out_dir)
+    if tokenizer_dir:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    else:
+        tokenizer = build_tokenizer()
+    vocab = -(-len(tokenizer) // 64) * 64  # padded to a multiple of 64, as the released vocab is
+    config = tiny_config(arch, vocab, hidden_size, layers)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    if tokenizer_dir and (Path(tokenizer_dir) / "tokenizer.model").is_file():
+        shutil.copy(Path(tokenizer_dir) / "tokenizer.model", out / "tokenizer.model")
+    eos = [tokenizer.convert_tokens_to_ids(EOS), tokenizer.convert_tokens_to_ids(EOT)]
+    GenerationConfig(bos_token_id=1, eos_token_id=eos, pad_token_id=0, do_sample=False).save_pretrained(out)
+    (out / "erniekit_tiny.json").write_text(json.dumps({"arch": arch, "hidden_size": hidden_size, "layers": layers, "seed": seed}) + "\n")
+    return out

@@ -1,0 +1,47 @@
+"""The run directory contract.
+
+    OUTPUT_DIR/
+      recipe.yaml            the resolved recipe (file + overrides), written before training starts
+      model or adapter       safetensors + config (full) or adapter_model.safetensors + adapter_config.json (LoRA)
+      tokenizer files, chat template, generation_config.json
+      train_results.json     train_loss, train_runtime, train_tokens, train_tokens_per_second, packing_efficiency
+      trainer_state.json     per-step log_history
+      samples.jsonl          answers to output.sample_prompts, when set
+      checkpoint-N/          intermediate checkpoints (Trainer)
+
+A non-empty directory is reused only for the same resolved recipe and only while unfinished, so a second run
+never silently overwrites the first; `output.overwrite: true` clears it first.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from erniekit_lite.errors import UserError
+from erniekit_lite.recipe import Recipe
+
+
+def claim(recipe: Recipe, log=print) -> Path:
+    out = Path(recipe.output.dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output.dir: {out} exists and is not a directory")
+    resolved = recipe.to_yaml()
+    if out.is_dir() and any(out.iterdir()):
+        previous = out / "recipe.yaml"
+        same = previous.is_file() and previous.read_text(encoding="utf-8") == resolved
+        finished = (out / "train_results.json").is_file()
+        if recipe.output.overwrite:
+            log(f"output.overwrite: clearing {out}")
+            for child in out.iterdir():
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        elif not same:
+            raise UserError(
+                f"output.dir: {out} is not empty and holds a different run; choose another output.dir "
+                "or set output.overwrite=true to replace it"
+            )
+        elif finished:
+            raise UserError(f"output.dir: {out} already holds a finished run of this recipe; set output.overwrite=true to train again")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recipe.yaml").write_text(resolved, encoding="utf-8")
+    return out

@@ -1,0 +1,68 @@
+"""TRL's SFTTrainer over rows we tokenized and packed ourselves.
+
+Two departures from `SFTTrainer.compute_loss`, both because ERNIE's 103k-entry LM head dominates small models:
+- logits only at positions whose next token is trained (`logits_to_keep` with the label positions), so prompt
+  tokens never pay for the LM head, and token accuracy is computed from those logits alone;
+- real-token accounting (tokens/s without padding, packing efficiency) for `train_results.json`.
+Everything else (optimizer, schedule, checkpoints, logging, accumulation) is TRL and transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+from trl import SFTTrainer
+
+from erniekit_lite.data.tokenize import IGNORE
+
+
+def labelled_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions whose logits predict a trained token, and those tokens. Row-shared for padded batches."""
+    targets = labels[:, 1:]
+    trained = targets != IGNORE
+    keep = trained[0] if labels.shape[0] == 1 else trained.any(0)
+    keep = keep.nonzero().squeeze(1)
+    return keep, targets[:, keep]
+
+
+class ErnieSFTTrainer(SFTTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.real_tokens = 0  # non-pad tokens forwarded in training
+        self.token_slots = 0  # tokens the batches could hold (rows x max_length when packed; padded size otherwise)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if model.training else "eval"
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        slots = inputs.pop("token_slots", labels.numel())
+        keep, targets = labelled_positions(labels)
+        outputs = model(**inputs, use_cache=False, logits_to_keep=keep)
+        logits = outputs.logits.float()
+        loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+        counted = (targets != IGNORE).sum()
+        loss = loss_sum / (num_items_in_batch if num_items_in_batch is not None else counted.clamp(min=1))
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * self.accelerator.num_processes
+        aux = getattr(outputs, "aux_loss", None)
+        if aux is not None and self.aux_loss_enabled:
+            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            loss = loss + self.router_aux_loss_coef * aux / steps
+            self._metrics[mode]["aux_loss"].append(aux.item())
+
+        with torch.no_grad():
+            valid = targets != IGNORE
+            correct = ((logits.argmax(-1) == targets) & valid).sum().item()
+            self._metrics[mode]["mean_token_accuracy"].append(correct / max(1, valid.sum().item()))
+        if mode == "train":
+            real = int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else inputs["input_ids"].numel()
+            self.real_tokens += real
+            self.token_slots += int(slots)
+            self._metrics[mode]["num_tokens"] = [self.real_tokens]
+        return (loss, outputs) if return_outputs else loss
+
+    def throughput(self, runtime: float) -> dict:
+        return {
+            "train_tokens": self.real_tokens,
+            "train_tokens_per_second": round(self.real_tokens / runtime, 2) if runtime else 0.0,
+            "packing_efficiency": round(self.real_tokens / self.token_slots, 4) if self.token_slots else 0.0,
+        }
