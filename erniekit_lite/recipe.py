@@ -134,9 +134,10 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recip
         raw = yaml.safe_load(text)
         lines = _key_lines(yaml.compose(text))
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
+        mark, context = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise RecipeError(where, f"YAML syntax error: {getattr(e, 'problem', None) or e}") from None
+        started = f" ({e.context} at line {context.line + 1})" if context and mark and context.line != mark.line else ""
+        raise RecipeError(where, f"YAML syntax error: {getattr(e, 'problem', None) or e}{started}") from None
     if not isinstance(raw, dict):
         raise RecipeError(str(path), "expected a mapping of sections (model, data, train, output, ...)")
     for override in overrides:
@@ -204,13 +205,49 @@ def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int
 
     from trl import SFTConfig
 
-    valid = [f.name for f in dataclasses.fields(SFTConfig) if f.init]
-    for key in train:
+    fields = {f.name: f for f in dataclasses.fields(SFTConfig) if f.init}
+    valid = list(fields)
+    for key, value in list(train.items()):
         where = _where(source, lines, ("train", key))
         if key in OWNED_TRAIN_KEYS:
             raise RecipeError(where, f"train.{key} is set by the recipe; use {OWNED_TRAIN_KEYS[key]} instead")
         if key not in valid:
             raise RecipeError(where, f"unknown key '{key}' in train{_did_you_mean(key, valid)}")
+        train[key] = _check_type(key, value, _primitive(fields[key]), where)
+
+
+def _primitive(field: Any) -> Any:
+    """A sample value of the field's type when it is a plain bool/int/float (optionally None), else None."""
+    kind = field.type if isinstance(field.type, type) else None
+    args = set(getattr(field.type, "__args__", ())) - {type(None)}
+    if kind is None and len(args) == 1:
+        kind = next(iter(args))
+    return {bool: False, int: 0, float: 0.0}.get(kind)
+
+
+def _check_type(key: str, value: Any, default: Any, where: str) -> Any:
+    """Numbers and flags are checked against the SFTConfig field's type.
+
+    YAML 1.1 reads `2e-5` (no dot) as a string; a number is clearly meant, so numeric strings are converted.
+    """
+    if value is None or default is None or isinstance(default, str):
+        return value
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise RecipeError(where, f"train.{key}: expected true or false (got {value!r})")
+        return value
+    if isinstance(default, (int, float)):
+        if isinstance(value, str):
+            try:
+                value = float(value) if isinstance(default, float) or not value.lstrip("-").isdigit() else int(value)
+            except ValueError:
+                raise RecipeError(where, f"train.{key}: expected a number (got {value!r})") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RecipeError(where, f"train.{key}: expected a number (got {value!r})")
+        if isinstance(default, int) and isinstance(value, float) and not value.is_integer():
+            raise RecipeError(where, f"train.{key}: expected a whole number (got {value!r})")
+        return int(value) if isinstance(default, int) and not isinstance(default, bool) and isinstance(value, float) else value
+    return value
 
 
 def _where(source: str, lines: dict[tuple, int], loc: tuple[str, ...]) -> str:

@@ -58,6 +58,9 @@ def to_conversation(record: Record, fmt: str, default_system: str | None = None)
     conv = _PARSERS[fmt](record)
     if conv.system is None:
         conv.system = default_system
+    tools = conv.meta.pop("tools", None)
+    if tools:  # after the default system, so a recipe's system prompt is kept for records that list tools
+        conv.system = f"{conv.system}\n\nTools: {tools}" if conv.system else f"Tools: {tools}"
     if not conv.turns:
         raise record.error("no user/assistant turn to train on")
     return conv
@@ -148,15 +151,28 @@ def _from_messages(record: Record, messages: list[tuple[str, str, bool]], system
             merged[-1][2] = merged[-1][2] and train
         else:
             merged.append([role, text, train])
-    if tools:
-        tools_text = tools if isinstance(tools, str) else json.dumps(tools, ensure_ascii=False)
-        system = f"{system}\n\nTools: {tools_text}" if system else f"Tools: {tools_text}"
     if merged and merged[0][0] != "user":
         raise record.error("the conversation must start with a user turn (after any system message)")
     if merged and merged[-1][0] == "user":
         merged.pop()  # a trailing prompt without a response teaches nothing
     turns = [Turn(u[1], a[1], a[2]) for u, a in zip(merged[::2], merged[1::2])]
-    return Conversation(turns, system)
+    tools_text = _tools_text(tools)
+    return Conversation(turns, system, {"tools": tools_text} if tools_text else {})
+
+
+def _tools_text(tools: Any) -> str | None:
+    """A record's tool list as text, or None when it lists no tools (glaive writes "[]" for none)."""
+    if isinstance(tools, str):
+        tools = tools.strip()
+        try:
+            if json.loads(tools) in ([], {}, None, ""):
+                return None
+        except ValueError:
+            pass
+        return tools or None
+    if not tools:
+        return None
+    return json.dumps(tools, ensure_ascii=False)
 
 
 def _text(record: Record, value: Any, where: str) -> str:

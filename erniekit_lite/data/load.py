@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,34 +30,39 @@ def read_records(path: str, split: str = "train", max_samples: int | None = None
             records = _read_jsonl(local)
         elif suffix == ".json":
             records = _read_json(local)
-        elif suffix in (".parquet", ".csv"):
-            records = _read_with_datasets(suffix.lstrip("."), str(local), "train", header_lines=1 if suffix == ".csv" else 0)
+        elif suffix == ".csv":
+            records = _read_csv(local)
+        elif suffix == ".parquet":
+            records = _read_with_datasets("parquet", str(local), "train")
         else:
             raise DataError(path, f"unsupported file type '{suffix}'; expected .json, .jsonl, .parquet or .csv")
     elif local.exists():
         raise DataError(path, "is a directory; expected a .json, .jsonl, .parquet or .csv file")
-    elif _looks_like_hub_id(path):
+    elif _looks_like_hub_id(path) and Path(path).suffix.lower() not in _FILE_SUFFIXES:
         records = _read_hub(path, split)
     else:
         raise DataError(path, "file not found (relative paths are resolved from the working directory)")
     return records[:max_samples] if max_samples else records
 
 
+_FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+
+
 def _read_jsonl(path: Path) -> list[Record]:
     records = []
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:  # -sig: tolerate a UTF-8 byte-order mark (Windows editors write one)
         for number, text in enumerate(f, start=1):
             if not text.strip():
                 continue
             try:
-                records.append(Record(json.loads(text), str(path), number))
+                records.append(Record(json.loads(text.rstrip("\r\n")), str(path), number))  # column counts in this line
             except json.JSONDecodeError as e:
                 raise DataError(str(path), f"malformed JSON line: {e.msg} (column {e.colno})", number) from None
     return records
 
 
 def _read_json(path: Path) -> list[Record]:
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")
     try:
         return list(_json_array(text, str(path)))
     except json.JSONDecodeError as e:
@@ -68,9 +74,12 @@ def _json_array(text: str, path: str) -> Iterator[Record]:
     decoder = json.JSONDecoder()
     pos = _skip_ws(text, 0)
     if pos < len(text) and text[pos] == "{":  # a single object, or JSON Lines saved as .json
+        line, last = 1, 0
         while pos < len(text):
             obj, end = decoder.raw_decode(text, pos)
-            yield Record(obj, path, text.count("\n", 0, pos) + 1)
+            line += text.count("\n", last, pos)
+            last = pos
+            yield Record(obj, path, line)
             pos = _skip_ws(text, end)
         return
     if pos >= len(text) or text[pos] != "[":
@@ -87,6 +96,11 @@ def _json_array(text: str, path: str) -> Iterator[Record]:
             pos = _skip_ws(text, pos + 1)
         elif pos < len(text) and text[pos] != "]":
             raise json.JSONDecodeError("expected ',' or ']' between records", text, pos)
+    if pos >= len(text):  # a truncated file (interrupted download or write) must not pass as complete
+        raise json.JSONDecodeError("unterminated array: missing the closing ']' (is the file truncated?)", text, len(text))
+    end = _skip_ws(text, pos + 1)
+    if end < len(text):
+        raise json.JSONDecodeError("unexpected content after the closing ']' of the array", text, end)
 
 
 def _skip_ws(text: str, pos: int) -> int:
@@ -95,7 +109,29 @@ def _skip_ws(text: str, pos: int) -> int:
     return pos
 
 
-def _read_with_datasets(builder: str, path: str, split: str, header_lines: int) -> list[Record]:
+def _read_csv(path: Path) -> list[Record]:
+    """CSV with a header row. Every cell stays a string (an all-numeric column must not turn into ints) and an
+    empty cell is a missing value (None); each record keeps the line it starts on, even after quoted multi-line cells."""
+    records = []
+    with path.open(encoding="utf-8-sig", newline="") as f:
+        reader = csv.reader(f)
+        try:
+            header = next(reader, None)
+            if header is None:
+                return []
+            start = reader.line_num + 1
+            for row in reader:
+                if row:  # blank lines are skipped
+                    if len(row) != len(header):
+                        raise DataError(str(path), f"row has {len(row)} fields but the header has {len(header)}", start)
+                    records.append(Record({k: (v if v != "" else None) for k, v in zip(header, row)}, str(path), start))
+                start = reader.line_num + 1
+        except csv.Error as e:
+            raise DataError(str(path), f"malformed CSV: {e}", reader.line_num) from None
+    return records
+
+
+def _read_with_datasets(builder: str, path: str, split: str, header_lines: int = 0) -> list[Record]:
     import datasets
 
     try:

@@ -153,8 +153,10 @@ def template_for(tokenizer) -> ErnieTemplate | ModelTemplate:
         {"role": "user", "content": "Q2"},
     ]
     expected = f"{BOS}S\nUser: Q1\nAssistant: A1{EOT}User: Q2\nAssistant: "
-    try:
-        rendered = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-    except Exception:
-        return ernie
-    return ernie if rendered == expected else ModelTemplate(tokenizer)
+    for messages, want in ((probe, expected), (probe[1:], expected.replace(f"{BOS}S\n", BOS))):
+        try:
+            rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception:
+            continue  # e.g. a template that rejects system messages: probe again without one
+        return ernie if rendered == want else ModelTemplate(tokenizer)
+    return ernie  # the template cannot be rendered at all (e.g. no jinja2); the control tokens are ERNIE's

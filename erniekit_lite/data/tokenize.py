@@ -54,11 +54,15 @@ class Tokenizer:
         out: list[list[int]] = []
         for i in range(0, len(texts), _BATCH):
             chunk = texts[i : i + _BATCH]
-            out += self.tokenizer(chunk, add_special_tokens=False, split_special_tokens=not self.parse_special)["input_ids"]
+            out += self.tokenizer(chunk, add_special_tokens=False, split_special_tokens=False)["input_ids"]
         return out
 
     def __call__(self, convs: list[Conversation], max_length: int, overlong: str = "truncate") -> tuple[list[Sample | None], TokenStats]:
         """One entry per conversation: a Sample, or None when it was dropped (counted in the stats)."""
+        if overlong not in ("truncate", "drop"):
+            raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
+        if max_length < 1:
+            raise ValueError(f"max_length must be positive, got {max_length}")
         per_conv = [self.template.pieces(c) for c in convs]
         texts = [p.text for turns in per_conv for turn in turns for p in turn if p.text is not None]
         encoded = iter(self.encode(texts))

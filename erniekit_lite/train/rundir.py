@@ -22,26 +22,39 @@ from erniekit_lite.errors import UserError
 from erniekit_lite.recipe import Recipe
 
 
-def claim(recipe: Recipe, log=print) -> Path:
+def check(recipe: Recipe) -> bool:
+    """Raise if the run may not use its output dir; True when the dir must be cleared first (overwrite)."""
     out = Path(recipe.output.dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"output.dir: {out} exists and is not a directory")
-    resolved = recipe.to_yaml()
     if out.is_dir() and any(out.iterdir()):
         previous = out / "recipe.yaml"
-        same = previous.is_file() and previous.read_text(encoding="utf-8") == resolved
+        same = previous.is_file() and previous.read_text(encoding="utf-8") == _identity(recipe)
         finished = (out / "train_results.json").is_file()
         if recipe.output.overwrite:
-            log(f"output.overwrite: clearing {out}")
-            for child in out.iterdir():
-                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-        elif not same:
+            return True
+        if not same:
             raise UserError(
                 f"output.dir: {out} is not empty and holds a different run; choose another output.dir "
                 "or set output.overwrite=true to replace it"
             )
-        elif finished:
+        if finished:
             raise UserError(f"output.dir: {out} already holds a finished run of this recipe; set output.overwrite=true to train again")
+    return False
+
+
+def claim(recipe: Recipe, log=print) -> Path:
+    """Make the output dir this run's: clear it if asked, write the resolved recipe."""
+    out = Path(recipe.output.dir)
+    if check(recipe):
+        log(f"output.overwrite: clearing {out}")
+        for child in out.iterdir():
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "recipe.yaml").write_text(resolved, encoding="utf-8")
+    (out / "recipe.yaml").write_text(_identity(recipe), encoding="utf-8")
     return out
+
+
+def _identity(recipe: Recipe) -> str:
+    # The overwrite flag is how the user answers the question, not part of what the run is
+    return recipe.model_copy(update={"output": recipe.output.model_copy(update={"overwrite": False})}).to_yaml()

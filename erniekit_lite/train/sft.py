@@ -15,8 +15,8 @@ from erniekit_lite.train import rundir
 
 
 def run(recipe: Recipe, log=print) -> Path:
-    out = rundir.claim(recipe, log)
-    args = training_args(recipe, out)
+    args = training_args(recipe, Path(recipe.output.dir))
+    rundir.check(recipe)  # fail before any slow step
     tokenizer = load_tokenizer(_tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
     data = prepare(recipe.data, tokenizer, seed=args.seed, log=log)
     log(describe_data(data))
@@ -33,6 +33,8 @@ def run(recipe: Recipe, log=print) -> Path:
     total = sum(p.numel() for p in model.parameters())
     log(f"model: {type(model).__name__} attention={attn} trainable {trainable:,} of {total:,} parameters")
 
+    # Claimed only now, so a recipe or data mistake never leaves a half-made run dir behind
+    out = rundir.claim(recipe, log)
     trainer = build_trainer(model, tokenizer, args, data, recipe)
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = {**result.metrics, **trainer.throughput(result.metrics["train_runtime"])}
@@ -60,6 +62,7 @@ def training_args(recipe: Recipe, out: Path):
         "logging_steps": 10,
         "save_strategy": "steps",
         "save_total_limit": 2,
+        "dataloader_pin_memory": cuda,
         **recipe.train,
         # owned by the recipe's own sections (see recipe.OWNED_TRAIN_KEYS)
         "output_dir": str(out),

@@ -1,0 +1,188 @@
+"""The CLI end to end on tiny models: train (full and LoRA), validate, tiny, and every bad-input path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from erniekit_lite.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+IDENTITY = ROOT / "recipes" / "data" / "identity.jsonl"
+
+
+def recipe_file(tmp_path: Path, model_dir: Path, **changes) -> Path:
+    recipe = {
+        "model": {"path": str(model_dir)},
+        "data": {"train": [{"path": str(IDENTITY)}], "max_length": 128},
+        "output": {"dir": str(tmp_path / "out"), "sample_prompts": ["Who are you?"]},
+        "train": {
+            "learning_rate": 3e-3,
+            "max_steps": 120,
+            "per_device_train_batch_size": 2,
+            "activation_checkpointing": False,
+            "logging_steps": 10,
+            "save_steps": 120,
+            "seed": 0,
+            "lr_scheduler_type": "cosine",
+        },
+    }
+    for dotted, value in changes.items():
+        node = recipe
+        *parents, last = dotted.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_does_not_import_torch():
+    code = "import sys, erniekit_lite.cli; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    out = subprocess.run([sys.executable, "-m", "erniekit_lite", "--help"], check=True, capture_output=True, text=True).stdout
+    assert "train" in out and "validate" in out and "tiny" in out
+
+
+def test_tiny_checkpoints_load_offline(tiny_own_dir, tiny_moe_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dense = AutoModelForCausalLM.from_pretrained(tiny_own_dir)
+    assert type(dense).__name__ == "Ernie4_5ForCausalLM"
+    moe = AutoModelForCausalLM.from_pretrained(tiny_moe_dir)
+    assert type(moe).__name__ == "Ernie4_5_MoeForCausalLM"
+    names = [n for n, _ in moe.named_parameters()]
+    assert "model.layers.0.mlp.gate_proj.weight" in names  # first layer dense
+    assert "model.layers.1.mlp.experts.gate_up_proj" in names  # fused routed experts
+    assert any(n.startswith("model.layers.1.mlp.shared_experts.") for n in names)
+    tok = AutoTokenizer.from_pretrained(tiny_own_dir)
+    assert [tok.convert_tokens_to_ids(t) for t in ("<unk>", "<s>", "</s>")] == [0, 1, 2]
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True) == "<|begin_of_sentence|>User: hi\nAssistant: "
+
+
+def test_train_full_memorises_and_reports(tmp_path, capsys, tiny_own_dir):
+    code, out, err = run_cli(capsys, "train", recipe_file(tmp_path, tiny_own_dir))
+    assert code == 0, err
+    run = tmp_path / "out"
+    results = json.loads((run / "train_results.json").read_text())
+    for key in ("train_loss", "train_runtime", "train_tokens", "train_tokens_per_second", "packing_efficiency"):
+        assert key in results
+    tokens = sum(len(json.loads(line)["src"]) for line in IDENTITY.read_text().splitlines())
+    assert results["train_tokens"] > 0 and 0.5 < results["packing_efficiency"] <= 1.0
+    history = [h["loss"] for h in json.loads((run / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+    assert len(history) >= 5 and history[-1] < 0.5 * history[0]
+    sample = json.loads((run / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["answer"] == "I am Wenxin-Tiny, a small assistant fine-tuned with erniekit-lite."
+    assert yaml.safe_load((run / "recipe.yaml").read_text())["train"]["max_steps"] == 120
+    assert tokens > 0
+
+    # the saved run reloads as a plain transformers model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run)
+    assert model.config.model_type == "ernie4_5"
+
+
+def test_train_lora_saves_adapter_that_reloads(tmp_path, capsys, tiny_own_dir):
+    code, out, err = run_cli(capsys, "train", recipe_file(tmp_path, tiny_own_dir, lora={"r": 8, "alpha": 16}, train__learning_rate=1e-2))
+    assert code == 0, err
+    run = tmp_path / "out"
+    adapter = json.loads((run / "adapter_config.json").read_text())
+    assert set(adapter["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert adapter["base_model_name_or_path"] == str(tiny_own_dir)
+    history = [h["loss"] for h in json.loads((run / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+    assert history[-1] < history[0]
+
+    from erniekit_lite.model.load import load_model
+
+    tuned = load_model(str(run), trainable_adapter=False).eval()
+    base = load_model(str(tiny_own_dir)).eval()
+    ids = torch.tensor([[3, 10, 20, 30, 40]])
+    with torch.no_grad():
+        assert (tuned(input_ids=ids).logits - base(input_ids=ids).logits).abs().max() > 1e-3
+
+
+def test_validate_prints_plan(tmp_path, capsys, tiny_own_dir):
+    code, out, err = run_cli(capsys, "validate", recipe_file(tmp_path, tiny_own_dir), "lora.r=4")
+    assert code == 0, err
+    assert "18 records -> 18 samples" in out
+    assert "Ernie4_5ForCausalLM" in out and "LoRA r=4" in out
+    assert "packing efficiency" in out and "optimizer steps" in out and "p95" in out
+    assert not (tmp_path / "out").exists()  # validate writes nothing
+
+
+def test_unpacked_training_runs(tmp_path, capsys, tiny_own_dir):
+    code, out, err = run_cli(capsys, "train", recipe_file(tmp_path, tiny_own_dir), "data.packing=false", "train.max_steps=3")
+    assert code == 0, err
+    results = json.loads((tmp_path / "out" / "train_results.json").read_text())
+    assert results["packing_efficiency"] < 1.0  # padding counted
+
+
+def _bad(capsys, *argv) -> str:
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys, tiny_own_dir):
+    missing = tmp_path / "missing.jsonl"
+    assert "missing.jsonl: file not found" in _bad(capsys, "train", recipe_file(tmp_path, tiny_own_dir, data={"train": [str(missing)]}))
+
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"src": ["a"], "tgt": ["b"]}\n{"src": ["a"], "tgt": ["b"]}\n{"src": ["a"], "tgt": \n')
+    assert f"{broken}:3: malformed JSON line" in _bad(capsys, "train", recipe_file(tmp_path, tiny_own_dir, data={"train": [str(broken)]}))
+
+    no_output = tmp_path / "alpaca.json"
+    no_output.write_text('[\n  {"instruction": "a", "output": "b"},\n  {"instruction": "c"}\n]\n')
+    assert f"{no_output}:3: missing field 'output'" in _bad(capsys, "validate", recipe_file(tmp_path, tiny_own_dir, data={"train": [str(no_output)]}))
+
+    assert "unknown key 'lerning_rate' in train; did you mean 'learning_rate'?" in _bad(
+        capsys, "train", recipe_file(tmp_path, tiny_own_dir), "train.lerning_rate=1e-3"
+    )
+    assert "data.max_length: Input should be a valid integer" in _bad(capsys, "validate", recipe_file(tmp_path, tiny_own_dir), "data.max_length=big")
+    assert "could not load the tokenizer" in _bad(capsys, "validate", recipe_file(tmp_path, tmp_path / "no-model"))
+
+
+def test_empty_dataset_after_filtering(tmp_path, capsys, tiny_own_dir):
+    long = tmp_path / "long.jsonl"
+    long.write_text("".join(json.dumps({"src": ["q"], "tgt": ["word " * 50]}) + "\n" for _ in range(3)))
+    masked = tmp_path / "masked.jsonl"
+    masked.write_text(json.dumps({"src": ["q"], "tgt": ["a"], "label": [0]}) + "\n")
+    data = {"train": [str(long), str(masked)], "max_length": 32, "overlong": "drop"}
+    err = _bad(capsys, "train", recipe_file(tmp_path, tiny_own_dir, data=data))
+    assert "no trainable samples left after filtering (3 longer than data.max_length=32 and dropped, 1 with no trained response)" in err
+    assert not (tmp_path / "out" / "train_results.json").exists()
+
+
+def test_output_dir_of_another_run_is_refused(tmp_path, capsys, tiny_own_dir):
+    out = tmp_path / "out"
+    out.mkdir()
+    keep = out / "precious.txt"
+    keep.write_text("mine")
+    recipe = recipe_file(tmp_path, tiny_own_dir)
+    assert "is not empty and holds a different run" in _bad(capsys, "train", recipe, "train.max_steps=2")
+    assert keep.read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["precious.txt"]
+
+    code, _, err = run_cli(capsys, "train", recipe, "train.max_steps=2", "output.overwrite=true")
+    assert code == 0, err
+    assert not keep.exists() and (out / "train_results.json").is_file()
+    # a finished run of the same recipe is not retrained over silently either
+    finished = (out / "model.safetensors").stat().st_mtime_ns
+    assert "already holds a finished run of this recipe" in _bad(capsys, "train", recipe, "train.max_steps=2")
+    assert (out / "model.safetensors").stat().st_mtime_ns == finished

@@ -1,0 +1,302 @@
+"""Reading records from .json / .jsonl / .csv / .parquet with the file:line every error message points at."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from erniekit_lite.data.formats import check_format, detect_format, to_conversation
+from erniekit_lite.data.load import Record, _looks_like_hub_id, read_records
+from erniekit_lite.errors import DataError, UserError
+
+
+def write(path, text: str, encoding: str = "utf-8"):
+    path.write_text(text, encoding=encoding)
+    return str(path)
+
+
+def lines_of(records):
+    return [r.line for r in records]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# JSON Lines
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_jsonl_records_keep_their_line_and_skip_blank_lines(tmp_path):
+    p = write(
+        tmp_path / "d.jsonl",
+        '{"src": ["q1"], "tgt": ["a1"]}\n\n   \n{"src": ["q2"], "tgt": ["a2"]}\r\n{"instruction": "i", "output": "o"}',
+    )
+    records = read_records(p)
+    assert [r.data for r in records] == [{"src": ["q1"], "tgt": ["a1"]}, {"src": ["q2"], "tgt": ["a2"]}, {"instruction": "i", "output": "o"}]
+    assert lines_of(records) == [1, 4, 5]
+    assert all(r.path == p for r in records)
+    assert records[1] == Record({"src": ["q2"], "tgt": ["a2"]}, p, 4)
+
+
+def test_jsonl_malformed_line_3(tmp_path):
+    p = write(tmp_path / "bad.jsonl", '{"src": ["a"], "tgt": ["b"]}\n{"src": ["c"], "tgt": ["d"]}\n{"src": ["e"], "tgt": \n')
+    with pytest.raises(DataError) as e:
+        read_records(p)
+    assert str(e.value).startswith(f"{p}:3: malformed JSON line: Expecting value (column 23)")
+    assert e.value.line == 3 and e.value.path == p
+    assert isinstance(e.value, UserError)
+
+
+def test_jsonl_record_not_an_object_reports_its_line(tmp_path):
+    p = write(tmp_path / "d.jsonl", '{"src": ["a"], "tgt": ["b"]}\n["a", "b"]\n')
+    records = read_records(p)
+    with pytest.raises(DataError, match=rf"^{p}:2: expected a JSON object per record, got list$"):
+        detect_format(records[1])
+
+
+def test_jsonl_with_utf8_bom(tmp_path):
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"src": ["q"], "tgt": ["\xe4\xbd\xa0\xe5\xa5\xbd"]}\n')
+    (record,) = read_records(str(p))
+    assert record.data == {"src": ["q"], "tgt": ["你好"]} and record.line == 1
+
+
+def test_max_samples(tmp_path):
+    p = write(tmp_path / "d.jsonl", "".join(json.dumps({"src": [f"q{i}"], "tgt": ["a"]}) + "\n" for i in range(5)))
+    assert [r.data["src"] for r in read_records(p, max_samples=2)] == [["q0"], ["q1"]]
+    assert len(read_records(p, max_samples=None)) == 5
+    assert len(read_records(p, max_samples=50)) == 5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# JSON arrays
+# ---------------------------------------------------------------------------------------------------------------
+
+ALPACA_ARRAY = """[
+  {
+    "instruction": "First",
+    "input": "",
+    "output": "one"
+  },
+  {
+    "instruction": "Second",
+    "input": "multi\\nline {braces} [brackets]"
+  },
+  {"instruction": "Third", "output": "three"}, {"instruction": "Fourth", "output": "four"}
+]
+"""
+
+
+def test_json_array_records_keep_their_starting_line(tmp_path):
+    p = write(tmp_path / "d.json", ALPACA_ARRAY)
+    records = read_records(p)
+    assert lines_of(records) == [2, 7, 11, 11]
+    assert records[1].data == {"instruction": "Second", "input": "multi\nline {braces} [brackets]"}
+    assert [r.data["instruction"] for r in records] == ["First", "Second", "Third", "Fourth"]
+
+
+def test_json_array_second_record_missing_output(tmp_path):
+    p = write(tmp_path / "d.json", ALPACA_ARRAY)
+    records = read_records(p)
+    fmt = detect_format(records[0])
+    assert fmt == "alpaca"
+    check_format(records[0], fmt)
+    with pytest.raises(DataError) as e:
+        check_format(records[1], fmt)
+    assert str(e.value) == f"{p}:7: missing field 'output' (alpaca format)"
+    with pytest.raises(DataError) as e:
+        to_conversation(records[1], fmt)
+    assert str(e.value) == f"{p}:7: missing field 'output'"
+
+
+def test_json_array_record_not_an_object(tmp_path):
+    p = write(tmp_path / "d.json", '[\n  {"instruction": "a", "output": "b"},\n  "just text"\n]')
+    records = read_records(p)
+    assert lines_of(records) == [2, 3]
+    with pytest.raises(DataError, match=rf"^{p}:3: expected a JSON object per record, got str$"):
+        to_conversation(records[1], "alpaca")
+
+
+def test_json_malformed_reports_the_line(tmp_path):
+    p = write(tmp_path / "d.json", '[\n  {"instruction": "a", "output": "b"},\n  {"instruction": "c",\n   "output": }\n]')
+    with pytest.raises(DataError, match=rf"^{p}:4: malformed JSON: Expecting value"):
+        read_records(p)
+    p = write(tmp_path / "e.json", '[\n  {"instruction": "a", "output": "b"}\n  {"instruction": "c", "output": "d"}\n]')
+    with pytest.raises(DataError, match=rf"^{p}:3: malformed JSON: expected ',' or '\]' between records \(column 3\)$"):
+        read_records(p)
+
+
+def test_json_truncated_array_is_an_error(tmp_path):
+    p = write(tmp_path / "d.json", '[\n  {"instruction": "a", "output": "b"},\n  {"instruction": "c", "output": "d"}\n')
+    with pytest.raises(DataError, match=rf"^{p}:4: malformed JSON: unterminated array"):
+        read_records(p)
+    p = write(tmp_path / "e.json", '[\n  {"instruction": "a", "output": "b"},\n')
+    with pytest.raises(DataError, match=rf"^{p}:3: malformed JSON: unterminated array"):
+        read_records(p)
+
+
+def test_json_content_after_array_is_an_error(tmp_path):
+    p = write(tmp_path / "d.json", '[{"instruction": "a", "output": "b"}]\n[{"instruction": "c", "output": "d"}]\n')
+    with pytest.raises(DataError, match=rf"^{p}:2: malformed JSON: unexpected content after the closing '\]'"):
+        read_records(p)
+
+
+def test_json_empty_array_and_not_an_array(tmp_path):
+    assert read_records(write(tmp_path / "empty.json", " [ ]\n\n")) == []
+    p = write(tmp_path / "num.json", "\n\n42")
+    with pytest.raises(DataError, match=rf"^{p}:3: expected a JSON array of records$"):
+        read_records(p)
+    p = write(tmp_path / "blank.json", "  \n")
+    with pytest.raises(DataError, match=rf"^{p}:2: expected a JSON array of records$"):
+        read_records(p)
+
+
+def test_json_single_object_and_json_lines_saved_as_json(tmp_path):
+    (single,) = read_records(write(tmp_path / "one.json", '\n{"src": ["q"],\n "tgt": ["a"]}\n'))
+    assert single.data == {"src": ["q"], "tgt": ["a"]} and single.line == 2
+    records = read_records(write(tmp_path / "lines.json", '{"src": ["q1"],\n "tgt": ["a1"]}\n\n{"src": ["q2"], "tgt": ["a2"]}\n{"src": ["q3"], "tgt": ["a3"]}\n'))
+    assert lines_of(records) == [1, 4, 5]
+    assert [r.data["src"] for r in records] == [["q1"], ["q2"], ["q3"]]
+
+
+def test_json_with_utf8_bom(tmp_path):
+    p = tmp_path / "bom.json"
+    p.write_bytes(b'\xef\xbb\xbf[\n {"instruction": "a", "output": "b"}\n]\n')
+    (record,) = read_records(str(p))
+    assert record.data == {"instruction": "a", "output": "b"} and record.line == 2
+
+
+def test_uppercase_extension(tmp_path):
+    (record,) = read_records(write(tmp_path / "D.JSON", '[{"instruction": "a", "output": "b"}]'))
+    assert record.data == {"instruction": "a", "output": "b"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# paths
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    p = str(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match=rf"^{p}: file not found"):
+        read_records(p)
+
+
+def test_missing_relative_file_with_data_extension_is_not_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for p in ("data/train.jsonl", "data/train.json", "out/train.CSV", "x/y.parquet"):
+        with pytest.raises(DataError, match=rf"^{p}: file not found"):
+            read_records(p)
+
+
+def test_directory(tmp_path):
+    with pytest.raises(DataError, match=rf"^{tmp_path}: is a directory; expected a .json, .jsonl, .parquet or .csv file$"):
+        read_records(str(tmp_path))
+
+
+def test_unsupported_extension(tmp_path):
+    p = write(tmp_path / "d.txt", "hello")
+    with pytest.raises(DataError, match=rf"^{p}: unsupported file type '.txt'; expected .json, .jsonl, .parquet or .csv$"):
+        read_records(p)
+
+
+def test_hub_id_detection():
+    assert _looks_like_hub_id("tatsu-lab/alpaca")
+    assert _looks_like_hub_id("org/name.v2")
+    assert not _looks_like_hub_id("alpaca")
+    assert not _looks_like_hub_id("./org/name")
+    assert not _looks_like_hub_id("~/name")
+    assert not _looks_like_hub_id("a/b/c")
+    assert not _looks_like_hub_id("data.v1/name")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CSV
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_csv_with_pandas_multiline_cells_numbers_and_empty_cells(tmp_path):
+    pd = pytest.importorskip("pandas")
+    p = str(tmp_path / "d.csv")
+    pd.DataFrame(
+        {
+            "instruction": ["Sum?", "Write two lines.", "Say hi"],
+            "input": ["2 2", "", ""],
+            "output": ["4", "line 1\nline 2", "hi, \"you\""],
+        }
+    ).to_csv(p, index=False)
+    records = read_records(p)
+    assert [r.data for r in records] == [
+        {"instruction": "Sum?", "input": "2 2", "output": "4"},  # a number-looking cell stays text
+        {"instruction": "Write two lines.", "input": None, "output": "line 1\nline 2"},
+        {"instruction": "Say hi", "input": None, "output": 'hi, "you"'},
+    ]
+    assert lines_of(records) == [2, 3, 5]  # the second record spans lines 3-4
+    convs = [to_conversation(r, detect_format(r)) for r in records]
+    assert [(c.turns[0].user, c.turns[0].assistant) for c in convs] == [
+        ("Sum?\n2 2", "4"),
+        ("Write two lines.", "line 1\nline 2"),
+        ("Say hi", 'hi, "you"'),
+    ]
+
+
+def test_csv_all_numeric_column_stays_text(tmp_path):
+    p = write(tmp_path / "d.csv", "instruction,output\nWhat is 2+2?,4\nWhat is 3+3?,6\n")
+    records = read_records(p)
+    assert [r.data for r in records] == [{"instruction": "What is 2+2?", "output": "4"}, {"instruction": "What is 3+3?", "output": "6"}]
+    assert to_conversation(records[0], "alpaca").turns[0].assistant == "4"
+
+
+def test_csv_errors_name_the_line(tmp_path):
+    p = write(tmp_path / "d.csv", "instruction,output\na,b\n\nc,d,e\n")
+    with pytest.raises(DataError, match=rf"^{p}:4: row has 3 fields but the header has 2$"):
+        read_records(p)
+    p = write(tmp_path / "e.csv", "instruction,output\na,b\nc\n")
+    with pytest.raises(DataError, match=rf"^{p}:3: row has 1 fields but the header has 2$"):
+        read_records(p)
+    p = write(tmp_path / "f.csv", "instruction\nonly\n")
+    (record,) = read_records(p)
+    with pytest.raises(DataError, match=rf"^{p}:2: missing field 'output'$"):
+        to_conversation(record, detect_format(record))
+
+
+def test_csv_header_only_bom_and_blank_lines(tmp_path):
+    assert read_records(write(tmp_path / "h.csv", "instruction,output\n")) == []
+    assert read_records(write(tmp_path / "empty.csv", "")) == []
+    p = tmp_path / "bom.csv"
+    p.write_bytes(b"\xef\xbb\xbfinstruction,output\r\n\r\nq,a\r\n")
+    (record,) = read_records(str(p))
+    assert record.data == {"instruction": "q", "output": "a"} and record.line == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parquet
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_parquet_records(tmp_path):
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    p = str(tmp_path / "d.parquet")
+    pd.DataFrame(
+        {
+            "system": ["S", None],
+            "src": [["q1", "q2"], ["only"]],
+            "tgt": [["a1", "a2"], ["answer"]],
+            "label": [[0, 1], [1]],
+        }
+    ).to_parquet(p, index=False)
+    records = read_records(p)
+    assert [r.data for r in records] == [
+        {"system": "S", "src": ["q1", "q2"], "tgt": ["a1", "a2"], "label": [0, 1]},
+        {"system": None, "src": ["only"], "tgt": ["answer"], "label": [1]},
+    ]
+    assert lines_of(records) == [1, 2] and all(r.path == p for r in records)
+    convs = [to_conversation(r, detect_format(r)) for r in records]
+    assert [(t.user, t.assistant, t.train) for t in convs[0].turns] == [("q1", "a1", False), ("q2", "a2", True)]
+    assert convs[0].system == "S" and convs[1].system is None
+
+
+def test_parquet_unreadable(tmp_path):
+    p = write(tmp_path / "bad.parquet", "not parquet at all")
+    with pytest.raises(DataError, match=rf"^{p}: could not read parquet file"):
+        read_records(p)

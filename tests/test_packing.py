@@ -1,0 +1,133 @@
+"""Packed rows are exact: same logits and loss as each sample run alone (fp32, tiny ERNIE 4.5, real tokenizer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from erniekit_lite.data.collate import PackedCollator, PaddedCollator
+from erniekit_lite.data.formats import Conversation, Turn
+from erniekit_lite.data.packing import best_fit_decreasing, efficiency, one_per_row, pack
+from erniekit_lite.data.template import template_for
+from erniekit_lite.data.tokenize import IGNORE, Tokenizer
+from erniekit_lite.model.load import load_model
+from erniekit_lite.train.trainer import labelled_positions
+
+CONVS = [
+    Conversation([Turn("Who are you?", "I am a tiny ERNIE.")], "You are helpful."),
+    Conversation([Turn("1+1?", "2"), Turn("And 2+2?", "4, of course. Anything else?")]),
+    Conversation([Turn("写一首关于春天的短诗。", "春风拂面，花开满园，燕子归来。")]),
+    Conversation([Turn("Say hi", "hi")]),
+]
+
+
+def test_best_fit_decreasing_fills_tightest_bin():
+    bins = best_fit_decreasing([5, 3, 2, 4], 8)
+    assert sorted(map(sorted, bins)) == [[0, 1], [2, 3]]  # 5+3 and 4+2, as in the module docstring
+    lengths = [7, 1, 6, 2, 5, 3, 4, 4]
+    bins = best_fit_decreasing(lengths, 8)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 8 for b in bins)
+    assert len(bins) == 4  # 32 tokens in bins of 8: perfect fit exists and BFD finds it here
+    with pytest.raises(ValueError):
+        best_fit_decreasing([9], 8)
+
+
+@pytest.fixture(scope="module")
+def samples(ernie_tokenizer):
+    out, _ = Tokenizer(ernie_tokenizer, template_for(ernie_tokenizer))(CONVS, max_length=512)
+    return out
+
+
+def _logits_alone(model, sample) -> torch.Tensor:
+    ids = torch.tensor([sample.input_ids])
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0]
+
+
+@pytest.mark.parametrize("attn", ["packed_sdpa", "sdpa", "eager"])
+def test_packed_logits_equal_samples_alone(tiny_dense_dir, samples, attn):
+    model = load_model(str(tiny_dense_dir), "float32", attn).eval()
+    rows = pack(samples, 512)
+    assert len(rows) == 1 and rows[0].seq_lengths == sorted((len(s) for s in samples), reverse=True)
+    batch = PackedCollator(512)([vars(r) for r in rows])
+    batch.pop("token_slots")
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        packed = model(**batch, use_cache=False).logits[0]
+        starts = batch["cu_seq_lens_q"].tolist()
+        order = sorted(range(len(samples)), key=lambda i: -len(samples[i]))
+        for k, i in enumerate(order):
+            alone = _logits_alone(model, samples[i])
+            diff = (packed[starts[k] : starts[k + 1]] - alone).abs().max().item()
+            assert diff <= 1e-5, f"{attn}: sample {i} differs by {diff}"
+    assert labels.shape == batch["input_ids"].shape
+
+
+def test_packed_row_with_kv_cache_leaks_across_samples(tiny_dense_dir, samples):
+    """Why every forward passes use_cache=False: with a cache transformers builds no block mask."""
+    model = load_model(str(tiny_dense_dir), "float32", "sdpa").eval()
+    row = pack(samples[:2], 512)[0]
+    ids = torch.tensor([row.input_ids])
+    pos = torch.cat([torch.arange(n) for n in row.seq_lengths])[None]
+    with torch.no_grad():
+        exact = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        leaky = model(input_ids=ids, position_ids=pos, use_cache=True).logits[0]
+    second = slice(row.seq_lengths[0], None)
+    assert (exact[second] - leaky[second]).abs().max() > 1e-3
+
+
+def _row_loss(model, batch) -> tuple[torch.Tensor, int]:
+    batch = dict(batch)
+    batch.pop("token_slots")
+    labels = batch.pop("labels")
+    keep, targets = labelled_positions(labels)
+    logits = model(**batch, use_cache=False, logits_to_keep=keep).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    return loss, int((targets != IGNORE).sum())
+
+
+def test_packed_loss_equals_token_weighted_loss_alone(tiny_dense_dir, samples):
+    model = load_model(str(tiny_dense_dir), "float32", "packed_sdpa").eval()
+    packed_sum, packed_n = _row_loss(model, PackedCollator(512)([vars(r) for r in pack(samples, 512)]))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s in samples:
+            ids, labels = torch.tensor([s.input_ids]), torch.tensor([s.labels])
+            out = model(input_ids=ids, labels=labels, use_cache=False)  # transformers' own shifted mean loss
+            n = int((labels[:, 1:] != IGNORE).sum())
+            total += out.loss.item() * n
+            count += n
+    assert packed_n == count
+    assert abs(packed_sum.item() / packed_n - total / count) <= 1e-5
+
+
+def test_padded_batch_loss_equals_packed(tiny_dense_dir, samples):
+    model = load_model(str(tiny_dense_dir), "float32", "sdpa").eval()
+    padded_sum, padded_n = _row_loss(model, PaddedCollator(0)([vars(r) for r in one_per_row(samples)]))
+    model.set_attn_implementation("packed_sdpa")
+    packed_sum, packed_n = _row_loss(model, PackedCollator(512)([vars(r) for r in pack(samples, 512)]))
+    assert padded_n == packed_n
+    assert abs(padded_sum.item() - packed_sum.item()) / packed_n <= 1e-5
+
+
+def test_labelled_only_loss_and_grads_equal_full_logits(tiny_dense_dir, samples):
+    model = load_model(str(tiny_dense_dir), "float32", "packed_sdpa")
+    batch = PackedCollator(512)([vars(r) for r in pack(samples, 512)])
+    loss, n = _row_loss(model, batch)
+    (loss / n).backward()
+    fast = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    full = dict(batch)
+    full.pop("token_slots")
+    labels = full.pop("labels")
+    logits = model(**full, use_cache=False).logits[0, :-1]
+    ref = torch.nn.functional.cross_entropy(logits, labels[0, 1:], ignore_index=IGNORE)
+    ref.backward()
+    assert abs(ref.item() - loss.item() / n) <= 1e-5
+    for k, p in model.named_parameters():
+        assert torch.allclose(p.grad, fast[k], atol=1e-5, rtol=1e-4), k
+
+
+def test_packing_efficiency_counts_slots(samples):
+    rows = pack(samples, 512)
+    assert efficiency(rows, 512) == sum(len(s) for s in samples) / 512

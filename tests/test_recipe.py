@@ -1,0 +1,102 @@
+"""Recipe schema: overrides, unknown keys with suggestions, wrong types, YAML errors, and every shipped recipe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from erniekit_lite import recipe as recipes
+from erniekit_lite.errors import RecipeError
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = """\
+model:
+  path: some/model
+data:
+  train:
+    - path: data.jsonl
+  max_length: 512
+output:
+  dir: out
+train:
+  learning_rate: 1.0e-4
+"""
+
+
+def write(tmp_path, text: str) -> Path:
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_and_overrides(tmp_path):
+    r = recipes.load(write(tmp_path, BASE), ["train.learning_rate=2e-5", "model.path=./my-model", "data.packing=false", "lora.r=4"])
+    assert r.model.path == "./my-model"
+    assert r.train["learning_rate"] == 2e-5
+    assert r.data.packing is False and r.data.overlong == "truncate" and r.method == "sft"
+    assert r.lora is not None and r.lora.r == 4 and "gate_proj" in r.lora.targets
+    assert r.data.train[0].format == "auto"
+
+
+def test_shorthand_source_and_lora_true(tmp_path):
+    r = recipes.load(write(tmp_path, BASE.replace("    - path: data.jsonl", "    - data.jsonl") + "lora: true\n"))
+    assert r.data.train[0].path == "data.jsonl"
+    assert r.lora.r == 8
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (BASE.replace("learning_rate", "lerning_rate"), "r.yaml:10: unknown key 'lerning_rate' in train; did you mean 'learning_rate'?"),
+        (BASE.replace("max_length", "max_lenght"), "r.yaml:6: unknown key 'max_lenght' in data; did you mean 'max_length'?"),
+        (BASE + "modle: {}\n", "r.yaml:11: unknown key 'modle' in the recipe; did you mean 'model'?"),
+        (BASE.replace("  path: some/model", "  path: some/model\n  dtyp: bfloat16"), "unknown key 'dtyp' in model; did you mean 'dtype'?"),
+        (BASE.replace("max_length: 512", "max_length: lots"), "r.yaml:6: data.max_length: Input should be a valid integer"),
+        (BASE.replace("model:\n  path: some/model\n", ""), "missing required key 'model'"),
+        (BASE + "method: ppo\n", "method: Input should be 'sft' or 'dpo'"),
+        (BASE.replace("    - path: data.jsonl", "    - path: data.jsonl\n      format: csv"), "data.train.0.format: Input should be"),
+        (BASE + "  max_length: 4\n", "train.max_length is set by the recipe; use data.max_length instead"),
+        (BASE + "  output_dir: elsewhere\n", "use output.dir instead"),
+        (BASE + "  max_steps: many\n", "r.yaml:11: train.max_steps: expected a number (got 'many')"),
+        (BASE + "  max_steps: 2.5\n", "train.max_steps: expected a whole number"),
+        (BASE + "  bf16: maybe\n", "train.bf16: expected true or false"),
+    ],
+)
+def test_errors_name_file_line_key_and_fix(tmp_path, text, expected):
+    with pytest.raises(RecipeError) as e:
+        recipes.load(write(tmp_path, text))
+    assert expected in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_yaml_syntax_error_has_line(tmp_path):
+    with pytest.raises(RecipeError, match=r"r.yaml:4: YAML syntax error: .*\(while parsing a flow sequence at line 3\)"):
+        recipes.load(write(tmp_path, "model:\n  path: x\n  bad: [1, 2\n"))
+
+
+def test_missing_recipe_file(tmp_path):
+    with pytest.raises(RecipeError, match="recipe file not found"):
+        recipes.load(tmp_path / "nope.yaml")
+
+
+def test_bad_override_syntax(tmp_path):
+    with pytest.raises(RecipeError, match="expected dotted.key=value"):
+        recipes.load(write(tmp_path, BASE), ["train.learning_rate"])
+
+
+def test_eval_and_eval_split_conflict(tmp_path):
+    with pytest.raises(RecipeError, match="either data.eval or data.eval_split"):
+        recipes.load(write(tmp_path, BASE), ["data.eval_split=0.1", "data.eval=[x.jsonl]"])
+
+
+def test_resolved_recipe_round_trips(tmp_path):
+    r = recipes.load(write(tmp_path, BASE), ["lora.r=16"])
+    again = recipes.from_dict(__import__("yaml").safe_load(r.to_yaml()))
+    assert again == r
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_shipped_recipe_validates(path):
+    r = recipes.load(path)
+    assert r.output.dir

@@ -1,0 +1,448 @@
+"""Conversations -> input_ids/labels with the real ERNIE 4.5 tokenizer: exact ids, label masks, inference parity,
+special-token injection, overlong handling and the model-template fallback.
+
+Literal id lists below were derived once with the real tokenizer and checked token by token
+(`convert_ids_to_tokens`); the token strings are written next to them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from erniekit_lite.data.formats import Conversation, Turn, detect_format, to_conversation
+from erniekit_lite.data.load import Record
+from erniekit_lite.data.template import ErnieTemplate, ModelTemplate, template_for
+from erniekit_lite.data.tokenize import IGNORE, Sample, Tokenizer
+
+BOS, EOT, EOS = 100273, 100272, 2
+X = IGNORE
+
+# "Assistant: " -> Assistant : ▁   (the generation prompt ends in the lone-space token 93919)
+ASSISTANT = [92267, 93963, 93919]
+
+@pytest.fixture(scope="module")
+def tok(ernie_tokenizer):
+    return Tokenizer(ernie_tokenizer, template_for(ernie_tokenizer))
+
+
+def _one(tok: Tokenizer, conv: Conversation, max_length: int = 4096, overlong: str = "truncate"):
+    (sample,), stats = tok([conv], max_length, overlong)
+    return sample, stats
+
+
+def _encode(ernie_tokenizer, text: str) -> list[int]:
+    return ernie_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. The exact worked example: multi-turn ERNIEKit record with system prompt and a masked first turn
+# ---------------------------------------------------------------------------------------------------------------
+
+ERNIEKIT_RECORD = {
+    "system": "You are helpful.",
+    "src": ["hi", "how are you?"],
+    "tgt": ["Hello there.", "Fine, thanks!"],
+    "label": [0, 1],
+}
+EXPECTED_IDS = [
+    100273,  # <|begin_of_sentence|>
+    2520, 524, 20472, 93937, 23,  # You ▁are ▁helpful . \n
+    2969, 93963, 6956, 23,  # User : ▁hi \n
+    92267, 93963, 93919,  # Assistant : ▁
+    16276, 883, 93937,  # Hello ▁there .        (masked turn)
+    100272,  # <|end_of_sentence|>
+    2969, 93963, 1299, 524, 536, 94009, 23,  # User : ▁how ▁are ▁you ? \n
+    92267, 93963, 93919,  # Assistant : ▁
+    66867, 93938, 8081, 94018,  # Fine , ▁thanks !
+    100272,  # <|end_of_sentence|>
+]
+EXPECTED_LABELS = [X] * 27 + [66867, 93938, 8081, 94018, 2]
+
+
+def test_erniekit_record_exact_ids_and_labels(ernie_tokenizer, tok):
+    record = Record(ERNIEKIT_RECORD, "mem.jsonl", 1)
+    assert detect_format(record) == "erniekit"
+    conv = to_conversation(record, "erniekit")
+    assert isinstance(tok.template, ErnieTemplate)
+    sample, stats = _one(tok, conv)
+
+    assert sample.input_ids == EXPECTED_IDS
+    assert sample.labels == EXPECTED_LABELS
+    assert not sample.truncated
+    assert len(sample.labels) == len(sample.input_ids) == 32
+    # the literals really are these token strings
+    assert ernie_tokenizer.convert_ids_to_tokens(EXPECTED_IDS) == [
+        "<|begin_of_sentence|>", "You", "▁are", "▁helpful", ".", "<0x0A>", "User", ":", "▁hi", "<0x0A>",
+        "Assistant", ":", "▁", "Hello", "▁there", ".", "<|end_of_sentence|>",
+        "User", ":", "▁how", "▁are", "▁you", "?", "<0x0A>", "Assistant", ":", "▁",
+        "Fine", ",", "▁thanks", "!", "<|end_of_sentence|>",
+    ]
+    assert stats.kept == 1 and stats.truncated == 0 and stats.dropped_overlong == 0 and stats.dropped_untrained == 0
+    assert stats.lengths == [32]
+    assert stats.trained_tokens == 5
+
+
+def test_label_structure_of_worked_example(ernie_tokenizer, tok):
+    sample, _ = _one(tok, to_conversation(Record(ERNIEKIT_RECORD, "mem.jsonl", 1), "erniekit"))
+    ids, labels = sample.input_ids, sample.labels
+    assert labels[0] == IGNORE  # a sample always starts untrained (safe packing boundary)
+    eots = [i for i, t in enumerate(ids) if t == EOT]
+    assert eots == [16, 31]
+    assert labels[31] == EOS  # the trained turn's <|end_of_sentence|> is labelled </s>
+    assert labels[16] == IGNORE  # ... the masked turn's is not trained at all
+    assert all(label == IGNORE for label in labels[:27])  # masked turn 1 and every prompt token
+    # the ▁ boundary: each response follows the lone "▁" and does not start with the fused "▁word" token
+    assert ids[10:13] == ASSISTANT and ids[24:27] == ASSISTANT
+    fused_hello = _encode(ernie_tokenizer, "Assistant: Hello there.")
+    fused_fine = _encode(ernie_tokenizer, "Assistant: Fine, thanks!")
+    assert fused_hello[:3] == [92267, 93963, 30802]  # Assistant : ▁Hello
+    assert fused_fine[:3] == [92267, 93963, 42605]  # Assistant : ▁Fine
+    assert ids[13] == 16276 != 30802 and ids[27] == 66867 != 42605
+    assert not ernie_tokenizer.convert_ids_to_tokens([ids[13]])[0].startswith("▁")
+    assert not ernie_tokenizer.convert_ids_to_tokens([ids[27]])[0].startswith("▁")
+
+
+def test_unmasked_turns_train_every_response(tok):
+    record = dict(ERNIEKIT_RECORD)
+    del record["label"]
+    sample, stats = _one(tok, to_conversation(Record(record, "m", 1), "erniekit"))
+    assert sample.input_ids == EXPECTED_IDS
+    assert sample.labels == [X] * 13 + [16276, 883, 93937, 2] + [X] * 10 + [66867, 93938, 8081, 94018, 2]
+    assert stats.trained_tokens == 9
+
+
+def test_no_system_line_without_system(tok):
+    sample, _ = _one(tok, Conversation([Turn("hi", "Hello there.")]))
+    assert sample.input_ids == [BOS, 2969, 93963, 6956, 23, *ASSISTANT, 16276, 883, 93937, EOT]
+    assert sample.labels == [X] * 8 + [16276, 883, 93937, EOS]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. Consistency with inference (the released chat template's generation prompt)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_first_prompt_equals_released_template_generation_prompt(ernie_tokenizer, tok):
+    conv = to_conversation(Record(ERNIEKIT_RECORD, "m", 1), "erniekit")
+    sample, _ = _one(tok, conv)
+    rendered = ernie_tokenizer.apply_chat_template(
+        [{"role": "system", "content": conv.system}, {"role": "user", "content": conv.turns[0].user}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert rendered == "<|begin_of_sentence|>You are helpful.\nUser: hi\nAssistant: "
+    inference_ids = _encode(ernie_tokenizer, rendered)
+    assert inference_ids == EXPECTED_IDS[:13]
+    assert sample.input_ids[: len(inference_ids)] == inference_ids
+    # trained, the first response token is the first labelled position, right after the generation prompt
+    unmasked, _ = _one(tok, Conversation([Turn(conv.turns[0].user, conv.turns[0].assistant)], conv.system))
+    first_trained = next(i for i, label in enumerate(unmasked.labels) if label != IGNORE)
+    assert first_trained == len(inference_ids)
+
+
+def test_first_prompt_parity_without_system(ernie_tokenizer, tok):
+    conv = Conversation([Turn("写一首关于春天的短诗。", "春风拂面。")])
+    sample, _ = _one(tok, conv)
+    rendered = ernie_tokenizer.apply_chat_template([{"role": "user", "content": conv.turns[0].user}], tokenize=False, add_generation_prompt=True)
+    inference_ids = _encode(ernie_tokenizer, rendered)
+    assert sample.input_ids[: len(inference_ids)] == inference_ids
+    assert all(label == IGNORE for label in sample.labels[: len(inference_ids)])
+    assert sample.labels[len(inference_ids)] != IGNORE
+
+
+def test_later_turn_prompt_equals_generation_prompt_pieces(tok):
+    """What generate.py feeds for turn 2 (history + new prompt) is exactly the training prefix before response 2."""
+    conv = to_conversation(Record(ERNIEKIT_RECORD, "m", 1), "erniekit")
+    pieces = tok.template.generation_prompt(conv.system, conv.turns[:1], conv.turns[1].user)
+    encoded = iter(tok.encode([p.text for p in pieces if p.text is not None]))
+    ids = [t for p in pieces for t in (next(encoded) if p.text is not None else p.ids)]
+    assert ids == EXPECTED_IDS[:27]
+    first = tok.template.generation_prompt(conv.system, [], conv.turns[0].user)
+    encoded = iter(tok.encode([p.text for p in first if p.text is not None]))
+    assert [t for p in first for t in (next(encoded) if p.text is not None else p.ids)] == EXPECTED_IDS[:13]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Special-token injection
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_control_token_text_in_user_system_and_response_is_not_a_control_token(ernie_tokenizer, tok):
+    conv = Conversation(
+        [
+            Turn("stop<|end_of_sentence|>now<|begin_of_sentence|>", "ok <|end_of_sentence|> done"),
+            Turn("<|begin_of_sentence|>User: x\n</s>", "</s><|begin_of_sentence|>"),
+        ],
+        system="sys<|end_of_sentence|>",
+    )
+    sample, _ = _one(tok, conv)
+    ids = sample.input_ids
+    assert [i for i, t in enumerate(ids) if t == BOS] == [0]  # only the template's BOS
+    eots = [i for i, t in enumerate(ids) if t == EOT]
+    assert len(eots) == 2 and eots[-1] == len(ids) - 1  # only the template's two end-of-turn tokens
+    assert EOS not in ids  # "</s>" typed as text is not the eos token either
+    assert sample.labels.count(EOS) == 2  # ... but both end-of-turn positions are labelled </s>
+    # the user's text survives as characters
+    decoded = ernie_tokenizer.decode(ids[1 : eots[0]])
+    assert "stop<|end_of_sentence|>now<|begin_of_sentence|>" in decoded
+    assert decoded.startswith("sys<|end_of_sentence|>\nUser: ")
+    # and exactly as the tokenizer splits it with special-token parsing off
+    user_piece = ernie_tokenizer("a<|end_of_sentence|>b", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert user_piece == [93922, 93953, 94031, 438, 93944, 865, 93944, 47219, 61125, 93939]  # a < | end _ of _ sentence |> b
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. Overlong conversations
+# ---------------------------------------------------------------------------------------------------------------
+
+COUNT = Conversation([Turn("One?", "1."), Turn("Two?", "2."), Turn("Three?", "3.")], "Count.")
+# BOS Count . \n | User : ▁One ? \n Assistant : ▁ | 1 . | EOT   (15 tokens per turn as first, 11 later)
+COUNT_FULL = [
+    100273, 2831, 93937, 23, 2969, 93963, 5094, 94009, 23, 92267, 93963, 93919, 4, 93937, 100272,
+    2969, 93963, 11087, 94009, 23, 92267, 93963, 93919, 5, 93937, 100272,
+    2969, 93963, 18750, 94009, 23, 92267, 93963, 93919, 6, 93937, 100272,
+]
+COUNT_FULL_LABELS = [X] * 12 + [4, 93937, 2] + [X] * 8 + [5, 93937, 2] + [X] * 8 + [6, 93937, 2]
+# turns 2-3, turn 2 now first: BOS and the system line come back
+COUNT_LAST_TWO = [
+    100273, 2831, 93937, 23, 2969, 93963, 11087, 94009, 23, 92267, 93963, 93919, 5, 93937, 100272,
+    2969, 93963, 18750, 94009, 23, 92267, 93963, 93919, 6, 93937, 100272,
+]
+COUNT_LAST_ONE = [100273, 2831, 93937, 23, 2969, 93963, 18750, 94009, 23, 92267, 93963, 93919, 6, 93937, 100272]
+
+
+def test_count_literals(ernie_tokenizer, tok):
+    sample, _ = _one(tok, COUNT)
+    assert sample.input_ids == COUNT_FULL and sample.labels == COUNT_FULL_LABELS
+    assert ernie_tokenizer.convert_ids_to_tokens(COUNT_LAST_TWO[:12]) == [
+        "<|begin_of_sentence|>", "Count", ".", "<0x0A>", "User", ":", "▁Two", "?", "<0x0A>", "Assistant", ":", "▁",
+    ]
+
+
+def test_fits_exactly_is_not_truncated(tok):
+    sample, stats = _one(tok, COUNT, max_length=37)
+    assert sample.input_ids == COUNT_FULL and not sample.truncated
+    assert stats.truncated == 0 and stats.kept == 1
+
+
+def test_truncate_drops_oldest_turn_and_restarts_with_bos_and_system(tok):
+    sample, stats = _one(tok, COUNT, max_length=36)
+    assert sample.input_ids == COUNT_LAST_TWO
+    assert sample.labels == [X] * 12 + [5, 93937, 2] + [X] * 8 + [6, 93937, 2]
+    assert sample.input_ids[:4] == [BOS, 2831, 93937, 23]  # BOS + "Count.\n"
+    assert sample.truncated
+    assert (stats.kept, stats.truncated, stats.dropped_overlong, stats.dropped_untrained) == (1, 1, 0, 0)
+    assert stats.lengths == [26] and stats.trained_tokens == 6
+    # the smallest budget that still keeps two turns
+    sample, _ = _one(tok, COUNT, max_length=26)
+    assert sample.input_ids == COUNT_LAST_TWO
+
+
+def test_truncate_drops_two_oldest_turns(tok):
+    sample, stats = _one(tok, COUNT, max_length=25)
+    assert sample.input_ids == COUNT_LAST_ONE
+    assert sample.labels == [X] * 12 + [6, 93937, 2]
+    assert sample.truncated and stats.truncated == 1 and stats.lengths == [15]
+
+
+def test_truncate_cuts_last_response_when_one_turn_is_left(tok):
+    sample, stats = _one(tok, COUNT, max_length=13)
+    assert sample.input_ids == COUNT_LAST_ONE[:13]  # prompt + first response token; eot cut off
+    assert sample.labels == [X] * 12 + [6]
+    assert sample.truncated and stats.kept == 1 and stats.trained_tokens == 1
+
+
+def test_truncate_drops_when_last_prompt_alone_fills_max_length(tok):
+    sample, stats = _one(tok, COUNT, max_length=12)  # prompt is 12 tokens: no room for any response token
+    assert sample is None
+    assert (stats.kept, stats.truncated, stats.dropped_overlong, stats.dropped_untrained) == (0, 0, 1, 0)
+    assert stats.lengths == [] and stats.trained_tokens == 0
+
+
+def test_single_turn_huge_response_cut_to_exactly_max_length(ernie_tokenizer, tok):
+    conv = Conversation([Turn("hi", "word " * 300)], "S")
+    full, _ = _one(tok, conv, max_length=100_000)
+    assert len(full) > 300
+    sample, stats = _one(tok, conv, max_length=40)
+    assert len(sample.input_ids) == len(sample.labels) == 40
+    assert sample.input_ids == full.input_ids[:40]
+    assert sample.labels == full.labels[:40]
+    prompt = [BOS] + _encode(ernie_tokenizer, "S\nUser: hi\nAssistant: ")
+    assert sample.input_ids[: len(prompt)] == prompt
+    assert sample.labels[: len(prompt)] == [X] * len(prompt)
+    assert sample.labels[len(prompt) :] == sample.input_ids[len(prompt) :]  # every kept response token trained
+    assert EOT not in sample.input_ids
+    assert sample.truncated
+    assert (stats.kept, stats.truncated, stats.dropped_overlong) == (1, 1, 0)
+    assert stats.lengths == [40] and stats.trained_tokens == 40 - len(prompt)
+
+
+def test_prompt_longer_than_max_length_is_dropped(tok):
+    conv = Conversation([Turn("word " * 100, "short")])
+    sample, stats = _one(tok, conv, max_length=20)
+    assert sample is None
+    assert (stats.kept, stats.dropped_overlong, stats.truncated) == (0, 1, 0)
+
+
+def test_drop_mode_drops_overlong_and_keeps_fitting(tok):
+    short = Conversation([Turn("hi", "Hello there.")])  # 12 tokens
+    samples, stats = tok([COUNT, short, COUNT], 36, "drop")
+    assert samples[0] is None and samples[2] is None
+    assert samples[1].input_ids == [BOS, 2969, 93963, 6956, 23, *ASSISTANT, 16276, 883, 93937, EOT]
+    assert (stats.kept, stats.truncated, stats.dropped_overlong, stats.dropped_untrained) == (1, 0, 2, 0)
+    assert stats.lengths == [12] and stats.trained_tokens == 4
+    samples, stats = tok([COUNT], 37, "drop")
+    assert samples[0].input_ids == COUNT_FULL and stats.dropped_overlong == 0
+
+
+def test_untrained_samples_are_dropped_and_counted(tok):
+    masked = Conversation([Turn("hi", "Hello there.", train=False)])
+    masked_after_truncation = Conversation([Turn("One?", "1."), Turn("Two?", "2.", train=False)], "Count.")
+    samples, stats = tok([masked, COUNT, masked_after_truncation], 16)
+    assert samples[0] is None and samples[2] is None
+    assert samples[1].input_ids == COUNT_LAST_ONE
+    assert (stats.kept, stats.truncated, stats.dropped_overlong, stats.dropped_untrained) == (1, 1, 0, 2)
+
+
+def test_mixed_batch_stats_are_exact(tok):
+    convs = [
+        COUNT,  # 37 tokens: truncated to 26
+        Conversation([Turn("hi", "Hello there.")]),  # 12: kept
+        Conversation([Turn("word " * 100, "x")]),  # prompt too long: dropped
+        Conversation([Turn("hi", "Hello there.", train=False)]),  # untrained
+    ]
+    samples, stats = tok(convs, 30)
+    assert [s is not None for s in samples] == [True, True, False, False]
+    assert stats.kept == 2 and stats.truncated == 1 and stats.dropped_overlong == 1 and stats.dropped_untrained == 1
+    assert stats.lengths == [26, 12]
+    assert stats.trained_tokens == 6 + 4
+
+
+def test_batched_equals_one_by_one(tok):
+    convs = [COUNT, Conversation([Turn("hi", "Hello there.")], "S"), to_conversation(Record(ERNIEKIT_RECORD, "m", 1), "erniekit")]
+    together, _ = tok(convs, 4096)
+    for conv, sample in zip(convs, together):
+        alone, _ = _one(tok, conv)
+        assert (alone.input_ids, alone.labels) == (sample.input_ids, sample.labels)
+
+
+def test_bad_arguments(tok):
+    with pytest.raises(ValueError, match="overlong"):
+        tok([COUNT], 64, "cut")
+    with pytest.raises(ValueError, match="max_length"):
+        tok([COUNT], 0)
+
+
+def test_sample_len():
+    assert len(Sample([1, 2, 3], [X, 2, 3])) == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7. template_for: ERNIE's template vs the model's own
+# ---------------------------------------------------------------------------------------------------------------
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def scratch_tokenizer(ernie_tokenizer):
+    """One copy of the real tokenizer whose chat template a test may replace (the session tokenizer stays intact)."""
+    return copy.deepcopy(ernie_tokenizer)
+
+
+@pytest.fixture
+def chatml_tokenizer(scratch_tokenizer):
+    scratch_tokenizer.chat_template = CHATML
+    return scratch_tokenizer
+
+
+def test_template_for_real_tokenizer_is_ernie(ernie_tokenizer):
+    assert isinstance(template_for(ernie_tokenizer), ErnieTemplate)
+    assert template_for(ernie_tokenizer).name == "ernie4.5"
+
+
+def test_template_for_without_chat_template_is_ernie(scratch_tokenizer):
+    scratch_tokenizer.chat_template = None
+    assert isinstance(template_for(scratch_tokenizer), ErnieTemplate)
+
+
+def test_template_for_same_template_written_differently_is_ernie(scratch_tokenizer):
+    scratch_tokenizer.chat_template = (
+        "<|begin_of_sentence|>{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}\n"
+        "{% elif m.role == 'user' %}User: {{ m.content }}\n{% else %}Assistant: {{ m.content }}<|end_of_sentence|>{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}Assistant: {% endif %}"
+    )
+    assert isinstance(template_for(scratch_tokenizer), ErnieTemplate)
+
+
+def test_template_for_unrenderable_template_falls_back_to_ernie(scratch_tokenizer):
+    scratch_tokenizer.chat_template = "{{ raise_exception('no') }}"
+    assert isinstance(template_for(scratch_tokenizer), ErnieTemplate)
+
+
+def test_template_for_different_template_is_model_template(ernie_tokenizer, chatml_tokenizer):
+    template = template_for(chatml_tokenizer)
+    assert isinstance(template, ModelTemplate) and template.name == "model"
+    assert isinstance(template_for(ernie_tokenizer), ErnieTemplate)  # the original is untouched
+
+
+def test_template_for_template_rejecting_system_is_model_template(scratch_tokenizer):
+    strict = scratch_tokenizer
+    strict.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    assert isinstance(template_for(strict), ModelTemplate)
+
+
+def test_model_template_label_masks(chatml_tokenizer):
+    tok = Tokenizer(chatml_tokenizer, template_for(chatml_tokenizer))
+    assert tok.parse_special
+    conv = Conversation([Turn("Q1", "A1"), Turn("Q2", "A2", train=False), Turn("Q3", "A3")], "S")
+    sample, stats = _one(tok, conv)
+    rendered = chatml_tokenizer.apply_chat_template(
+        [{"role": "system", "content": "S"}]
+        + [m for t in conv.turns for m in ({"role": "user", "content": t.user}, {"role": "assistant", "content": t.assistant})],
+        tokenize=False,
+    )
+    assert chatml_tokenizer.decode(sample.input_ids) == rendered
+    pieces = tok.template.pieces(conv)
+    assert [[p.text for p in turn] for turn in pieces] == [
+        ["<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\n", "A1<|im_end|>\n"],
+        ["<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n", "A2<|im_end|>\n"],
+        ["<|im_start|>user\nQ3<|im_end|>\n<|im_start|>assistant\n", "A3<|im_end|>\n"],
+    ]
+    # rebuild the expected labels piece by piece: prompts and the masked turn untrained, trained responses as ids
+    expected_ids, expected_labels = [], []
+    for turn, (prompt, response) in zip(conv.turns, pieces):
+        p = chatml_tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+        r = chatml_tokenizer(response.text, add_special_tokens=False)["input_ids"]
+        expected_ids += p + r
+        expected_labels += [X] * len(p) + (r if turn.train else [X] * len(r))
+    assert sample.input_ids == expected_ids
+    assert sample.labels == expected_labels
+    trained_text = chatml_tokenizer.decode([t for t in sample.labels if t != X])
+    assert trained_text == "A1<|im_end|>\nA3<|im_end|>\n"
+    assert sample.labels[0] == X
+    assert stats.trained_tokens == sum(t != X for t in expected_labels)
+
+
+def test_model_template_truncation_and_generation_prompt(chatml_tokenizer):
+    tok = Tokenizer(chatml_tokenizer, template_for(chatml_tokenizer))
+    conv = Conversation([Turn("Q1", "A1"), Turn("Q2", "A2")], "S")
+    full, _ = _one(tok, conv)
+    last_alone, _ = _one(tok, Conversation(conv.turns[1:], "S"))
+    sample, stats = _one(tok, conv, max_length=len(full) - 1)
+    assert sample.truncated and stats.truncated == 1
+    assert (sample.input_ids, sample.labels) == (last_alone.input_ids, last_alone.labels)
+    assert chatml_tokenizer.decode(sample.input_ids).startswith("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ2")
+    # inference prompt for turn 2 is the training prefix before response 2
+    (gen,) = tok.template.generation_prompt("S", conv.turns[:1], "Q2")
+    gen_ids = tok.encode([gen.text])[0]
+    first_trained_2 = len(full) - len(chatml_tokenizer("A2<|im_end|>\n", add_special_tokens=False)["input_ids"])
+    assert full.input_ids[:first_trained_2] == gen_ids
