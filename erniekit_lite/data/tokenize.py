@@ -54,7 +54,7 @@ class Tokenizer:
         out: list[list[int]] = []
         for i in range(0, len(texts), _BATCH):
             chunk = texts[i : i + _BATCH]
-            out += self.tokenizer(chunk, add_special_tokens=False, split_special_tokens=False)["input_ids"]
+            out += self.tokenizer(chunk, add_special_tokens=False, split_special_tokens=not self.parse_special)["input_ids"]
         return out
 
     def __call__(self, convs: list[Conversation], max_length: int, overlong: str = "truncate") -> tuple[list[Sample | None], TokenStats]:

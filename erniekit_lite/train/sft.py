@@ -73,6 +73,9 @@ def training_args(recipe: Recipe, out: Path):
         "remove_unused_columns": False,
         "prediction_loss_only": True,
     }
+    if (settings.get("bf16") or settings.get("fp16")) and not cuda:
+        key = "bf16" if settings.get("bf16") else "fp16"
+        raise UserError(f"train.{key}: true needs a CUDA GPU and none was found; set train.{key}=false to train on CPU")
     try:
         return SFTConfig(**settings)
     except (ValueError, TypeError) as e:
