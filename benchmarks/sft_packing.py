@@ -23,6 +23,12 @@ How "the same work" is defined (the choice this benchmark makes)
   per-step sample counts, so optimizer-step overhead per real token is comparable too.
 - Times summed over rounds per mode; tokens/s = total real tokens / total train_runtime.
 
+Noise: CPU timings are very sensitive to other processes. With torch's default threads on a busy 2-core machine,
+every small op pays thread-synchronisation stalls, which hurts the packed run (many small ops per step) far more
+than the padded one (dominated by large LM-head matmuls): a contended run measured 1.3x where a quiet one measured
+3.0x. The 1-minute load average before and after is printed and recorded; trust only runs that started near 0.
+`--threads 1` is steadier on a shared machine; `--rounds N` interleaves the modes to spread drift over both.
+
 Output: a markdown table, the packed/padded ratio, the 2048 packing efficiency, then ONE final JSON line.
 Targets (issue): packed >= 1.8x padded real tokens/s on CPU; packing efficiency >= 97% at 2048.
 """
@@ -56,8 +62,13 @@ def parse_args(argv=None):
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--rounds", type=int, default=1, help="padded/packed pairs, interleaved")
     p.add_argument("--samples", type=int, default=400, help="alpaca records to train on")
+    p.add_argument("--packed-batch", type=int, default=None,
+                   help="packed rows per step (default: matched to the padded samples per step, see above)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own choice)")
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--released-shape", action="store_true",
+                   help="random weights at the released ERNIE-4.5-0.3B size (hidden 1024, 18 layers) instead")
     p.add_argument("--verbose", action="store_true", help="show erniekit-lite's and the Trainer's own output")
     return p.parse_args(argv)
 
@@ -105,6 +116,7 @@ def train_once(recipe, verbose: bool) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
+    load_start = os.getloadavg()[0]
     shared = Path(args.shared)
     tokenizer_src = shared / "ernie45" / "ernie-4.5-0.3b-base-pt"
     data_path = shared / "data" / "llamafactory" / "alpaca_en_demo.json"
@@ -120,15 +132,25 @@ def main(argv=None) -> int:
     from erniekit_lite.recipe import DataSection
     from erniekit_lite.tiny import write_tiny
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not args.verbose:
+        import warnings
+
         hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' checkpointing rename notices
+        warnings.filterwarnings("ignore", message=".*pin_memory.*")  # no accelerator on CPU
 
     with tempfile.TemporaryDirectory(prefix="erniekit-bench-") as tmp:
         tmp = Path(tmp)
         # The real tokenizer re-saved as tokenizer.json: loads in ~1 s instead of ~6 s from sentencepiece
         tok_dir = tmp / "tokenizer"
         AutoTokenizer.from_pretrained(tokenizer_src).save_pretrained(tok_dir)
-        model_dir = write_tiny(str(tmp / "tiny"), "dense", str(tok_dir), hidden_size=args.hidden_size, layers=args.layers)
+        model_dir = write_tiny(str(tmp / "tiny"), "dense", str(tok_dir), hidden_size=args.hidden_size, layers=args.layers,
+                               released_shape=args.released_shape)
+        if args.released_shape:
+            args.hidden_size, args.layers = 1024, 18
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         quiet = lambda *a, **k: None  # noqa: E731
 
@@ -145,7 +167,7 @@ def main(argv=None) -> int:
         mean_len = statistics.mean(lengths)
         mean_row = statistics.mean(len(r.input_ids) for r in planned.train.rows)
         per_step = args.batch * mean_len  # real tokens a padded step carries, on average
-        packed_batch = max(1, round(per_step / mean_row))
+        packed_batch = args.packed_batch or max(1, round(per_step / mean_row))
         packed_steps = max(1, round(args.steps * per_step / (packed_batch * mean_row)))
         plan = {
             "padded": (args.batch, args.steps),
@@ -186,6 +208,7 @@ def main(argv=None) -> int:
     pad, pck = summary["padded"], summary["packed"]
     ratio = pck["real_tokens_per_second"] / pad["real_tokens_per_second"] if pad["real_tokens_per_second"] else 0.0
     wall = time.perf_counter() - t_start
+    load_end = os.getloadavg()[0]
 
     print()
     print("| mode | batch x steps | real tokens | seconds | real tokens/s | packing/padding efficiency |")
@@ -199,17 +222,19 @@ def main(argv=None) -> int:
     print(f"packed / padded real tokens/s: {ratio:.2f}x (target >= 1.8x: {'met' if ratio >= 1.8 else 'NOT met'})")
     print(f"packing efficiency, full alpaca demo ({len(full.train.samples)} samples) at max_length 2048: "
           f"{eff_2048:.2%} in {len(full.train.rows)} rows (target >= 97%: {'met' if eff_2048 >= 0.97 else 'NOT met'})")
-    print(f"wall time: {wall:.1f} s")
+    print(f"wall time: {wall:.1f} s; 1-min load average {load_start:.2f} at start, {load_end:.2f} at end"
+          + (" (above 1: other processes may have competed; timings may be noisy)" if load_start > 1.0 else ""))
     print(json.dumps({
         "benchmark": "sft_packing",
         "config": {"hidden_size": args.hidden_size, "layers": args.layers, "lora_r": args.lora_r, "max_length": args.max_length,
-                   "samples": args.samples, "rounds": args.rounds, "threads": torch.get_num_threads(), "torch": torch.__version__},
+                   "samples": args.samples, "rounds": args.rounds, "steps": args.steps, "threads": torch.get_num_threads(), "torch": torch.__version__},
         "padded": pad,
         "packed": pck,
         "ratio_packed_over_padded": round(ratio, 3),
         "packing_efficiency_2048_full_alpaca": round(eff_2048, 4),
         "targets_met": {"ratio_1.8x": ratio >= 1.8, "efficiency_97": eff_2048 >= 0.97},
         "wall_seconds": round(wall, 1),
+        "loadavg_1min": [round(load_start, 2), round(load_end, 2)],
     }))
     return 0
 

@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--released-shape", action="store_true", help="the released architecture's size (0.3B / 21B-A3B), random weights")
     p.set_defaults(handler=_tiny)
 
     args = parser.parse_args(argv)
@@ -75,8 +76,11 @@ def _tiny(args) -> int:
     _quiet_libraries()
     from erniekit_lite.tiny import write_tiny
 
-    out = write_tiny(args.out_dir, args.arch, args.tokenizer, args.hidden_size, args.layers, args.seed)
-    print(f"wrote a tiny {args.arch} ERNIE 4.5 checkpoint to {out}")
+    from pathlib import Path
+
+    existed = (Path(args.out_dir) / "erniekit_tiny.json").is_file()
+    out = write_tiny(args.out_dir, args.arch, args.tokenizer, args.hidden_size, args.layers, args.seed, args.released_shape)
+    print(f"{'kept the' if existed else 'wrote a'} tiny {args.arch} ERNIE 4.5 checkpoint {'already in' if existed else 'to'} {out}")
     return 0
 
 

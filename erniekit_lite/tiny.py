@@ -56,17 +56,31 @@ def build_tokenizer(vocab_size: int = 1024):
     )
 
 
-def tiny_config(arch: str, vocab_size: int, hidden_size: int = 128, layers: int = 4):
+RELEASED = {
+    "dense": dict(hidden_size=1024, layers=18, heads=16, kv_heads=2, head_dim=128, intermediate=3072),
+    "moe": dict(hidden_size=2560, layers=28, heads=20, kv_heads=4, head_dim=128, intermediate=12288,
+                moe_intermediate=1536, experts=64, top_k=6),
+}
+
+
+def tiny_config(arch: str, vocab_size: int, hidden_size: int = 128, layers: int = 4, released_shape: bool = False):
+    """Scaled-down shapes, or with `released_shape` the released architecture itself (random weights)."""
     from transformers import Ernie4_5Config, Ernie4_5_MoeConfig
 
     heads = max(2, hidden_size // 32)
+    shape = dict(hidden_size=hidden_size, layers=layers, heads=heads, kv_heads=max(1, heads // 2),
+                 head_dim=hidden_size // heads, intermediate=3 * hidden_size,
+                 moe_intermediate=hidden_size // 2, experts=8, top_k=2)
+    if released_shape:
+        shape = RELEASED[arch]
+    hidden_size, layers = shape["hidden_size"], shape["layers"]
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        head_dim=hidden_size // heads,
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],
         max_position_embeddings=8192,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         rms_norm_eps=1e-5,
@@ -78,13 +92,13 @@ def tiny_config(arch: str, vocab_size: int, hidden_size: int = 128, layers: int 
         use_cache=False,
     )
     if arch == "dense":
-        return Ernie4_5Config(intermediate_size=3 * hidden_size, **common)
+        return Ernie4_5Config(intermediate_size=shape["intermediate"], **common)
     if arch == "moe":
         return Ernie4_5_MoeConfig(
-            intermediate_size=3 * hidden_size,  # the dense first layer
-            moe_intermediate_size=hidden_size // 2,
-            moe_num_experts=8,
-            moe_k=2,
+            intermediate_size=shape["intermediate"],  # the dense first layer
+            moe_intermediate_size=shape["moe_intermediate"],
+            moe_num_experts=shape["experts"],
+            moe_k=shape["top_k"],
             moe_num_shared_experts=2,
             moe_layer_start_index=1,
             moe_layer_end_index=layers - 1,
@@ -95,18 +109,28 @@ def tiny_config(arch: str, vocab_size: int, hidden_size: int = 128, layers: int 
     raise ValueError(f"arch must be dense or moe, got {arch!r}")
 
 
-def write_tiny(out_dir: str, arch: str = "dense", tokenizer_dir: str | None = None, hidden_size: int = 128, layers: int = 4, seed: int = 0) -> Path:
+def write_tiny(out_dir: str, arch: str = "dense", tokenizer_dir: str | None = None, hidden_size: int = 128, layers: int = 4, seed: int = 0, released_shape: bool = False) -> Path:
     """Write a checkpoint that `from_pretrained` loads offline; returns its directory."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     out = Path(out_dir)
+    settings = {"arch": arch, "hidden_size": hidden_size, "layers": layers, "seed": seed, "tokenizer": tokenizer_dir}
+    if released_shape:
+        settings = {"arch": arch, "released_shape": True, "seed": seed, "tokenizer": tokenizer_dir}
+    marker = out / "erniekit_tiny.json"
+    if out.is_dir() and any(out.iterdir()):
+        if marker.is_file() and json.loads(marker.read_text()) == settings:
+            return out  # already written with these settings: deterministic, nothing to redo
+        from erniekit_lite.errors import UserError
+
+        raise UserError(f"{out} is not empty; choose a new directory for the tiny model (nothing was written)")
     if tokenizer_dir:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     else:
         tokenizer = build_tokenizer()
     vocab = -(-len(tokenizer) // 64) * 64  # padded to a multiple of 64, as the released vocab is
-    config = tiny_config(arch, vocab, hidden_size, layers)
+    config = tiny_config(arch, vocab, hidden_size, layers, released_shape)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     out.mkdir(parents=True, exist_ok=True)
@@ -116,5 +140,5 @@ def write_tiny(out_dir: str, arch: str = "dense", tokenizer_dir: str | None = No
         shutil.copy(Path(tokenizer_dir) / "tokenizer.model", out / "tokenizer.model")
     eos = [tokenizer.convert_tokens_to_ids(EOS), tokenizer.convert_tokens_to_ids(EOT)]
     GenerationConfig(bos_token_id=1, eos_token_id=eos, pad_token_id=0, do_sample=False).save_pretrained(out)
-    (out / "erniekit_tiny.json").write_text(json.dumps({"arch": arch, "hidden_size": hidden_size, "layers": layers, "seed": seed}) + "\n")
+    marker.write_text(json.dumps(settings) + "\n")
     return out

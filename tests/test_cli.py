@@ -216,3 +216,13 @@ def test_real_03b_recipes_validate_against_released_config(capsys, name):
         # r=32 on q,k,v,o (1024->2048, 1024->256 x2, 2048->1024) and gate,up,down (1024<->3072) over 18 layers
         per_layer = 32 * ((1024 + 2048) + 2 * (1024 + 256) + (2048 + 1024) + 3 * (1024 + 3072))
         assert f"{18 * per_layer:,} trainable (LoRA r=32)" in out
+
+
+def test_tiny_never_overwrites(tmp_path, capsys):
+    target = tmp_path / "tiny"
+    assert run_cli(capsys, "tiny", target, "--hidden-size", "32", "--layers", "1")[0] == 0
+    before = (target / "model.safetensors").read_bytes()
+    code, out, _ = run_cli(capsys, "tiny", target, "--hidden-size", "32", "--layers", "1")
+    assert code == 0 and "kept the tiny dense" in out  # same settings: nothing to redo
+    assert "is not empty" in _bad(capsys, "tiny", target, "--hidden-size", "64")
+    assert (target / "model.safetensors").read_bytes() == before

@@ -16,12 +16,15 @@ from erniekit_lite.data.tokenize import IGNORE
 
 
 def labelled_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions whose logits predict a trained token, and those tokens. Row-shared for padded batches."""
+    """A [batch, seq] mask of the positions whose logits predict a trained token, and those tokens (flat).
+
+    The mask goes to the model as `logits_to_keep`, which then returns logits for those positions only,
+    flattened to [n, vocab]; in a padded batch each row keeps only its own trained positions.
+    """
     targets = labels[:, 1:]
-    trained = targets != IGNORE
-    keep = trained[0] if labels.shape[0] == 1 else trained.any(0)
-    keep = keep.nonzero().squeeze(1)
-    return keep, targets[:, keep]
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = targets != IGNORE
+    return keep, targets[keep[:, :-1]]
 
 
 class ErnieSFTTrainer(SFTTrainer):
@@ -37,10 +40,9 @@ class ErnieSFTTrainer(SFTTrainer):
         slots = inputs.pop("token_slots", labels.numel())
         keep, targets = labelled_positions(labels)
         outputs = model(**inputs, use_cache=False, logits_to_keep=keep)
-        logits = outputs.logits.float()
-        loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-        counted = (targets != IGNORE).sum()
-        loss = loss_sum / (num_items_in_batch if num_items_in_batch is not None else counted.clamp(min=1))
+        logits = outputs.logits.float()  # [n, vocab]; a no-op in fp32
+        loss_sum = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+        loss = loss_sum / (num_items_in_batch if num_items_in_batch is not None else max(1, targets.numel()))
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
         aux = getattr(outputs, "aux_loss", None)
@@ -50,9 +52,8 @@ class ErnieSFTTrainer(SFTTrainer):
             self._metrics[mode]["aux_loss"].append(aux.item())
 
         with torch.no_grad():
-            valid = targets != IGNORE
-            correct = ((logits.argmax(-1) == targets) & valid).sum().item()
-            self._metrics[mode]["mean_token_accuracy"].append(correct / max(1, valid.sum().item()))
+            correct = (logits.argmax(-1) == targets).sum().item()
+            self._metrics[mode]["mean_token_accuracy"].append(correct / max(1, targets.numel()))
         if mode == "train":
             real = int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else inputs["input_ids"].numel()
             self.real_tokens += real
