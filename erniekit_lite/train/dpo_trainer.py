@@ -1,0 +1,110 @@
+"""TRL's DPOTrainer on padding-free packed preference rows.
+
+TRL 1.16 disables DPO `padding_free`. Rather than re-implement its losses (sigmoid, ipo, hinge, rpo_alpha, ...),
+reference handling and metrics, we keep all of `DPOTrainer._compute_loss` and change only the forward it calls:
+TRL calls `model(..., fused_lm_head=True)` and reads per-token log-probs in a padded [2B, L-1] layout. Our
+forward runs the model once over the packed row (`packed_*` keys from `PackedPairCollator`, per-sample
+attention, `use_cache=False`), scores only the trained positions, and scatters the per-token values into that
+layout with `logp_index`. The reference pass (adapter disabled, or a frozen copy) goes through the same forward.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from trl import DPOTrainer
+from trl.trainer.utils import FusedCausalLMOutput
+
+from erniekit_lite.train.trainer import labelled_positions
+
+PACKED_KEYS = ("packed_input_ids", "packed_labels", "packed_position_ids", "logp_index")
+
+
+def add_packed_forward(model) -> None:
+    """Wrap `model.forward` (already patched by TRL) so packed batches are scored from the packed row."""
+    inner = model.forward
+
+    def forward(self, *args, fused_lm_head=False, **kwargs):
+        if "packed_input_ids" not in kwargs:
+            for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "logp_index"):
+                kwargs.pop(key, None)
+            return inner(*args, fused_lm_head=fused_lm_head, **kwargs)
+        return packed_scores(inner, fused_lm_head, kwargs)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def packed_scores(inner, fused_lm_head: bool, kwargs: dict):
+    padded = kwargs["input_ids"]
+    rows, width = padded.shape
+    labels = kwargs["packed_labels"]
+    keep, targets = labelled_positions(labels)
+    out = inner(
+        input_ids=kwargs["packed_input_ids"],
+        position_ids=kwargs["packed_position_ids"],
+        cu_seq_lens_q=kwargs["cu_seq_lens_q"],
+        cu_seq_lens_k=kwargs["cu_seq_lens_k"],
+        max_length_q=kwargs["max_length_q"],
+        max_length_k=kwargs["max_length_k"],
+        use_cache=False,
+        logits_to_keep=keep,
+        **({"output_router_logits": True} if kwargs.get("output_router_logits") else {}),
+    )
+    logits = out.logits.float()  # [n, vocab], trained positions only
+    log_probs = torch.log_softmax(logits, dim=-1)
+    token = log_probs.gather(-1, targets[:, None]).squeeze(-1)
+    index = kwargs["logp_index"]
+
+    def layout(values: torch.Tensor) -> torch.Tensor:
+        flat = values.new_zeros(rows * (width - 1)).index_put((index,), values)
+        return flat.view(rows, width - 1)
+
+    with torch.no_grad():
+        probs = log_probs.exp()
+        entropy = -(probs * log_probs).sum(-1)
+        mean_logits = logits.mean(-1)
+        is_top1 = (logits.argmax(-1) == targets).to(logits.dtype)
+        log_sum_sq = torch.logsumexp(2 * log_probs, dim=-1)
+    mask = layout(torch.ones_like(token)).bool()
+    return FusedCausalLMOutput(
+        loss=-token.sum() / max(1, token.numel()),
+        log_probs=layout(token),
+        entropy=layout(entropy),
+        log_sum_sq_probs=layout(log_sum_sq),
+        mean_logits=layout(mean_logits),
+        is_top1=layout(is_top1).bool(),
+        label_mask=mask,
+        aux_loss=getattr(out, "aux_loss", None),
+    )
+
+
+class ErnieDPOTrainer(DPOTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        add_packed_forward(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model)
+        if self.ref_model is not None:
+            add_packed_forward(self.ref_model)
+        self.real_tokens = 0
+        self.token_slots = 0
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        return dataset  # already tokenized and packed by erniekit_lite.data.pairs
+
+    def _set_signature_columns_if_needed(self):
+        self._signature_columns = ["input_ids", "labels", "seq_lengths"]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        slots = inputs.pop("token_slots", 0)
+        if model.training:
+            self.real_tokens += int(inputs["attention_mask"].sum())
+            self.token_slots += int(slots)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def throughput(self, runtime: float) -> dict:
+        return {
+            "train_tokens": self.real_tokens,
+            "train_tokens_per_second": round(self.real_tokens / runtime, 2) if runtime else 0.0,
+            "packing_efficiency": round(self.real_tokens / self.token_slots, 4) if self.token_slots else 0.0,
+        }
