@@ -51,10 +51,11 @@ def _train(args) -> int:
     from erniekit_lite import recipe as recipes
 
     r = recipes.load(args.recipe, args.overrides)
-    if r.method != "sft":
-        raise UserError(f"{args.recipe}: method '{r.method}' is not available yet; use method: sft")
     _quiet_libraries()
-    from erniekit_lite.train.sft import run
+    if r.method == "dpo":
+        from erniekit_lite.train.dpo import run
+    else:
+        from erniekit_lite.train.sft import run
 
     run(r)
     return 0

@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from erniekit_lite.recipe import Recipe
 
 
 def plan(recipe: Recipe, log=print) -> dict:
-    from erniekit_lite.data.prepare import prepare
+    from erniekit_lite.data.prepare import prepare, prepare_pairs
     from erniekit_lite.model.load import adapter_base, load_tokenizer
-    from erniekit_lite.train.sft import _tokenizer_path, describe_data, training_args
+    from erniekit_lite.train.common import tokenizer_path, training_args
+    from erniekit_lite.train.dpo import describe_pairs
+    from erniekit_lite.train.sft import describe_data
 
-    args = training_args(recipe, _scratch_dir(recipe))
-    tokenizer = load_tokenizer(_tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
-    data = prepare(recipe.data, tokenizer, seed=args.seed, log=log)
+    args = training_args(recipe, Path(recipe.output.dir))
+    tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
+    if recipe.method == "dpo":
+        data = prepare_pairs(recipe.data, tokenizer, seed=args.seed, log=log)
+        describe, units = describe_pairs, "pairs"
+        truncated, dropped = data.train.stats.truncated, sum(data.train.stats.skipped.values())
+        count = len(data.train.pairs)
+    else:
+        data = prepare(recipe.data, tokenizer, seed=args.seed, log=log)
+        describe, units = describe_data, "samples"
+        truncated = data.train.stats.truncated
+        dropped = data.train.stats.dropped_overlong + data.train.stats.dropped_untrained
+        count = len(data.train.samples)
     arch = architecture(adapter_base(recipe.model.path) or recipe.model.path, recipe)
 
     lengths = sorted(data.train.stats.lengths)
@@ -25,24 +38,23 @@ def plan(recipe: Recipe, log=print) -> dict:
         "architecture": arch["class"],
         "parameters": arch["parameters"],
         "trainable_parameters": arch["trainable"],
-        "train_samples": len(data.train.samples),
-        "eval_samples": len(data.eval.samples) if data.eval else 0,
+        f"train_{units}": count,
         "length_mean": round(sum(lengths) / len(lengths), 1),
         "length_p95": lengths[min(len(lengths) - 1, int(0.95 * len(lengths)))],
         "length_max": lengths[-1],
-        "truncated": data.train.stats.truncated,
-        "dropped": data.train.stats.dropped_overlong + data.train.stats.dropped_untrained,
+        "truncated": truncated,
+        "dropped": dropped,
         "rows": rows,
         "packing_efficiency": round(data.train.packing_efficiency, 4),
         "optimizer_steps": steps,
     }
-    log(describe_data(data))
+    log(describe(data))
     log(
         f"model: {arch['class']} ({recipe.model.path}), {arch['parameters']:,} parameters, "
         f"{arch['trainable']:,} trainable ({'LoRA r=%d' % recipe.lora.r if recipe.lora else 'full fine-tuning'})"
     )
     log(
-        f"tokens per sample: mean {info['length_mean']}, p95 {info['length_p95']}, max {info['length_max']} "
+        f"tokens per sequence: mean {info['length_mean']}, p95 {info['length_p95']}, max {info['length_max']} "
         f"(max_length {recipe.data.max_length}); {info['truncated']} truncated, {info['dropped']} dropped"
     )
     log(
@@ -73,9 +85,3 @@ def architecture(path: str, recipe: Recipe) -> dict:
         model = apply_lora(model, recipe.lora)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"class": type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__, "parameters": total, "trainable": trainable}
-
-
-def _scratch_dir(recipe: Recipe):
-    from pathlib import Path
-
-    return Path(recipe.output.dir)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from erniekit_lite.errors import RecipeError
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-FORMATS = ("auto", "erniekit", "alpaca", "sharegpt", "messages")
+FORMATS = ("auto", "erniekit", "alpaca", "sharegpt", "messages", "trl")  # trl: prompt/chosen/rejected (DPO)
 
 
 class _Section(BaseModel):
@@ -38,7 +38,9 @@ class ModelSection(_Section):
 
 class Source(_Section):
     path: str = Field(description="A .json/.jsonl/.parquet/.csv file or a Hub dataset id.")
-    format: Literal[FORMATS] = Field("auto", description="auto detects from the first record and says what it chose.")
+    format: Literal[FORMATS] = Field(
+        "auto", description="auto detects from the first record and says what it chose; trl is for preference data only."
+    )
     split: str = Field("train", description="Split to read from a Hub dataset.")
     max_samples: int | None = Field(None, ge=1, description="Use only the first N records.")
 
@@ -93,7 +95,7 @@ class Recipe(_Section):
     method: Literal["sft", "dpo"] = Field("sft", description="sft or dpo.")
     data: DataSection
     lora: LoraSection | None = Field(None, description="Omit for full fine-tuning.")
-    train: dict[str, Any] = Field(default_factory=dict, description="TRL SFTConfig fields, checked by name.")
+    train: dict[str, Any] = Field(default_factory=dict, description="TRL SFTConfig (sft) or DPOConfig (dpo) fields, checked by name.")
     output: OutputSection
 
     @field_validator("lora", mode="before")
@@ -151,7 +153,7 @@ def from_dict(raw: dict, source: str = "<recipe>", lines: dict[tuple, int] | Non
         recipe = Recipe.model_validate(raw)
     except ValidationError as e:
         raise _first_error(e, source, lines) from None
-    _check_train_keys(recipe.train, source, lines)
+    _check_train_keys(recipe.train, source, lines, recipe.method)
     return recipe
 
 
@@ -200,12 +202,12 @@ def _did_you_mean(key: str, candidates: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else f"; expected one of: {', '.join(candidates)}"
 
 
-def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int]) -> None:
+def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int], method: str = "sft") -> None:
     import dataclasses
 
-    from trl import SFTConfig
+    from trl import DPOConfig, SFTConfig
 
-    fields = {f.name: f for f in dataclasses.fields(SFTConfig) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(DPOConfig if method == "dpo" else SFTConfig) if f.init}
     valid = list(fields)
     for key, value in list(train.items()):
         where = _where(source, lines, ("train", key))

@@ -115,3 +115,18 @@ def test_dpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_token
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected", "mean_token_accuracy"):
         assert abs(trl_metrics[key] - our_metrics[key]) <= 1e-4, key
     assert abs(our_metrics["rewards/margins"]) > 1e-4  # policy differs from the reference, so the check has teeth
+
+
+def test_padded_pair_collator_scores_match_packed(tiny_dense_dir, pairs):
+    from erniekit_lite.data.pairs import PaddedPairCollator
+
+    model = _trl_patched(load_model(str(tiny_dense_dir), "float32", "packed_sdpa").eval())
+    rows = pack_pairs(pairs, 256, packing=False)
+    assert len(rows) == len(pairs)
+    with torch.no_grad():
+        packed = PackedPairCollator(256)([vars(r) for r in rows])
+        padded = PaddedPairCollator(0)([vars(r) for r in rows])
+        a = model(**{k: v for k, v in packed.items() if k not in ("completion_mask", "token_slots")}, fused_lm_head=True).log_probs.sum(1)
+        b = model(**{k: v for k, v in padded.items() if k not in ("completion_mask", "token_slots")}, fused_lm_head=True).log_probs.sum(1)
+    assert torch.allclose(a, b, atol=1e-4)
+    assert torch.equal(packed["completion_mask"], padded["completion_mask"])

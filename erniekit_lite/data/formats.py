@@ -238,4 +238,246 @@ def check_format(record: Record, fmt: str) -> None:
         raise record.error(f"missing field '{missing[0]}' ({fmt} format)")
 
 
-__all__ = ["Conversation", "Turn", "detect_format", "to_conversation", "check_format", "DataError"]
+# ---------------------------------------------------------------------------------------------------------------
+# Preference (DPO) records: one prompt (with earlier turns as context), a chosen and a rejected response.
+#
+#     erniekit  {"system"?, "src": [q1, .., qn], "tgt": [a1, .., a(n-1)], "response": [[a], [b]], "sort": [s_a, s_b]}
+#               higher sort = chosen
+#     sharegpt  {"conversations": [{"from", "value"}, .., user prompt], "chosen": {"from", "value"}, "rejected": ..,
+#                "system"?, "tools"?}
+#     trl       {"prompt": str, "chosen": str, "rejected": str}, or conversational: "prompt" a list of {"role", "content"}
+#               ending with a user message, "chosen"/"rejected" lists holding one assistant message
+#     alpaca    {"question" | "instruction" + "input"?, "chosen", "rejected", "system"?, "history"?: [[q, a], ...]}
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Preference:
+    history: list[Turn]  # earlier turns of the conversation, context only (Turn.train=False)
+    prompt: str  # the last user message
+    chosen: str
+    rejected: str
+    system: str | None = None
+
+
+class Skip(Exception):
+    """A well-formed record that cannot be trained; str(exc) is a short reason used as a counter key,
+    e.g. "identical chosen and rejected", "empty response", "tied sort"."""
+
+
+PREFERENCE_FORMATS = ("erniekit", "sharegpt", "trl", "alpaca")
+
+
+def detect_preference_format(record: Record) -> str:
+    data = record.data
+    if not isinstance(data, dict):
+        raise record.error(f"expected a JSON object per record, got {type(data).__name__}")
+    if "src" in data and "response" in data:
+        return "erniekit"
+    if "conversations" in data and "chosen" in data:
+        return "sharegpt"
+    if "prompt" in data and "chosen" in data:
+        return "trl"
+    if ("question" in data or "instruction" in data) and "chosen" in data:
+        return "alpaca"
+    keys = ", ".join(sorted(data)) or "none"
+    hint = ""
+    if "chosen" in data and "rejected" in data:
+        hint = "; chosen/rejected without a prompt (TRL's implicit-prompt form) is not supported: move the prompt to 'prompt'"
+    raise record.error(
+        f"cannot tell the preference format from the keys ({keys}); expected src/response/sort (erniekit), "
+        f"conversations/chosen/rejected (sharegpt), prompt/chosen/rejected (trl) or "
+        f"question|instruction/chosen/rejected (alpaca); or set format: in the recipe{hint}"
+    )
+
+
+def to_preference(record: Record, fmt: str, default_system: str | None = None) -> Preference:
+    """One preference pair. Raises DataError (with file:line) for a malformed record, Skip for an untrainable one."""
+    if not isinstance(record.data, dict):
+        raise record.error(f"expected a JSON object per record, got {type(record.data).__name__}")
+    parser = _PREFERENCE_PARSERS.get(fmt)
+    if parser is None:
+        raise record.error(f"unknown preference format '{fmt}'; expected one of {', '.join(PREFERENCE_FORMATS)}")
+    pref = parser(record)
+    if pref.system is None:
+        pref.system = default_system
+    if fmt in ("sharegpt", "trl"):
+        tools = _tools_text(record.data.get("tools"))
+        if tools:  # as for SFT: after the default system, so a recipe's system prompt is kept
+            pref.system = f"{pref.system}\n\nTools: {tools}" if pref.system else f"Tools: {tools}"
+    if not pref.chosen.strip() or not pref.rejected.strip():
+        raise Skip("empty response")
+    if pref.chosen.strip() == pref.rejected.strip():  # differing only in surrounding whitespace is no preference
+        raise Skip("identical chosen and rejected")
+    return pref
+
+
+def _erniekit_pref(record: Record) -> Preference:
+    d = record.data
+    src = _str_list(record, "src")
+    tgt = _str_list(record, "tgt") if d.get("tgt") is not None else []
+    if not src:
+        raise record.error("field 'src' is empty; expected at least the prompt")
+    if len(tgt) != len(src) - 1:
+        raise record.error(
+            f"'src' has {len(src)} turns but 'tgt' has {len(tgt)}; expected one response per earlier prompt "
+            "(len(tgt) = len(src) - 1: the last src is the prompt answered by 'response')"
+        )
+    response = _require(record, "response")
+    if not isinstance(response, list) or len(response) != 2:
+        raise record.error(f"field 'response' must be a list of two responses [[a], [b]], got {_short(response)}")
+    texts = []
+    for i, r in enumerate(response):
+        if isinstance(r, list) and len(r) == 1:
+            r = r[0]
+        if not isinstance(r, str):
+            raise record.error(f"response[{i}] must be a list holding one string (or a string), got {_short(r)}")
+        texts.append(r)
+    sort = _require(record, "sort")
+    if (
+        not isinstance(sort, list)
+        or len(sort) != 2
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in sort)
+    ):
+        raise record.error(f"field 'sort' must be a list of two numbers, one per response, got {_short(sort)}")
+    if sort[0] == sort[1]:
+        raise Skip("tied sort")
+    chosen, rejected = (texts[0], texts[1]) if sort[0] > sort[1] else (texts[1], texts[0])
+    history = [Turn(q, a, train=False) for q, a in zip(src[:-1], tgt)]
+    return Preference(history, src[-1], chosen, rejected, _opt_str(record, "system"))
+
+
+def _sharegpt_pref(record: Record) -> Preference:
+    conversations = _require(record, "conversations")
+    if not isinstance(conversations, list):
+        raise record.error("'conversations' must be a list of {from, value}")
+    messages = []
+    for i, m in enumerate(conversations):
+        if not isinstance(m, dict) or "from" not in m or "value" not in m:
+            raise record.error(f"conversations[{i}] must be an object with 'from' and 'value'")
+        role = _SHAREGPT_ROLES.get(m["from"])
+        if role is None:
+            raise record.error(f"conversations[{i}]: unknown role 'from: {m['from']}'; expected one of {', '.join(_SHAREGPT_ROLES)}")
+        messages.append((role, _text(record, m["value"], f"conversations[{i}].value")))
+    system, history, prompt = _split_prompt(record, messages, _opt_str(record, "system"), "conversations")
+    chosen = _sharegpt_response(record, "chosen")
+    rejected = _sharegpt_response(record, "rejected")
+    return Preference(history, prompt, chosen, rejected, system)
+
+
+def _sharegpt_response(record: Record, key: str) -> str:
+    value = _require(record, key)
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, dict) or "value" not in value:
+        raise record.error(f"field '{key}' must be an object with 'from' and 'value', got {_short(value)}")
+    role = value.get("from", "gpt")
+    if _SHAREGPT_ROLES.get(role) != "assistant":
+        raise record.error(f"field '{key}': the response must come from the assistant (gpt), got 'from: {role}'")
+    return _text(record, value["value"], f"{key}.value")
+
+
+def _trl_pref(record: Record) -> Preference:
+    d = record.data
+    prompt = _require(record, "prompt")
+    system = _opt_str(record, "system")
+    if isinstance(prompt, str):
+        history: list[Turn] = []
+    elif isinstance(prompt, list):
+        system, history, prompt = _split_prompt(record, _role_messages(record, prompt, "prompt"), system, "prompt")
+    else:
+        raise record.error(f"field 'prompt' must be a string or a list of {{role, content}} messages, got {type(prompt).__name__}")
+    return Preference(history, prompt, _trl_response(record, "chosen"), _trl_response(record, "rejected"), system)
+
+
+def _trl_response(record: Record, key: str) -> str:
+    value = _require(record, key)
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise record.error(f"field '{key}' must be a string or a list with one assistant message, got {type(value).__name__}")
+    messages = _role_messages(record, value, key)
+    if len(messages) != 1 or messages[0][0] != "assistant":
+        roles = ", ".join(r for r, _ in messages) or "none"
+        raise record.error(f"field '{key}' must hold exactly one assistant message, got roles: {roles}")
+    return messages[0][1]
+
+
+def _role_messages(record: Record, raw: list, key: str) -> list[tuple[str, str]]:
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise record.error(f"{key}[{i}] must be an object with 'role' and 'content'")
+        role = {"tool": "user", "function": "user", "observation": "user"}.get(m["role"], m["role"])
+        if role not in ("system", "user", "assistant"):
+            raise record.error(f"{key}[{i}]: unknown role '{m['role']}'; expected system, user, assistant or tool")
+        content = m["content"]
+        text = "" if content is None else _text(record, content, f"{key}[{i}].content")
+        if m.get("tool_calls"):
+            calls = json.dumps(m["tool_calls"], ensure_ascii=False)
+            text = f"{text}\n{calls}" if text else calls
+        messages.append((role, text))
+    return messages
+
+
+def _split_prompt(
+    record: Record, messages: list[tuple[str, str]], system: str | None, key: str
+) -> tuple[str | None, list[Turn], str]:
+    """Role-tagged messages ending with the prompt -> (system, context turns, prompt). Consecutive same-role messages
+    are joined, as for SFT."""
+    merged: list[list[str]] = []
+    for role, text in messages:
+        if role == "system":
+            system = text if system is None else f"{system}\n{text}"
+        elif merged and merged[-1][0] == role:
+            merged[-1][1] += "\n" + text
+        else:
+            merged.append([role, text])
+    if not merged:
+        raise record.error(f"'{key}' has no user message; expected the prompt as its last message")
+    if merged[0][0] != "user":
+        raise record.error(f"'{key}' must start with a user message (after any system message)")
+    if merged[-1][0] != "user":
+        raise record.error(f"'{key}' must end with a user message (the prompt), not an assistant one")
+    history = [Turn(u[1], a[1], train=False) for u, a in zip(merged[:-1:2], merged[1::2])]
+    return system, history, merged[-1][1]
+
+
+def _alpaca_pref(record: Record) -> Preference:
+    d = record.data
+    if "instruction" in d:
+        instruction = _req_str(record, "instruction")
+        extra = _opt_str(record, "input")
+        prompt = f"{instruction}\n{extra}" if extra else instruction
+    else:
+        prompt = _req_str(record, "question")
+    chosen, rejected = _req_str(record, "chosen"), _req_str(record, "rejected")
+    history = d.get("history") or []
+    if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 for h in history):
+        raise record.error("'history' must be a list of [prompt, response] pairs")
+    turns = []
+    for q, a in history:
+        if not isinstance(q, str) or not isinstance(a, str):
+            raise record.error("'history' must hold strings")
+        turns.append(Turn(q, a, train=False))
+    return Preference(turns, prompt, chosen, rejected, _opt_str(record, "system"))
+
+
+def _require(record: Record, key: str) -> Any:
+    if record.data.get(key) is None:  # absent, or null (an empty CSV cell)
+        raise record.error(f"missing field '{key}'")
+    return record.data[key]
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_PREFERENCE_PARSERS = {"erniekit": _erniekit_pref, "sharegpt": _sharegpt_pref, "trl": _trl_pref, "alpaca": _alpaca_pref}
+
+
+__all__ = [
+    "Conversation", "Turn", "detect_format", "to_conversation", "check_format", "DataError",
+    "Preference", "Skip", "PREFERENCE_FORMATS", "detect_preference_format", "to_preference",
+]

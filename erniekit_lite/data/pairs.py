@@ -136,3 +136,37 @@ class PackedPairCollator:
             "logp_index": torch.cat(index),
             "token_slots": len(rows) * 2 * self.max_length,
         }
+
+
+@dataclass
+class PaddedPairCollator:
+    """The unpacked layout: each sequence its own padded row, same keys for TRL plus `pair_labels`."""
+
+    pad_token_id: int
+
+    def __call__(self, rows: list[dict]) -> dict:
+        seqs = []
+        for row in rows:
+            start = 0
+            for n in row["seq_lengths"]:
+                seqs.append((row["input_ids"][start : start + n], row["labels"][start : start + n]))
+                start += n
+        pairs, width = len(seqs) // 2, max(len(ids) for ids, _ in seqs)
+        input_ids = torch.full((2 * pairs, width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((2 * pairs, width), IGNORE, dtype=torch.long)
+        attention = torch.zeros((2 * pairs, width), dtype=torch.long)
+        for k, (ids, lab) in enumerate(seqs):
+            row = k // 2 + (pairs if k % 2 else 0)
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            labels[row, : len(lab)] = torch.tensor(lab)
+            attention[row, : len(ids)] = 1
+        scored = labels[:, 1:] != IGNORE
+        rows_idx, cols = scored.nonzero(as_tuple=True)  # row-major, the order logits_to_keep returns them in
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "completion_mask": (labels != IGNORE).long(),
+            "pair_labels": labels,
+            "logp_index": rows_idx * (width - 1) + cols,
+            "token_slots": input_ids.numel(),
+        }

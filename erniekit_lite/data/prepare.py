@@ -5,7 +5,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from erniekit_lite.data.formats import check_format, detect_format, to_conversation
+from collections import Counter
+
+from erniekit_lite.data.formats import Skip, check_format, detect_format, detect_preference_format, to_conversation, to_preference
+from erniekit_lite.data.pairs import Pair, PairRow, PairStats, pack_pairs, tokenize_pairs
 from erniekit_lite.data.load import read_records
 from erniekit_lite.data.packing import Row, efficiency, one_per_row, pack
 from erniekit_lite.data.template import template_for
@@ -91,3 +94,67 @@ def _split(sources: list[Source], data: DataSection, tokenize: Tokenizer, log) -
 
 def _rows(samples: list[Sample], data: DataSection) -> list[Row]:
     return pack(samples, data.max_length) if data.packing else one_per_row(samples)
+
+
+@dataclass
+class PairSplit:
+    rows: list[PairRow]
+    pairs: list[Pair]
+    stats: PairStats
+    sources: list[SourceReport] = field(default_factory=list)
+    max_length: int = 0
+
+    @property
+    def packing_efficiency(self) -> float:
+        return sum(len(r.input_ids) for r in self.rows) / max(1, len(self.rows) * 2 * self.max_length)
+
+
+@dataclass
+class PreparedPairs:
+    train: PairSplit
+    eval: PairSplit | None
+    template: str
+
+
+def prepare_pairs(data: DataSection, tokenizer, seed: int = 42, log=print) -> PreparedPairs:
+    """Preference data -> pairs packed whole into rows of up to 2 x max_length tokens."""
+    tokenize = Tokenizer(tokenizer, template_for(tokenizer))
+    train = _pair_split(data.train, data, tokenize, log)
+    if not train.pairs:
+        reasons = ", ".join(f"{n} {why}" for why, n in train.stats.skipped.items()) or "none readable"
+        raise DataError(", ".join(s.path for s in data.train), f"no trainable preference pairs left after filtering ({reasons})")
+    evaluation = _pair_split(data.eval, data, tokenize, log) if data.eval else None
+    if data.eval_split:
+        shuffled = train.pairs[:]
+        random.Random(seed).shuffle(shuffled)
+        n_eval = max(1, round(len(shuffled) * data.eval_split))
+        if n_eval >= len(shuffled):
+            raise DataError(train.sources[0].path, f"data.eval_split={data.eval_split} leaves no training pairs")
+        rows = lambda pairs: pack_pairs(pairs, data.max_length, data.packing)  # noqa: E731
+        evaluation = PairSplit(rows(shuffled[:n_eval]), shuffled[:n_eval], PairStats(), max_length=data.max_length)
+        train = PairSplit(rows(shuffled[n_eval:]), shuffled[n_eval:], train.stats, train.sources, data.max_length)
+    return PreparedPairs(train, evaluation, tokenize.template.name)
+
+
+def _pair_split(sources: list[Source], data: DataSection, tokenize: Tokenizer, log) -> PairSplit:
+    prefs, reports, skipped = [], [], Counter()
+    for source in sources:
+        records = read_records(source.path, source.split, source.max_samples)
+        if not records:
+            raise DataError(source.path, "no records in this file")
+        fmt, detected = source.format, source.format == "auto"
+        if detected:
+            fmt = detect_preference_format(records[0])
+            log(f"{source.path}: preference format auto-detected as '{fmt}'")
+        elif fmt == "messages":
+            raise DataError(source.path, "format 'messages' holds no preference pairs; use erniekit, sharegpt, trl or alpaca")
+        before = len(prefs)
+        for record in records:
+            try:
+                prefs.append(to_preference(record, fmt, data.system))
+            except Skip as why:
+                skipped[str(why)] += 1
+        reports.append(SourceReport(source.path, fmt, detected, len(records), len(prefs) - before))
+    pairs, stats = tokenize_pairs(tokenize, prefs, data.max_length)
+    stats.skipped.update(skipped)
+    return PairSplit(pack_pairs(pairs, data.max_length, data.packing), pairs, stats, reports, data.max_length)

@@ -18,7 +18,6 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from erniekit_lite.train.trainer import labelled_positions
 
-PACKED_KEYS = ("packed_input_ids", "packed_labels", "packed_position_ids", "logp_index")
 
 
 def add_packed_forward(model) -> None:
@@ -26,31 +25,28 @@ def add_packed_forward(model) -> None:
     inner = model.forward
 
     def forward(self, *args, fused_lm_head=False, **kwargs):
-        if "packed_input_ids" not in kwargs:
-            for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "logp_index"):
-                kwargs.pop(key, None)
+        if "logp_index" not in kwargs:  # generation, or TRL's own padded batches
             return inner(*args, fused_lm_head=fused_lm_head, **kwargs)
-        return packed_scores(inner, fused_lm_head, kwargs)
+        return pair_scores(inner, kwargs)
 
     model.forward = types.MethodType(forward, model)
 
 
-def packed_scores(inner, fused_lm_head: bool, kwargs: dict):
-    padded = kwargs["input_ids"]
-    rows, width = padded.shape
-    labels = kwargs["packed_labels"]
-    keep, targets = labelled_positions(labels)
-    out = inner(
-        input_ids=kwargs["packed_input_ids"],
-        position_ids=kwargs["packed_position_ids"],
-        cu_seq_lens_q=kwargs["cu_seq_lens_q"],
-        cu_seq_lens_k=kwargs["cu_seq_lens_k"],
-        max_length_q=kwargs["max_length_q"],
-        max_length_k=kwargs["max_length_k"],
-        use_cache=False,
-        logits_to_keep=keep,
-        **({"output_router_logits": True} if kwargs.get("output_router_logits") else {}),
-    )
+def pair_scores(inner, kwargs: dict):
+    """Per-token scores of a pair batch, in the [2B, L-1] layout of TRL's DPO loss."""
+    rows, width = kwargs["input_ids"].shape
+    extra = {"output_router_logits": True} if kwargs.get("output_router_logits") else {}
+    if "packed_input_ids" in kwargs:  # one padding-free sequence, per-sample attention
+        keep, targets = labelled_positions(kwargs["packed_labels"])
+        model_inputs = {
+            "input_ids": kwargs["packed_input_ids"],
+            "position_ids": kwargs["packed_position_ids"],
+            **{k: kwargs[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")},
+        }
+    else:  # padded [2B, L] rows with an attention mask
+        keep, targets = labelled_positions(kwargs["pair_labels"])
+        model_inputs = {"input_ids": kwargs["input_ids"], "attention_mask": kwargs["attention_mask"]}
+    out = inner(**model_inputs, use_cache=False, logits_to_keep=keep, **extra)
     logits = out.logits.float()  # [n, vocab], trained positions only
     log_probs = torch.log_softmax(logits, dim=-1)
     token = log_probs.gather(-1, targets[:, None]).squeeze(-1)

@@ -8,30 +8,20 @@ from pathlib import Path
 from erniekit_lite.data.collate import PackedCollator, PaddedCollator
 from erniekit_lite.data.packing import Row
 from erniekit_lite.data.prepare import PreparedData, prepare
-from erniekit_lite.errors import UserError
-from erniekit_lite.model.load import load_model, load_tokenizer, resolve_attention
+from erniekit_lite.model.load import load_tokenizer
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import rundir
+from erniekit_lite.train.common import load_for_training, tokenizer_path, training_args
 
 
 def run(recipe: Recipe, log=print) -> Path:
     args = training_args(recipe, Path(recipe.output.dir))
     rundir.check(recipe)  # fail before any slow step
-    tokenizer = load_tokenizer(_tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
+    tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
     data = prepare(recipe.data, tokenizer, seed=args.seed, log=log)
     log(describe_data(data))
 
-    attn = resolve_attention(recipe.model.attn_implementation, recipe.data.packing)
-    model = load_model(recipe.model.path, recipe.model.dtype, attn, recipe.model.trust_remote_code)
-    if recipe.lora is not None:
-        if hasattr(model, "peft_config"):
-            raise UserError("lora: model.path is already a LoRA output dir; omit lora: to keep training that adapter")
-        from erniekit_lite.model.lora import apply_lora
-
-        model = apply_lora(model, recipe.lora)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    log(f"model: {type(model).__name__} attention={attn} trainable {trainable:,} of {total:,} parameters")
+    model = load_for_training(recipe, log)
 
     # Claimed only now, so a recipe or data mistake never leaves a half-made run dir behind
     out = rundir.claim(recipe, log)
@@ -49,37 +39,6 @@ def run(recipe: Recipe, log=print) -> Path:
     if recipe.output.sample_prompts:
         write_samples(trainer.model, tokenizer, recipe, out, log)
     return out
-
-
-def training_args(recipe: Recipe, out: Path):
-    import torch
-    from trl import SFTConfig
-
-    cuda = torch.cuda.is_available()
-    settings = {
-        "report_to": "none",
-        "bf16": cuda and torch.cuda.is_bf16_supported(),  # TRL defaults to bf16, which fails on CPU
-        "logging_steps": 10,
-        "save_strategy": "steps",
-        "save_total_limit": 2,
-        "dataloader_pin_memory": cuda,
-        **recipe.train,
-        # owned by the recipe's own sections (see recipe.OWNED_TRAIN_KEYS)
-        "output_dir": str(out),
-        "max_length": recipe.data.max_length,
-        "packing": False,  # we pack ourselves, exactly; TRL must not repack
-        "padding_free": False,  # our collator is padding-free; TRL's flag would reject a custom collator
-        "dataset_kwargs": {"skip_prepare_dataset": True},
-        "remove_unused_columns": False,
-        "prediction_loss_only": True,
-    }
-    if (settings.get("bf16") or settings.get("fp16")) and not cuda:
-        key = "bf16" if settings.get("bf16") else "fp16"
-        raise UserError(f"train.{key}: true needs a CUDA GPU and none was found; set train.{key}=false to train on CPU")
-    try:
-        return SFTConfig(**settings)
-    except (ValueError, TypeError) as e:
-        raise UserError(f"train: {str(e).strip().splitlines()[0]}") from None
 
 
 def build_trainer(model, tokenizer, args, data: PreparedData, recipe: Recipe):
@@ -134,12 +93,3 @@ def write_samples(model, tokenizer, recipe: Recipe, out: Path, log=print) -> Non
             text = answer(model, tokenizer, prompt, system=recipe.data.system)
             log(f"sample> User: {prompt}\nsample> Assistant: {text}")
             f.write(json.dumps({"prompt": prompt, "answer": text}, ensure_ascii=False) + "\n")
-
-
-def _tokenizer_path(model_path: str) -> str:
-    from erniekit_lite.model.load import adapter_base
-
-    # An adapter dir saved by us carries the tokenizer; a bare adapter falls back to its base
-    if adapter_base(model_path) and not (Path(model_path) / "tokenizer_config.json").is_file():
-        return adapter_base(model_path)
-    return model_path

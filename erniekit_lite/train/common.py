@@ -1,0 +1,65 @@
+"""What SFT and DPO runs share: Trainer arguments from the recipe, and the model to train."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from erniekit_lite.errors import UserError
+from erniekit_lite.model.load import adapter_base, load_model, resolve_attention
+from erniekit_lite.recipe import Recipe
+
+
+def training_args(recipe: Recipe, out: Path):
+    import torch
+    from trl import DPOConfig, SFTConfig
+
+    cuda = torch.cuda.is_available()
+    settings = {
+        "report_to": "none",
+        "bf16": cuda and torch.cuda.is_bf16_supported(),  # TRL defaults to bf16, which fails on CPU
+        "logging_steps": 10,
+        "save_strategy": "steps",
+        "save_total_limit": 2,
+        "dataloader_pin_memory": cuda,
+        **recipe.train,
+        # owned by the recipe's own sections (see recipe.OWNED_TRAIN_KEYS)
+        "output_dir": str(out),
+        "padding_free": False,  # our collators are padding-free; TRL's flag would reject a custom collator
+        "remove_unused_columns": False,
+        "prediction_loss_only": True,
+    }
+    if recipe.method == "dpo":
+        settings["max_length"] = None  # pairs are already cut to data.max_length per sequence
+    else:
+        settings["max_length"] = recipe.data.max_length
+        settings["packing"] = False  # we pack ourselves, exactly; TRL must not repack
+        settings["dataset_kwargs"] = {"skip_prepare_dataset": True}
+    if (settings.get("bf16") or settings.get("fp16")) and not cuda:
+        key = "bf16" if settings.get("bf16") else "fp16"
+        raise UserError(f"train.{key}: true needs a CUDA GPU and none was found; set train.{key}=false to train on CPU")
+    try:
+        return (DPOConfig if recipe.method == "dpo" else SFTConfig)(**settings)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"train: {str(e).strip().splitlines()[0]}") from None
+
+
+def load_for_training(recipe: Recipe, log=print):
+    attn = resolve_attention(recipe.model.attn_implementation, recipe.data.packing)
+    model = load_model(recipe.model.path, recipe.model.dtype, attn, recipe.model.trust_remote_code)
+    if recipe.lora is not None:
+        if hasattr(model, "peft_config"):
+            raise UserError("lora: model.path is already a LoRA output dir; omit lora: to keep training that adapter")
+        from erniekit_lite.model.lora import apply_lora
+
+        model = apply_lora(model, recipe.lora)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log(f"model: {type(model).__name__} attention={attn} trainable {trainable:,} of {total:,} parameters")
+    return model
+
+
+def tokenizer_path(model_path: str) -> str:
+    # An adapter dir saved by us carries the tokenizer; a bare adapter falls back to its base
+    if adapter_base(model_path) and not (Path(model_path) / "tokenizer_config.json").is_file():
+        return adapter_base(model_path)
+    return model_path

@@ -1,0 +1,84 @@
+"""Preference tuning (DPO and TRL's other pairwise losses), read top to bottom like `sft.py`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator, PairRow
+from erniekit_lite.data.prepare import PreparedPairs, prepare_pairs
+from erniekit_lite.errors import UserError
+from erniekit_lite.model.load import load_tokenizer
+from erniekit_lite.recipe import Recipe
+from erniekit_lite.train import rundir
+from erniekit_lite.train.common import load_for_training, tokenizer_path, training_args
+
+
+def run(recipe: Recipe, log=print) -> Path:
+    args = training_args(recipe, Path(recipe.output.dir))
+    if args.precompute_ref_log_probs:
+        raise UserError("train.precompute_ref_log_probs is not supported with packed pairs yet; use LoRA (no reference copy) or leave it off")
+    rundir.check(recipe)
+    tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
+    data = prepare_pairs(recipe.data, tokenizer, seed=args.seed, log=log)
+    log(describe_pairs(data))
+    model = load_for_training(recipe, log)
+
+    out = rundir.claim(recipe, log)
+    trainer = build_trainer(model, tokenizer, args, data, recipe)
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    metrics = {**result.metrics, **trainer.throughput(result.metrics["train_runtime"]), **last_rewards(trainer)}
+    if data.eval is not None:
+        metrics.update(trainer.evaluate())
+    trainer.save_model(str(out))
+    tokenizer.save_pretrained(str(out))
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+    log(
+        f"done: loss {metrics['train_loss']:.4f}, reward accuracy {metrics.get('rewards/accuracies', float('nan')):.2f}, "
+        f"{metrics['train_tokens_per_second']:.0f} real tokens/s, packing efficiency {metrics['packing_efficiency']:.1%}; saved to {out}"
+    )
+    return out
+
+
+def build_trainer(model, tokenizer, args, data: PreparedPairs, recipe: Recipe):
+    from erniekit_lite.train.dpo_trainer import ErnieDPOTrainer
+
+    collator = PackedPairCollator(recipe.data.max_length) if recipe.data.packing else PaddedPairCollator(tokenizer.pad_token_id)
+    return ErnieDPOTrainer(
+        model=model,
+        args=args,
+        train_dataset=rows_dataset(data.train.rows),
+        eval_dataset=rows_dataset(data.eval.rows) if data.eval is not None else None,
+        processing_class=tokenizer,
+        data_collator=collator,
+    )
+
+
+def rows_dataset(rows: list[PairRow]):
+    from datasets import Dataset
+
+    return Dataset.from_dict(
+        {"input_ids": [r.input_ids for r in rows], "labels": [r.labels for r in rows], "seq_lengths": [r.seq_lengths for r in rows]}
+    )
+
+
+def last_rewards(trainer) -> dict:
+    """The reward metrics of the last logged training step, for train_results.json."""
+    logged = [h for h in trainer.state.log_history if "rewards/accuracies" in h and "eval_rewards/accuracies" not in h]
+    keys = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+    return {k: logged[-1][k] for k in keys if logged and k in logged[-1]}
+
+
+def describe_pairs(data: PreparedPairs) -> str:
+    s = data.train.stats
+    lines = [f"data: template {data.template}, preference pairs"]
+    for src in data.train.sources:
+        lines.append(f"  {src.path} [{src.format}{' (auto)' if src.detected else ''}]: {src.records} records -> {src.samples} pairs")
+    skipped = ", ".join(f"{n} {why}" for why, n in sorted(s.skipped.items())) or "none"
+    lines.append(
+        f"  train: {len(data.train.pairs)} pairs in {len(data.train.rows)} rows, packing efficiency "
+        f"{data.train.packing_efficiency:.1%}; truncated {s.truncated}; skipped: {skipped}"
+    )
+    if data.eval is not None:
+        lines.append(f"  eval: {len(data.eval.pairs)} pairs in {len(data.eval.rows)} rows")
+    return "\n".join(lines)
