@@ -202,7 +202,7 @@ def test_bf16_on_cpu_is_a_clear_error(tmp_path, capsys, tiny_own_dir):
     assert "train.bf16: true needs a CUDA GPU" in _bad(capsys, "train", recipe_file(tmp_path, tiny_own_dir), "train.bf16=true")
 
 
-@pytest.mark.parametrize("name", ["sft.yaml", "sft-lora.yaml"])
+@pytest.mark.parametrize("name", ["sft.yaml", "sft-lora.yaml", "dpo.yaml", "dpo-lora.yaml"])
 def test_real_03b_recipes_validate_against_released_config(capsys, name):
     """The shipped 0.3B recipes, planned against the released config and tokenizer (no weights needed)."""
     from conftest import ERNIE_TOKENIZER_DIR
@@ -212,7 +212,7 @@ def test_real_03b_recipes_validate_against_released_config(capsys, name):
     code, out, err = run_cli(capsys, "validate", ROOT / "recipes" / "ernie-4.5-0.3b" / name, f"model.path={ERNIE_TOKENIZER_DIR}", "train.bf16=false")
     assert code == 0, err
     assert "Ernie4_5ForCausalLM" in out and "360,748,032 parameters" in out
-    if name == "sft-lora.yaml":
+    if name.endswith("-lora.yaml"):
         # r=32 on q,k,v,o (1024->2048, 1024->256 x2, 2048->1024) and gate,up,down (1024<->3072) over 18 layers
         per_layer = 32 * ((1024 + 2048) + 2 * (1024 + 256) + (2048 + 1024) + 3 * (1024 + 3072))
         assert f"{18 * per_layer:,} trainable (LoRA r=32)" in out

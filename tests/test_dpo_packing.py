@@ -81,7 +81,7 @@ def _raw_pairs(tokenizer):
     return examples, pairs
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+@pytest.mark.parametrize("loss_type", [["sigmoid"], ["ipo"], ["hinge"], ["sigmoid", "sft"]], ids=["sigmoid", "ipo", "hinge", "rpo"])
 def test_dpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_tokenizer, loss_type):
     from datasets import Dataset
     from trl import DPOConfig
@@ -96,7 +96,7 @@ def test_dpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_token
     examples, pairs = _raw_pairs(ernie_tokenizer)
     rows = pack_pairs(pairs, 256)
     dataset = Dataset.from_dict({"input_ids": [r.input_ids for r in rows], "labels": [r.labels for r in rows], "seq_lengths": [r.seq_lengths for r in rows]})
-    args = DPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, loss_type=[loss_type], beta=0.1, max_length=None)
+    args = DPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, loss_type=loss_type, beta=0.1, max_length=None)
     trainer = ErnieDPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=ernie_tokenizer, data_collator=PackedPairCollator(256))
     with torch.no_grad():  # move the policy away from the reference (the trained LoRA B starts at zero)
         for name, p in model.named_parameters():

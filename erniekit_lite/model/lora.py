@@ -8,27 +8,30 @@ from erniekit_lite.errors import UserError
 from erniekit_lite.recipe import LoraSection
 
 
-def apply_lora(model, lora: LoraSection):
-    from peft import LoraConfig, get_peft_model
+def lora_config(model, lora: LoraSection):
+    from peft import LoraConfig
 
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     unknown = [t for t in lora.targets if t not in names]
     if unknown:
         raise UserError(f"lora.targets: no module named {unknown} in this model; it has {sorted(_linear_names(model))}")
-    config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=list(lora.targets),
-        task_type="CAUSAL_LM",
-    )
-    peft_model = get_peft_model(model, config)
-    # peft may silently target fewer modules than asked (it does on the MoE); verify by trainable names
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.targets), task_type="CAUSAL_LM")
+
+
+def apply_lora(model, lora: LoraSection):
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(model, lora_config(model, lora))
+    check_adapters(peft_model, lora)
+    return peft_model
+
+
+def check_adapters(peft_model, lora: LoraSection) -> None:
+    """peft may silently target fewer modules than asked (it does on the MoE); verify by trainable names."""
     adapted = trainable_groups(peft_model)
     missing = [t for t in lora.targets if not adapted.get(t)]
     if missing:
         raise UserError(f"lora.targets: peft created no adapter for {missing}")
-    return peft_model
 
 
 def trainable_groups(model) -> Counter:

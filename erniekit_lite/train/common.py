@@ -43,19 +43,26 @@ def training_args(recipe: Recipe, out: Path):
         raise UserError(f"train: {str(e).strip().splitlines()[0]}") from None
 
 
-def load_for_training(recipe: Recipe, log=print):
+def load_for_training(recipe: Recipe, log=print, apply_lora: bool = True):
+    """The model to train; with `apply_lora=False` the caller hands the LoRA config to the trainer instead."""
     attn = resolve_attention(recipe.model.attn_implementation, recipe.data.packing)
     model = load_model(recipe.model.path, recipe.model.dtype, attn, recipe.model.trust_remote_code)
-    if recipe.lora is not None:
-        if hasattr(model, "peft_config"):
-            raise UserError("lora: model.path is already a LoRA output dir; omit lora: to keep training that adapter")
-        from erniekit_lite.model.lora import apply_lora
+    if recipe.lora is not None and hasattr(model, "peft_config"):
+        raise UserError("lora: model.path is already a LoRA output dir; omit lora: to keep training that adapter")
+    if recipe.lora is not None and apply_lora:
+        from erniekit_lite.model.lora import apply_lora as add_adapters
 
-        model = apply_lora(model, recipe.lora)
+        model = add_adapters(model, recipe.lora)
+    if recipe.lora is None or apply_lora:
+        log(describe_model(model))
+    return model
+
+
+def describe_model(model) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    log(f"model: {type(model).__name__} attention={attn} trainable {trainable:,} of {total:,} parameters")
-    return model
+    attn = model.config._attn_implementation
+    return f"model: {type(model).__name__} attention={attn} trainable {trainable:,} of {total:,} parameters"
 
 
 def tokenizer_path(model_path: str) -> str:

@@ -10,7 +10,7 @@ from erniekit_lite.errors import UserError
 from erniekit_lite.model.load import load_tokenizer
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import rundir
-from erniekit_lite.train.common import load_for_training, tokenizer_path, training_args
+from erniekit_lite.train.common import describe_model, load_for_training, tokenizer_path, training_args
 
 
 def run(recipe: Recipe, log=print) -> Path:
@@ -21,10 +21,14 @@ def run(recipe: Recipe, log=print) -> Path:
     tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
     data = prepare_pairs(recipe.data, tokenizer, seed=args.seed, log=log)
     log(describe_pairs(data))
-    model = load_for_training(recipe, log)
+    # A new adapter is handed to TRL as a config: its reference is then the base with the adapter disabled
+    # (no copy). A LoRA run dir given as model.path keeps its adapter, and TRL copies it as the reference.
+    model = load_for_training(recipe, log, apply_lora=False)
 
     out = rundir.claim(recipe, log)
     trainer = build_trainer(model, tokenizer, args, data, recipe)
+    if recipe.lora is not None:
+        log(describe_model(trainer.model))
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = {**result.metrics, **trainer.throughput(result.metrics["train_runtime"]), **last_rewards(trainer)}
     if data.eval is not None:
@@ -43,15 +47,21 @@ def run(recipe: Recipe, log=print) -> Path:
 def build_trainer(model, tokenizer, args, data: PreparedPairs, recipe: Recipe):
     from erniekit_lite.train.dpo_trainer import ErnieDPOTrainer
 
+    from erniekit_lite.model.lora import check_adapters, lora_config
+
     collator = PackedPairCollator(recipe.data.max_length) if recipe.data.packing else PaddedPairCollator(tokenizer.pad_token_id)
-    return ErnieDPOTrainer(
+    trainer = ErnieDPOTrainer(
         model=model,
         args=args,
         train_dataset=rows_dataset(data.train.rows),
         eval_dataset=rows_dataset(data.eval.rows) if data.eval is not None else None,
         processing_class=tokenizer,
         data_collator=collator,
+        peft_config=lora_config(model, recipe.lora) if recipe.lora is not None else None,
     )
+    if recipe.lora is not None:
+        check_adapters(trainer.model, recipe.lora)
+    return trainer
 
 
 def rows_dataset(rows: list[PairRow]):
