@@ -101,3 +101,17 @@ def test_bad_preference_data_is_one_line_error(tmp_path, capsys, tiny_own_dir):
     code, _, err = run(capsys, "train", dpo_recipe(tmp_path, tiny_own_dir, data={"train": [str(none)], "max_length": 64}))
     assert code == 2 and "no trainable preference pairs left after filtering (1 identical chosen and rejected)" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_first_step_loss_is_log2_with_live_or_precomputed_reference(tmp_path, capsys, tiny_own_dir, precompute):
+    """At step 1 the policy is the reference, so the sigmoid loss is exactly log 2 only if the reference
+    log-probs line up with the policy's pair by pair (a misordered precompute would not give log 2)."""
+    recipe = dpo_recipe(tmp_path, tiny_own_dir, lora=False, max_steps=2, logging_steps=1, learning_rate=1e-5,
+                        precompute_ref_log_probs=precompute)
+    code, out, err = run(capsys, "train", recipe)
+    assert code == 0, err
+    history = json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"]
+    first = next(h for h in history if "loss" in h)
+    assert abs(first["loss"] - 0.693147) < 1e-4
+    assert first["tokens_per_second"] > 0 and 0 < first["packing_efficiency"] <= 1

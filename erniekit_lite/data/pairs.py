@@ -122,7 +122,7 @@ class PackedPairCollator:
             index.append(row * (width - 1) + scored)
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(lengths).cumsum(0)
-        return {
+        return _with_ref_logps(rows, {
             "input_ids": padded_ids,
             "attention_mask": attention,
             "completion_mask": completion,
@@ -135,7 +135,7 @@ class PackedPairCollator:
             "max_length_k": width,
             "logp_index": torch.cat(index),
             "token_slots": len(rows) * 2 * self.max_length,
-        }
+        })
 
 
 @dataclass
@@ -162,11 +162,19 @@ class PaddedPairCollator:
             attention[row, : len(ids)] = 1
         scored = labels[:, 1:] != IGNORE
         rows_idx, cols = scored.nonzero(as_tuple=True)  # row-major, the order logits_to_keep returns them in
-        return {
+        return _with_ref_logps(rows, {
             "input_ids": input_ids,
             "attention_mask": attention,
             "completion_mask": (labels != IGNORE).long(),
             "pair_labels": labels,
             "logp_index": rows_idx * (width - 1) + cols,
             "token_slots": input_ids.numel(),
-        }
+        })
+
+
+def _with_ref_logps(rows: list[dict], batch: dict) -> dict:
+    """Precomputed reference log-probs (one per pair, stored per row) in the batch's pair order."""
+    if "ref_chosen_logps" in rows[0]:
+        batch["ref_chosen_logps"] = torch.tensor([v for row in rows for v in row["ref_chosen_logps"]])
+        batch["ref_rejected_logps"] = torch.tensor([v for row in rows for v in row["ref_rejected_logps"]])
+    return batch

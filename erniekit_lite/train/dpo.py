@@ -6,7 +6,6 @@ from pathlib import Path
 
 from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator, PairRow
 from erniekit_lite.data.prepare import PreparedPairs, prepare_pairs
-from erniekit_lite.errors import UserError
 from erniekit_lite.model.load import load_tokenizer
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import rundir
@@ -15,8 +14,6 @@ from erniekit_lite.train.common import describe_model, load_for_training, tokeni
 
 def run(recipe: Recipe, log=print) -> Path:
     args = training_args(recipe, Path(recipe.output.dir))
-    if args.precompute_ref_log_probs:
-        raise UserError("train.precompute_ref_log_probs is not supported with packed pairs yet; use LoRA (no reference copy) or leave it off")
     rundir.check(recipe)
     tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
     data = prepare_pairs(recipe.data, tokenizer, seed=args.seed, log=log)

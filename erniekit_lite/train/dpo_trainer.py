@@ -16,7 +16,7 @@ import torch
 from trl import DPOTrainer
 from trl.trainer.utils import FusedCausalLMOutput
 
-from erniekit_lite.train.trainer import labelled_positions
+from erniekit_lite.train.trainer import ThroughputMixin, labelled_positions
 
 
 
@@ -75,14 +75,30 @@ def pair_scores(inner, kwargs: dict):
     )
 
 
-class ErnieDPOTrainer(DPOTrainer):
+class ErnieDPOTrainer(ThroughputMixin, DPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        add_packed_forward(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model)
-        if self.ref_model is not None:
-            add_packed_forward(self.ref_model)
-        self.real_tokens = 0
-        self.token_slots = 0
+        self._install_packed_forward()
+
+    def _install_packed_forward(self) -> None:
+        # Called again from `_precompute_ref_logps`, which TRL runs inside `__init__`, after its own patching
+        for model in (self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model, self.ref_model):
+            if model is not None and not getattr(model, "_erniekit_packed", False):
+                add_packed_forward(model)
+                model._erniekit_packed = True
+
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        """Reference log-probs per pair, stored per row (a row holds whole pairs, in collator order)."""
+        self._install_packed_forward()
+        model = self.ref_model or self.model
+        chosen, rejected = [], []
+        for row in dataset:
+            batch = self.data_collator([row])
+            batch = {k: v.to(self.accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items() if k != "token_slots"}
+            c, r = self.compute_ref_log_probs(model, batch)
+            chosen.append(c.float().cpu().tolist())
+            rejected.append(r.float().cpu().tolist())
+        return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         return dataset  # already tokenized and packed by erniekit_lite.data.pairs
@@ -92,15 +108,5 @@ class ErnieDPOTrainer(DPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
-        slots = inputs.pop("token_slots", 0)
-        if model.training:
-            self.real_tokens += int(inputs["attention_mask"].sum())
-            self.token_slots += int(slots)
+        self.count_tokens(model, int(inputs["attention_mask"].sum()), inputs.pop("token_slots", 0))
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-
-    def throughput(self, runtime: float) -> dict:
-        return {
-            "train_tokens": self.real_tokens,
-            "train_tokens_per_second": round(self.real_tokens / runtime, 2) if runtime else 0.0,
-            "packing_efficiency": round(self.real_tokens / self.token_slots, 4) if self.token_slots else 0.0,
-        }

@@ -9,6 +9,8 @@ Everything else (optimizer, schedule, checkpoints, logging, accumulation) is TRL
 
 from __future__ import annotations
 
+import time
+
 import torch
 from trl import SFTTrainer
 
@@ -27,12 +29,40 @@ def labelled_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return keep, targets[keep[:, :-1]]
 
 
-class ErnieSFTTrainer(SFTTrainer):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.real_tokens = 0  # non-pad tokens forwarded in training
-        self.token_slots = 0  # tokens the batches could hold (rows x max_length when packed; padded size otherwise)
+class ThroughputMixin:
+    """Real-token accounting for any Trainer: totals for train_results.json, rates in each logged step."""
 
+    real_tokens = 0  # non-pad tokens forwarded in training
+    token_slots = 0  # tokens the batches could hold (rows x row capacity when packed; padded size otherwise)
+    _since_log = None  # (time, real_tokens, token_slots) at the previous log
+
+    def count_tokens(self, model, real: int, slots: int) -> None:
+        if model.training:
+            if self._since_log is None:  # the first training forward starts the clock
+                self._since_log = (time.perf_counter(), self.real_tokens, self.token_slots)
+            self.real_tokens += real
+            self.token_slots += int(slots)
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        if "loss" in logs and self.real_tokens:
+            now = time.perf_counter()
+            then, tokens, slots = self._since_log or (now, 0, 0)
+            if now > then:
+                logs["tokens_per_second"] = round((self.real_tokens - tokens) / (now - then), 1)
+            if self.token_slots > slots:
+                logs["packing_efficiency"] = round((self.real_tokens - tokens) / (self.token_slots - slots), 4)
+            self._since_log = (now, self.real_tokens, self.token_slots)
+        super().log(logs, start_time)
+
+    def throughput(self, runtime: float) -> dict:
+        return {
+            "train_tokens": self.real_tokens,
+            "train_tokens_per_second": round(self.real_tokens / runtime, 2) if runtime else 0.0,
+            "packing_efficiency": round(self.real_tokens / self.token_slots, 4) if self.token_slots else 0.0,
+        }
+
+
+class ErnieSFTTrainer(ThroughputMixin, SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if model.training else "eval"
         inputs = dict(inputs)
@@ -54,16 +84,8 @@ class ErnieSFTTrainer(SFTTrainer):
         with torch.no_grad():
             correct = (logits.argmax(-1) == targets).sum().item()
             self._metrics[mode]["mean_token_accuracy"].append(correct / max(1, targets.numel()))
+        real = int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else inputs["input_ids"].numel()
+        self.count_tokens(model, real, slots)
         if mode == "train":
-            real = int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else inputs["input_ids"].numel()
-            self.real_tokens += real
-            self.token_slots += int(slots)
             self._metrics[mode]["num_tokens"] = [self.real_tokens]
         return (loss, outputs) if return_outputs else loss
-
-    def throughput(self, runtime: float) -> dict:
-        return {
-            "train_tokens": self.real_tokens,
-            "train_tokens_per_second": round(self.real_tokens / runtime, 2) if runtime else 0.0,
-            "packing_efficiency": round(self.real_tokens / self.token_slots, 4) if self.token_slots else 0.0,
-        }
