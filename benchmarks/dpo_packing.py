@@ -30,7 +30,8 @@ How "the same work" is defined (the choice this benchmark makes)
   per-step pair counts, so optimizer-step and per-step reference-pass overhead per real token is comparable too.
   Which pairs each run draws is up to the Trainer's seeded shuffle, so the two budgets differ a little.
 - Times summed over rounds per mode; tokens/s = total real tokens / total train_runtime. `logging_steps` equals each
-  mode's step count, so each run logs once (at its last step) and train_results.json carries that step's rewards.
+  mode's step count, so each run logs once (at its last step) and train_results.json carries rewards/* (TRL
+  averages its metrics since the previous log, so here over all of that run's steps).
 
 Noise: CPU timings are very sensitive to other processes (see benchmarks/sft_packing.py). The 1-minute load average
 before and after is printed and recorded; trust only runs that started near 0. `--threads 1` is steadier on a
@@ -100,7 +101,7 @@ def recipe_dict(args, model_dir: Path, data_path: Path, out_dir: Path, packing: 
             "max_steps": steps,
             "per_device_train_batch_size": batch,
             "learning_rate": 1e-4,
-            "logging_steps": steps,  # one log, at the last step: rewards/* land in train_results.json
+            "logging_steps": steps,  # one log, at the last step: run-mean rewards/* land in train_results.json
             "save_strategy": "no",
             "report_to": "none",
             "activation_checkpointing": False,
@@ -192,6 +193,16 @@ def train_in_subprocess(recipe: dict, tmp: Path, name: str, args) -> dict:
     return json.loads(result.read_text())
 
 
+def git_revision() -> str | None:
+    """HEAD plus '+dirty' for a modified tree, so a result says which code it measured."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 # ---------------------------------------------------------------- the benchmark
 
 
@@ -201,6 +212,7 @@ def main(argv=None) -> int:
         return worker(args.worker)
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
+    revision = git_revision()
     shared = Path(args.shared)
     tokenizer_src = shared / "ernie45" / "ernie-4.5-0.3b-base-pt"
     data_path = shared / "data" / "llamafactory" / "dpo_en_demo.json"
@@ -303,6 +315,7 @@ def main(argv=None) -> int:
     threads = results["padded"][0].get("threads") if results["padded"] else None
     wall = time.perf_counter() - t_start
     load_end = os.getloadavg()[0]
+    revision_end = git_revision()
 
     print()
     print("| mode | batch x steps | real tokens | seconds | real tokens/s | packing/padding efficiency | peak RSS MiB |")
@@ -320,11 +333,14 @@ def main(argv=None) -> int:
               f"baseline after imports ~{pad['baseline_rss_mib'][0]} MiB)")
     print(f"wall time: {wall:.1f} s; 1-min load average {load_start:.2f} at start, {load_end:.2f} at end"
           + (" (above 1: other processes may have competed; timings may be noisy)" if load_start > 1.0 else ""))
+    if revision_end != revision:
+        print(f"WARNING: the checkout changed during the run ({revision} -> {revision_end}); the modes may have run different code")
     print(json.dumps({
         "benchmark": "dpo_packing",
         "config": {"hidden_size": args.hidden_size, "layers": args.layers, "lora_r": args.lora_r, "max_length": args.max_length,
                    "samples": args.samples, "pairs": len(pairs), "rounds": args.rounds, "steps": args.steps, "batch": args.batch,
-                   "loss_type": args.loss_type, "beta": args.beta, "threads": threads, "torch": torch.__version__},
+                   "loss_type": args.loss_type, "beta": args.beta, "threads": threads, "torch": torch.__version__,
+                   "git": revision if revision_end == revision else [revision, revision_end]},
         "padded": pad,
         "packed": pck,
         "ratio_packed_over_padded": round(ratio, 3),

@@ -70,3 +70,12 @@ def tokenizer_path(model_path: str) -> str:
     if adapter_base(model_path) and not (Path(model_path) / "tokenizer_config.json").is_file():
         return adapter_base(model_path)
     return model_path
+
+
+def rows_dataset(rows):
+    """Packed rows (SFT `Row` or DPO `PairRow`) as the `datasets.Dataset` the Trainer iterates."""
+    from datasets import Dataset
+
+    return Dataset.from_dict(
+        {"input_ids": [r.input_ids for r in rows], "labels": [r.labels for r in rows], "seq_lengths": [r.seq_lengths for r in rows]}
+    )

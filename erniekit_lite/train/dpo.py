@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator, PairRow
+from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator
 from erniekit_lite.data.prepare import PreparedPairs, prepare_pairs
 from erniekit_lite.model.load import load_tokenizer
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import rundir
-from erniekit_lite.train.common import describe_model, load_for_training, tokenizer_path, training_args
+from erniekit_lite.train.common import describe_model, load_for_training, rows_dataset, tokenizer_path, training_args
 
 
 def run(recipe: Recipe, log=print) -> Path:
@@ -59,14 +59,6 @@ def build_trainer(model, tokenizer, args, data: PreparedPairs, recipe: Recipe):
     if recipe.lora is not None:
         check_adapters(trainer.model, recipe.lora)
     return trainer
-
-
-def rows_dataset(rows: list[PairRow]):
-    from datasets import Dataset
-
-    return Dataset.from_dict(
-        {"input_ids": [r.input_ids for r in rows], "labels": [r.labels for r in rows], "seq_lengths": [r.seq_lengths for r in rows]}
-    )
 
 
 def last_rewards(trainer) -> dict:

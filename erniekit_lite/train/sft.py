@@ -1,4 +1,4 @@
-"""Supervised fine-tuning, read top to bottom: claim run dir, tokenize and pack, load model, train, save."""
+"""Supervised fine-tuning, read top to bottom: check the run dir, tokenize and pack, load the model, train, save."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import json
 from pathlib import Path
 
 from erniekit_lite.data.collate import PackedCollator, PaddedCollator
-from erniekit_lite.data.packing import Row
 from erniekit_lite.data.prepare import PreparedData, prepare
 from erniekit_lite.model.load import load_tokenizer
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import rundir
-from erniekit_lite.train.common import load_for_training, tokenizer_path, training_args
+from erniekit_lite.train.common import load_for_training, rows_dataset, tokenizer_path, training_args
 
 
 def run(recipe: Recipe, log=print) -> Path:
@@ -55,18 +54,6 @@ def build_trainer(model, tokenizer, args, data: PreparedData, recipe: Recipe):
         eval_dataset=rows_dataset(data.eval.rows) if data.eval is not None else None,
         processing_class=tokenizer,
         data_collator=collator,
-    )
-
-
-def rows_dataset(rows: list[Row]):
-    from datasets import Dataset
-
-    return Dataset.from_dict(
-        {
-            "input_ids": [r.input_ids for r in rows],
-            "labels": [r.labels for r in rows],
-            "seq_lengths": [r.seq_lengths for r in rows],
-        }
     )
 
 
