@@ -11,7 +11,7 @@ from erniekit_lite.data.packing import best_fit_decreasing, efficiency, one_per_
 from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import IGNORE, Tokenizer
 from erniekit_lite.model.load import load_model
-from erniekit_lite.train.trainer import labelled_positions
+from erniekit_lite.train.scoring import add_scoring_forward, labelled_positions
 
 CONVS = [
     Conversation([Turn("Who are you?", "I am a tiny ERNIE.")], "You are helpful."),
@@ -77,14 +77,13 @@ def test_packed_row_with_kv_cache_leaks_across_samples(tiny_dense_dir, samples):
 
 
 def _row_loss(model, batch) -> tuple[torch.Tensor, int]:
+    """Summed loss and trained-token count, through the trainers' scoring path."""
+    add_scoring_forward(model)
     batch = dict(batch)
     batch.pop("token_slots")
     labels = batch.pop("labels")
-    keep, targets = labelled_positions(labels)
-    logits = model(**batch, use_cache=False, logits_to_keep=keep).logits
-    assert logits.shape == (targets.numel(), model.config.vocab_size)  # no logits for untrained positions
-    loss = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
-    return loss, targets.numel()
+    scores = model(**batch, score_labels=labels)
+    return -scores.log_probs.sum(), scores.log_probs.numel()
 
 
 def test_packed_loss_equals_token_weighted_loss_alone(tiny_dense_dir, samples):
@@ -111,22 +110,28 @@ def test_padded_batch_loss_equals_packed(tiny_dense_dir, samples):
     assert abs(padded_sum.item() - packed_sum.item()) / packed_n <= 1e-5
 
 
-def test_labelled_only_loss_and_grads_equal_full_logits(tiny_dense_dir, samples):
+def test_scored_loss_and_grads_equal_full_logits(tiny_dense_dir, samples):
+    """The trainers' loss (chunked LM head at trained positions only) equals cross-entropy over full logits."""
     model = load_model(str(tiny_dense_dir), "float32", "packed_sdpa")
+    add_scoring_forward(model)
     batch = PackedCollator(512)([vars(r) for r in pack(samples, 512)])
-    loss, n = _row_loss(model, batch)
-    (loss / n).backward()
+    batch.pop("token_slots")
+    labels = batch.pop("labels")
+    scores = model(**batch, score_labels=labels)
+    n = scores.log_probs.numel()
+    assert n == int((labels[:, 1:] != IGNORE).sum())
+    loss = -scores.log_probs.sum() / n
+    loss.backward()
     fast = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad()
-    full = dict(batch)
-    full.pop("token_slots")
-    labels = full.pop("labels")
-    logits = model(**full, use_cache=False).logits[0, :-1]
+    logits = model(**batch, use_cache=False).logits[0, :-1]
     ref = torch.nn.functional.cross_entropy(logits, labels[0, 1:], ignore_index=IGNORE)
     ref.backward()
-    assert abs(ref.item() - loss.item() / n) <= 1e-5
+    assert abs(ref.item() - loss.item()) <= 1e-5
     for k, p in model.named_parameters():
         assert torch.allclose(p.grad, fast[k], atol=1e-5, rtol=1e-4), k
+    trained = labels[0, 1:] != IGNORE
+    assert torch.equal(scores.is_top1, logits[trained].argmax(-1) == labels[0, 1:][trained])
 
 
 def test_packing_efficiency_counts_slots(samples):

@@ -14,12 +14,10 @@ import types
 
 import torch
 from trl import DPOTrainer
-from trl.kernels import ChunkedLogProbFunction
 from trl.trainer.utils import FusedCausalLMOutput
 
-from erniekit_lite.train.trainer import ThroughputMixin, labelled_positions
-
-_VOCAB_CHUNK = 8192  # vocabulary columns per LM-head tile: [tokens x 8192] fp32 tiles instead of [tokens x 103k]
+from erniekit_lite.train.scoring import score
+from erniekit_lite.train.trainer import ThroughputMixin
 
 
 
@@ -36,53 +34,37 @@ def add_packed_forward(model) -> None:
 
 
 def pair_scores(model, kwargs: dict) -> FusedCausalLMOutput:
-    """Per-token scores of a pair batch, in the [2B, L-1] layout of TRL's DPO loss.
-
-    The backbone runs once (packed: one padding-free sequence with per-sample attention; or padded rows), and
-    the LM head runs only at trained positions, through TRL's chunked log-prob kernel: no [tokens x vocab]
-    logits ever exist, which is what keeps DPO's memory flat with ERNIE's 103k vocabulary.
-    """
+    """Per-token scores of a pair batch (`scoring.score`), in the [2B, L-1] layout of TRL's DPO loss."""
     rows, width = kwargs["input_ids"].shape
-    moe = bool(kwargs.get("output_router_logits"))
-    if "packed_input_ids" in kwargs:
-        keep, targets = labelled_positions(kwargs["packed_labels"])
+    if "packed_input_ids" in kwargs:  # one padding-free sequence, per-sample attention
+        labels = kwargs["packed_labels"]
         inputs = {
             "input_ids": kwargs["packed_input_ids"],
             "position_ids": kwargs["packed_position_ids"],
             **{k: kwargs[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")},
         }
-    else:
-        keep, targets = labelled_positions(kwargs["pair_labels"])
+    else:  # padded [2B, L] rows
+        labels = kwargs["pair_labels"]
         inputs = {"input_ids": kwargs["input_ids"], "attention_mask": kwargs["attention_mask"]}
-    out = model.base_model(**inputs, use_cache=False, **({"output_router_logits": True} if moe else {}))
-    head = model.get_output_embeddings()
-    token, entropy, log_sum_sq, mean_logits, is_top1 = ChunkedLogProbFunction.apply(
-        out.last_hidden_state[keep], head.weight, head.bias, targets, 1.0, _VOCAB_CHUNK, None, 1.0,
-        ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"),
-    )
+    inputs["output_router_logits"] = kwargs.get("output_router_logits", False)
+    scores = score(model, labels, inputs)
     index = kwargs["logp_index"]
 
     def layout(values: torch.Tensor) -> torch.Tensor:
         flat = values.new_zeros(rows * (width - 1)).index_put((index,), values)
         return flat.view(rows, width - 1)
 
+    token = scores.log_probs
     return FusedCausalLMOutput(
         loss=-token.sum() / max(1, token.numel()),
         log_probs=layout(token),
-        entropy=layout(entropy.detach()),
-        log_sum_sq_probs=layout(log_sum_sq),
-        mean_logits=layout(mean_logits),
-        is_top1=layout(is_top1.to(token.dtype)).bool(),
+        entropy=layout(scores.entropy.detach()),
+        log_sum_sq_probs=layout(scores.log_sum_sq_probs),
+        mean_logits=layout(scores.mean_logits),
+        is_top1=layout(scores.is_top1.to(token.dtype)).bool(),
         label_mask=layout(torch.ones_like(token)).bool(),
-        aux_loss=_router_loss(model, out) if moe else None,
+        aux_loss=scores.aux_loss,
     )
-
-
-def _router_loss(model, out):
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
-    config = model.config
-    return load_balancing_loss_func(out.router_logits, config.moe_num_experts, config.moe_k, None)
 
 
 class ErnieDPOTrainer(ThroughputMixin, DPOTrainer):

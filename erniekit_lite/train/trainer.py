@@ -1,9 +1,9 @@
 """TRL's SFTTrainer over rows we tokenized and packed ourselves.
 
 Two departures from `SFTTrainer.compute_loss`, both because ERNIE's 103k-entry LM head dominates small models:
-- logits only at positions whose next token is trained (`logits_to_keep` with the label positions), so prompt
-  tokens never pay for the LM head, and token accuracy is computed from those logits alone;
-- real-token accounting (tokens/s without padding, packing efficiency) for `train_results.json`.
+- the LM head runs only at positions whose next token is trained, in vocabulary tiles (`scoring.py`), so prompt
+  tokens never pay for it and no [tokens x vocab] logits exist; token accuracy comes from the same pass;
+- real-token accounting (tokens/s without padding, packing efficiency) per logged step and in `train_results.json`.
 Everything else (optimizer, schedule, checkpoints, logging, accumulation) is TRL and transformers.
 """
 
@@ -14,19 +14,7 @@ import time
 import torch
 from trl import SFTTrainer
 
-from erniekit_lite.data.tokenize import IGNORE
-
-
-def labelled_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [batch, seq] mask of the positions whose logits predict a trained token, and those tokens (flat).
-
-    The mask goes to the model as `logits_to_keep`, which then returns logits for those positions only,
-    flattened to [n, vocab]; in a padded batch each row keeps only its own trained positions.
-    """
-    targets = labels[:, 1:]
-    keep = torch.zeros_like(labels, dtype=torch.bool)
-    keep[:, :-1] = targets != IGNORE
-    return keep, targets[keep[:, :-1]]
+from erniekit_lite.train.scoring import add_scoring_forward
 
 
 class ThroughputMixin:
@@ -63,29 +51,28 @@ class ThroughputMixin:
 
 
 class ErnieSFTTrainer(ThroughputMixin, SFTTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        add_scoring_forward(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if model.training else "eval"
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         slots = inputs.pop("token_slots", labels.numel())
-        keep, targets = labelled_positions(labels)
-        outputs = model(**inputs, use_cache=False, logits_to_keep=keep)
-        logits = outputs.logits.float()  # [n, vocab]; a no-op in fp32
-        loss_sum = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
-        loss = loss_sum / (num_items_in_batch if num_items_in_batch is not None else max(1, targets.numel()))
+        scores = model(**inputs, score_labels=labels, output_router_logits=self.aux_loss_enabled)
+        n = scores.log_probs.numel()
+        loss = -scores.log_probs.sum() / (num_items_in_batch if num_items_in_batch is not None else max(1, n))
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
-        aux = getattr(outputs, "aux_loss", None)
-        if aux is not None and self.aux_loss_enabled:
+        if scores.aux_loss is not None:
             steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
-            loss = loss + self.router_aux_loss_coef * aux / steps
-            self._metrics[mode]["aux_loss"].append(aux.item())
-
-        with torch.no_grad():
-            correct = (logits.argmax(-1) == targets).sum().item()
-            self._metrics[mode]["mean_token_accuracy"].append(correct / max(1, targets.numel()))
+            loss = loss + self.router_aux_loss_coef * scores.aux_loss / steps
+            self._metrics[mode]["aux_loss"].append(scores.aux_loss.item())
+        self._metrics[mode]["mean_token_accuracy"].append(scores.is_top1.sum().item() / max(1, n))
+        self._metrics[mode]["entropy"].append(scores.entropy.detach().mean().item() if n else 0.0)
         real = int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else inputs["input_ids"].numel()
         self.count_tokens(model, real, slots)
         if mode == "train":
             self._metrics[mode]["num_tokens"] = [self.real_tokens]
-        return (loss, outputs) if return_outputs else loss
+        return (loss, scores) if return_outputs else loss
