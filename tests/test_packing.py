@@ -110,8 +110,13 @@ def test_padded_batch_loss_equals_packed(tiny_dense_dir, samples):
     assert abs(padded_sum.item() - packed_sum.item()) / packed_n <= 1e-5
 
 
-def test_scored_loss_and_grads_equal_full_logits(tiny_dense_dir, samples):
-    """The trainers' loss (chunked LM head at trained positions only) equals cross-entropy over full logits."""
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "checkpointed-chunks"])
+def test_scored_loss_and_grads_equal_full_logits(tiny_dense_dir, samples, monkeypatch, chunked):
+    """The trainers' loss (LM head at trained positions only, in chunks) equals cross-entropy over full logits."""
+    from erniekit_lite.train import scoring
+
+    if chunked:  # 5 positions per chunk, each recomputed in backward
+        monkeypatch.setattr(scoring, "MAX_CHUNK_ELEMENTS", 5 * 103424)
     model = load_model(str(tiny_dense_dir), "float32", "packed_sdpa")
     add_scoring_forward(model)
     batch = PackedCollator(512)([vars(r) for r in pack(samples, 512)])

@@ -59,26 +59,16 @@ def prepare(data: DataSection, tokenizer, seed: int = 42, log=print) -> Prepared
         )
     evaluation = _split(data.eval, data, tokenize, log) if data.eval else None
     if data.eval_split:
-        shuffled = train.samples[:]
-        random.Random(seed).shuffle(shuffled)
-        n_eval = max(1, round(len(shuffled) * data.eval_split))
-        if n_eval >= len(shuffled):
-            raise DataError(train.sources[0].path, f"data.eval_split={data.eval_split} leaves no training samples")
-        evaluation = Split(_rows(shuffled[:n_eval], data), shuffled[:n_eval], TokenStats(), max_length=data.max_length)
-        train = Split(_rows(shuffled[n_eval:], data), shuffled[n_eval:], train.stats, train.sources, max_length=data.max_length)
+        held, kept = _hold_out(train.samples, data.eval_split, seed, train.sources[0].path)
+        evaluation = Split(_rows(held, data), held, TokenStats(), max_length=data.max_length)
+        train = Split(_rows(kept, data), kept, train.stats, train.sources, max_length=data.max_length)
     return PreparedData(train, evaluation, tokenize.template.name)
 
 
 def _split(sources: list[Source], data: DataSection, tokenize: Tokenizer, log) -> Split:
     convs, reports = [], []
     for source in sources:
-        records = read_records(source.path, source.split, source.max_samples)
-        if not records:
-            raise DataError(source.path, "no records in this file")
-        fmt, detected = source.format, source.format == "auto"
-        if detected:
-            fmt = detect_format(records[0])
-            log(f"{source.path}: format auto-detected as '{fmt}'")
+        records, fmt, detected = _read(source, detect_format, "format", log)
         for record in records:
             check_format(record, fmt)
             convs.append(to_conversation(record, fmt, data.system))
@@ -90,6 +80,28 @@ def _split(sources: list[Source], data: DataSection, tokenize: Tokenizer, log) -
         start += report.records
     samples = [s for s in results if s is not None]
     return Split(_rows(samples, data), samples, stats, reports, max_length=data.max_length)
+
+
+def _read(source: Source, detect, what: str, log):
+    """The source's records and its format: as set in the recipe, or detected from the first record."""
+    records = read_records(source.path, source.split, source.max_samples)
+    if not records:
+        raise DataError(source.path, "no records in this file")
+    if source.format != "auto":
+        return records, source.format, False
+    fmt = detect(records[0])
+    log(f"{source.path}: {what} auto-detected as '{fmt}'")
+    return records, fmt, True
+
+
+def _hold_out(items: list, fraction: float, seed: int, where: str) -> tuple[list, list]:
+    """A seeded random `fraction` of the items for evaluation, and the rest for training."""
+    shuffled = items[:]
+    random.Random(seed).shuffle(shuffled)
+    n_eval = max(1, round(len(shuffled) * fraction))
+    if n_eval >= len(shuffled):
+        raise DataError(where, f"data.eval_split={fraction} leaves nothing to train on")
+    return shuffled[:n_eval], shuffled[n_eval:]
 
 
 def _rows(samples: list[Sample], data: DataSection) -> list[Row]:
@@ -125,28 +137,17 @@ def prepare_pairs(data: DataSection, tokenizer, seed: int = 42, log=print) -> Pr
         raise DataError(", ".join(s.path for s in data.train), f"no trainable preference pairs left after filtering ({reasons})")
     evaluation = _pair_split(data.eval, data, tokenize, log) if data.eval else None
     if data.eval_split:
-        shuffled = train.pairs[:]
-        random.Random(seed).shuffle(shuffled)
-        n_eval = max(1, round(len(shuffled) * data.eval_split))
-        if n_eval >= len(shuffled):
-            raise DataError(train.sources[0].path, f"data.eval_split={data.eval_split} leaves no training pairs")
-        rows = lambda pairs: pack_pairs(pairs, data.max_length, data.packing)  # noqa: E731
-        evaluation = PairSplit(rows(shuffled[:n_eval]), shuffled[:n_eval], PairStats(), max_length=data.max_length)
-        train = PairSplit(rows(shuffled[n_eval:]), shuffled[n_eval:], train.stats, train.sources, data.max_length)
+        held, kept = _hold_out(train.pairs, data.eval_split, seed, train.sources[0].path)
+        evaluation = PairSplit(pack_pairs(held, data.max_length, data.packing), held, PairStats(), max_length=data.max_length)
+        train = PairSplit(pack_pairs(kept, data.max_length, data.packing), kept, train.stats, train.sources, data.max_length)
     return PreparedPairs(train, evaluation, tokenize.template.name)
 
 
 def _pair_split(sources: list[Source], data: DataSection, tokenize: Tokenizer, log) -> PairSplit:
     prefs, reports, skipped = [], [], Counter()
     for source in sources:
-        records = read_records(source.path, source.split, source.max_samples)
-        if not records:
-            raise DataError(source.path, "no records in this file")
-        fmt, detected = source.format, source.format == "auto"
-        if detected:
-            fmt = detect_preference_format(records[0])
-            log(f"{source.path}: preference format auto-detected as '{fmt}'")
-        elif fmt == "messages":
+        records, fmt, detected = _read(source, detect_preference_format, "preference format", log)
+        if fmt == "messages":
             raise DataError(source.path, "format 'messages' holds no preference pairs; use erniekit, sharegpt, trl or alpaca")
         before = len(prefs)
         for record in records:
