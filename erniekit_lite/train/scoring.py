@@ -18,15 +18,15 @@ from torch.utils.checkpoint import checkpoint
 
 from erniekit_lite.data.tokenize import IGNORE
 
-MAX_CHUNK_ELEMENTS = 2**28  # logits per chunk: 1 GiB in fp32 (about 2,600 positions of a 103k vocabulary)
+MAX_CHUNK_ELEMENTS = 2**27  # logits per chunk: 512 MiB in fp32 (about 1,300 positions of a 103k vocabulary)
 
 
 @dataclass
 class Scores:
     log_probs: torch.Tensor  # [n] log-probability of each trained next token (differentiable)
-    entropy: torch.Tensor  # [n]
-    log_sum_sq_probs: torch.Tensor  # [n], no grad
-    mean_logits: torch.Tensor  # [n], no grad
+    entropy: torch.Tensor | None  # [n]; this and the next two only with `extras` (DPO's metrics read them)
+    log_sum_sq_probs: torch.Tensor | None  # [n], no grad
+    mean_logits: torch.Tensor | None  # [n], no grad
     is_top1: torch.Tensor  # [n] bool
     aux_loss: torch.Tensor | None  # MoE router load-balancing loss, when requested
 
@@ -45,16 +45,17 @@ def add_scoring_forward(model) -> None:
         return
     inner = model.forward
 
-    def forward(self, *args, score_labels=None, **kwargs):
+    def forward(self, *args, score_labels=None, score_extras=False, **kwargs):
         if score_labels is None:
             return inner(*args, **kwargs)
-        return score(self, score_labels, kwargs)
+        return score(self, score_labels, kwargs, score_extras)
 
     model.forward = types.MethodType(forward, model)
     model._erniekit_scoring = True
 
 
-def score(model, labels: torch.Tensor, inputs: dict) -> Scores:
+def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True) -> Scores:
+    """`extras` adds entropy, log-sum of squared probabilities and mean logit: three more passes over the logits."""
     moe = bool(inputs.pop("output_router_logits", False))
     for key in ("labels", "fused_lm_head", "use_cache", "logits_to_keep"):
         inputs.pop(key, None)
@@ -65,10 +66,10 @@ def score(model, labels: torch.Tensor, inputs: dict) -> Scores:
     step = max(1, MAX_CHUNK_ELEMENTS // head.weight.shape[0])
     parts = []
     for start in range(0, max(1, hidden.shape[0]), step):
-        args = (hidden[start : start + step], head.weight, head.bias, targets[start : start + step])
+        args = (hidden[start : start + step], head.weight, head.bias, targets[start : start + step], extras)
         many = hidden.shape[0] > step and torch.is_grad_enabled()
         parts.append(checkpoint(_chunk_scores, *args, use_reentrant=False) if many else _chunk_scores(*args))
-    log_probs, entropy, log_sum_sq, mean_logits, is_top1 = (torch.cat(x) for x in zip(*parts))
+    log_probs, entropy, log_sum_sq, mean_logits, is_top1 = (None if x[0] is None else torch.cat(x) for x in zip(*parts))
     aux = None
     if moe:
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
@@ -77,13 +78,15 @@ def score(model, labels: torch.Tensor, inputs: dict) -> Scores:
     return Scores(log_probs, entropy, log_sum_sq, mean_logits, is_top1, aux)
 
 
-def _chunk_scores(hidden, weight, bias, targets):
+def _chunk_scores(hidden, weight, bias, targets, extras):
     logits = torch.nn.functional.linear(hidden, weight, bias).float()
     log_probs = torch.log_softmax(logits, dim=-1)
     token = log_probs.gather(-1, targets[:, None]).squeeze(-1)
     with torch.no_grad():
+        is_top1 = logits.argmax(-1) == targets
+        if not extras:
+            return token, None, None, None, is_top1
         entropy = -(log_probs.exp() * log_probs).sum(-1)
         log_sum_sq = torch.logsumexp(2 * log_probs, dim=-1)
         mean_logits = logits.mean(-1)
-        is_top1 = logits.argmax(-1) == targets
     return token, entropy, log_sum_sq, mean_logits, is_top1

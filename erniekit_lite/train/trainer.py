@@ -1,8 +1,8 @@
 """TRL's SFTTrainer over rows we tokenized and packed ourselves.
 
 Two departures from `SFTTrainer.compute_loss`, both because ERNIE's 103k-entry LM head dominates small models:
-- the LM head runs only at positions whose next token is trained, in vocabulary tiles (`scoring.py`), so prompt
-  tokens never pay for it and no [tokens x vocab] logits exist; token accuracy comes from the same pass;
+- the LM head runs only at positions whose next token is trained, in memory-bounded chunks (`scoring.py`), so
+  prompt tokens never pay for it; token accuracy comes from the same pass;
 - real-token accounting (tokens/s without padding, packing efficiency) per logged step and in `train_results.json`.
 Everything else (optimizer, schedule, checkpoints, logging, accumulation) is TRL and transformers.
 """
@@ -70,7 +70,6 @@ class ErnieSFTTrainer(ThroughputMixin, SFTTrainer):
             loss = loss + self.router_aux_loss_coef * scores.aux_loss / steps
             self._metrics[mode]["aux_loss"].append(scores.aux_loss.item())
         self._metrics[mode]["mean_token_accuracy"].append(scores.is_top1.sum().item() / max(1, n))
-        self._metrics[mode]["entropy"].append(scores.entropy.detach().mean().item() if n else 0.0)
         real = int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else inputs["input_ids"].numel()
         self.count_tokens(model, real, slots)
         if mode == "train":
