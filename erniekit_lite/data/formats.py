@@ -105,6 +105,12 @@ _SHAREGPT_ROLES = {
 
 
 def _sharegpt(record: Record) -> Conversation:
+    messages = [(role, text, True) for role, text in _sharegpt_messages(record)]
+    return _from_messages(record, messages, _opt_str(record, "system"), record.data.get("tools"))
+
+
+def _sharegpt_messages(record: Record) -> list[tuple[str, str]]:
+    """(role, text) of each `conversations` entry, roles mapped to system/user/assistant."""
     conversations = record.data["conversations"]
     if not isinstance(conversations, list):
         raise record.error("'conversations' must be a list of {from, value}")
@@ -115,8 +121,8 @@ def _sharegpt(record: Record) -> Conversation:
         role = _SHAREGPT_ROLES.get(m["from"])
         if role is None:
             raise record.error(f"conversations[{i}]: unknown role 'from: {m['from']}'; expected one of {', '.join(_SHAREGPT_ROLES)}")
-        messages.append((role, _text(record, m["value"], f"conversations[{i}].value"), True))
-    return _from_messages(record, messages, _opt_str(record, "system"), record.data.get("tools"))
+        messages.append((role, _text(record, m["value"], f"conversations[{i}].value")))
+    return messages
 
 
 def _messages(record: Record) -> Conversation:
@@ -348,17 +354,8 @@ def _erniekit_pref(record: Record) -> Preference:
 
 
 def _sharegpt_pref(record: Record) -> Preference:
-    conversations = _require(record, "conversations")
-    if not isinstance(conversations, list):
-        raise record.error("'conversations' must be a list of {from, value}")
-    messages = []
-    for i, m in enumerate(conversations):
-        if not isinstance(m, dict) or "from" not in m or "value" not in m:
-            raise record.error(f"conversations[{i}] must be an object with 'from' and 'value'")
-        role = _SHAREGPT_ROLES.get(m["from"])
-        if role is None:
-            raise record.error(f"conversations[{i}]: unknown role 'from: {m['from']}'; expected one of {', '.join(_SHAREGPT_ROLES)}")
-        messages.append((role, _text(record, m["value"], f"conversations[{i}].value")))
+    _require(record, "conversations")
+    messages = _sharegpt_messages(record)
     system, history, prompt = _split_prompt(record, messages, _opt_str(record, "system"), "conversations")
     chosen = _sharegpt_response(record, "chosen")
     rejected = _sharegpt_response(record, "rejected")
