@@ -29,6 +29,9 @@ def training_args(recipe: Recipe, out: Path):
         "remove_unused_columns": False,
         "prediction_loss_only": True,
     }
+    for key in ("save_strategy", "eval_strategy", "logging_strategy"):
+        if settings.get(key) is False:  # YAML 1.1 reads `save_strategy: no` as false
+            settings[key] = "no"
     if recipe.method == "dpo":
         settings["max_length"] = None  # pairs are already cut to data.max_length per sequence
     else:
