@@ -10,7 +10,7 @@ from erniekit_lite.model.lora import GROUPS, is_moe, trainable_groups
 from erniekit_lite.recipe import Recipe
 
 
-def training_args(recipe: Recipe, out: Path):
+def training_args(recipe: Recipe, out: Path, log=print):
     import torch
     from trl import DPOConfig, SFTConfig
 
@@ -44,9 +44,14 @@ def training_args(recipe: Recipe, out: Path):
         key = "bf16" if settings.get("bf16") else "fp16"
         raise UserError(f"train.{key}: true needs a CUDA GPU and none was found; set train.{key}=false to train on CPU")
     try:
-        return (DPOConfig if recipe.method == "dpo" else SFTConfig)(**settings)
+        args = (DPOConfig if recipe.method == "dpo" else SFTConfig)(**settings)
     except (ValueError, TypeError) as e:
         raise UserError(f"train: {str(e).strip().splitlines()[0]}") from None
+    if cuda:
+        from erniekit_lite.plan import choose_checkpointing
+
+        choose_checkpointing(recipe, args, torch.cuda.get_device_properties(0).total_memory, log)
+    return args
 
 
 def load_for_training(recipe: Recipe, log=print, apply_lora: bool = True):

@@ -14,7 +14,7 @@ from erniekit_lite.train.common import describe_model, load_for_training, rows_d
 
 
 def run(recipe: Recipe, log=print) -> Path:
-    args = training_args(recipe, Path(recipe.output.dir))
+    args = training_args(recipe, Path(recipe.output.dir), log)
     rundir.check(recipe)
     hub.check(recipe)
     tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)

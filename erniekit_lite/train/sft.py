@@ -15,7 +15,7 @@ from erniekit_lite.train.common import load_for_training, rows_dataset, tokenize
 
 
 def run(recipe: Recipe, log=print) -> Path:
-    args = training_args(recipe, Path(recipe.output.dir))
+    args = training_args(recipe, Path(recipe.output.dir), log)
     rundir.check(recipe)  # fail before any slow step
     hub.check(recipe)
     tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)

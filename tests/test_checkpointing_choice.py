@@ -1,0 +1,53 @@
+"""Activation checkpointing on a GPU when the recipe leaves it unset: off when the memory plan fits without it
+(TRL's default recomputes every layer), on when it does not, and never overriding a recipe's own choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from erniekit_lite import memory
+from erniekit_lite.plan import CHECKPOINTING_HEADROOM, architecture, choose_checkpointing, memory_estimate
+from erniekit_lite.recipe import from_dict
+from erniekit_lite.train.common import training_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _recipe(model_dir, tmp_path, **train):
+    return from_dict({
+        "model": {"path": str(model_dir)},
+        "data": {"train": [str(ROOT / "recipes" / "data" / "identity.jsonl")], "max_length": 1024},
+        "lora": {"r": 8},
+        "train": {"per_device_train_batch_size": 4, **train},
+        "output": {"dir": str(tmp_path / "out")},
+    })
+
+
+def _needed_without(recipe, args) -> int:
+    args.activation_checkpointing = False
+    need = memory_estimate(recipe, args, architecture(recipe.model.path, recipe), cuda=True)[0].total
+    args.activation_checkpointing = True
+    return need
+
+
+def test_turned_off_only_when_the_run_fits_without_it(tiny_dense_dir, tmp_path):
+    recipe = _recipe(tiny_dense_dir, tmp_path)
+    args = training_args(recipe, tmp_path / "out")
+    assert args.activation_checkpointing  # TRL's default
+    need = _needed_without(recipe, args)
+    said = []
+    choose_checkpointing(recipe, args, int(need / CHECKPOINTING_HEADROOM) + memory.GIB, said.append)
+    assert args.activation_checkpointing is False and "activation checkpointing off" in said[0]
+    args = training_args(recipe, tmp_path / "out")
+    choose_checkpointing(recipe, args, int(need / CHECKPOINTING_HEADROOM) - 1, said.append)
+    assert args.activation_checkpointing is True and len(said) == 1
+
+
+@pytest.mark.parametrize("setting", [True, False])
+def test_a_recipes_own_choice_is_kept(tiny_dense_dir, tmp_path, setting):
+    recipe = _recipe(tiny_dense_dir, tmp_path, activation_checkpointing=setting)
+    args = training_args(recipe, tmp_path / "out")
+    choose_checkpointing(recipe, args, 10**15)
+    assert args.activation_checkpointing is setting
