@@ -40,13 +40,14 @@ b = bytes of matmul outputs (2 under bf16/fp16 autocast, else r).
     a checkpointed layer keeps only its input, r*h per token (none on the device when offloaded), plus the rope
     cos/sin once, 8d.
 - logits: the LM head runs only at the P trained positions, in chunks of C = min(P, MAX_CHUNK_ELEMENTS / V)
-  (scoring.py). One chunk keeps its fp32 log-softmax, 4CV, plus 8P for the targets; with several chunks each is
+  (scoring.py). One chunk keeps its fp32 exp(logits - max), 4CV, plus 8P for the targets; with several chunks each is
   recomputed in backward instead, and the P scored hidden states (r*h) stay; a trained head keeps its input.
-- backward working set, the larger of: the LM-head phase, 8CV (12CV when chunks are recomputed; with full
+- backward working set, the larger of: the LM-head phase, 4CV (8CV when chunks are recomputed; with full
   FT and several chunks at least 3 x V x h gradient bytes: a chunk's head-weight gradient, the running sum, the
   new sum); the layer phase, one recomputed layer (with checkpointing) + a quarter of a layer's activations
   (gradients in flight; fitted to the measurements) + 2 x the layer's parameters in gradient bytes (full FT) + the
-  merged expert stack's gradient (expert LoRA). QLoRA adds the largest dequantized linear weight (x2, bf16).
+  merged expert stack's gradient (expert LoRA), less the single chunk's 4CV, freed by then. QLoRA adds the
+  largest dequantized linear weight (x2, bf16).
 - DPO: LoRA DPO's reference is the base with the adapter disabled: its no-grad forward (one layer's activations,
   or one logits chunk at (b + 12) x CV) counts where it exceeds the backward working set. Full DPO adds a frozen
   copy of the model (not with precompute_ref_log_probs). Not yet measured.
@@ -357,20 +358,21 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
     if weight_copies:
         logits += 2 * vocab * shape.hidden  # autocast's bf16 copy of the LM head
     # Backward working set on top of what the forward kept, whichever phase is larger:
-    # - one logits chunk: grads of its log-softmax and logits (fp32), and (when chunks are checkpointed) the
-    #   recomputed log-softmax (measured: 8 and 12 bytes per logit, fp32 and bf16 alike); with full fine-tuning
+    # - one logits chunk: its fp32 logits beside the kept exp buffer, which backward turns into the gradient in
+    #   place (scoring._TokenLogProb), and (when chunks are checkpointed) the recomputed exp buffer too; with full fine-tuning
     #   and several chunks, the LM head's weight gradient of a chunk, the running sum and the new sum
     #   (3 x vocab x hidden), when that is larger;
     # - one layer: (with checkpointing) its recomputed activations, plus the activation gradients in flight
     #   (measured: a quarter of the layer's saved activations), plus with full fine-tuning its weight gradients
     #   before they are added to .grad, and with expert LoRA the merged expert stack's gradient.
-    lm_phase = (12 if multi else 8) * chunk * vocab
+    lm_phase = (8 if multi else 4) * chunk * vocab
     if params.head_trains and multi:
         lm_phase = max(lm_phase, 3 * vocab * shape.hidden * train_bytes)
     layer_phase = recompute + max(layer.values()) * t // 4 + merged
     if full:
         layer_phase += 2 * params.layer_params_max * train_bytes
-    transient = max(lm_phase, layer_phase)
+    # by the layer phase the kept exp buffer has been turned into its gradient and freed
+    transient = max(lm_phase, layer_phase - (0 if multi else 4 * chunk * vocab))
     if run.load_in_4bit:
         transient += 2 * params.largest_linear * 2  # dequantized bf16 weight (forward and backward)
 

@@ -178,3 +178,32 @@ def test_moe_packed_logits_and_router_equal_samples_alone(tiny_moe_dir):
     assert len(out.router_logits) == 2  # layers 1 and 2 are MoE, layer 0 is dense
     assert out.aux_loss.item() > 0
     assert abs(out.aux_loss.item() - reference.item()) <= 1e-5
+
+
+@pytest.mark.parametrize("extras", [False, True], ids=["sft", "dpo-metrics"])
+def test_lm_head_scores_equal_log_softmax(extras):
+    """scoring's one-exp LM-head pass: log-probs, their gradients and DPO's metrics equal the log_softmax way."""
+    from erniekit_lite.train.scoring import _chunk_scores
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 1000, bias=False)
+    hidden = (3 * torch.randn(50, 32)).requires_grad_()
+    targets = torch.randint(0, 1000, (50,))
+    weights = torch.randn(50)  # mixed-sign upstream gradients, as DPO's chosen/rejected terms give
+    token, entropy, log_sum_sq, mean_logits, top1 = _chunk_scores(hidden, head, targets, extras)
+    (token * weights).sum().backward()
+    got = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad = head.weight.grad = None
+    logits = head(hidden)
+    log_probs = torch.log_softmax(logits, -1)
+    ref = log_probs.gather(-1, targets[:, None]).squeeze(-1)
+    (ref * weights).sum().backward()
+    assert torch.allclose(token, ref, atol=1e-5)
+    assert torch.allclose(got[0], hidden.grad, atol=1e-5) and torch.allclose(got[1], head.weight.grad, atol=1e-5)
+    assert torch.equal(top1, logits.argmax(-1) == targets)
+    if extras:
+        assert torch.allclose(entropy, -(log_probs.exp() * log_probs).sum(-1), atol=1e-5)
+        assert torch.allclose(log_sum_sq, torch.logsumexp(2 * log_probs, -1), atol=1e-5)
+        assert torch.allclose(mean_logits, logits.mean(-1), atol=1e-5)
+    else:
+        assert entropy is None and log_sum_sq is None and mean_logits is None

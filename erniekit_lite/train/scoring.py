@@ -86,13 +86,44 @@ def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True) -> Sco
 
 def _chunk_scores(hidden, head, targets, extras):
     logits = head(hidden).float()
-    log_probs = torch.log_softmax(logits, dim=-1)
-    token = log_probs.gather(-1, targets[:, None]).squeeze(-1)
-    with torch.no_grad():
-        is_top1 = logits.argmax(-1) == targets
-        if not extras:
-            return token, None, None, None, is_top1
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-        log_sum_sq = torch.logsumexp(2 * log_probs, dim=-1)
-        mean_logits = logits.mean(-1)
+    token, is_top1, *more = _TokenLogProb.apply(logits, targets, extras)
+    entropy, log_sum_sq, mean_logits = more if extras else (None, None, None)
     return token, entropy, log_sum_sq, mean_logits, is_top1
+
+
+class _TokenLogProb(torch.autograd.Function):
+    """log softmax(logits)[target], with one exp over the logits and one [n, V] buffer kept for backward.
+
+    `log_softmax` + `gather` keep the log-probabilities, build a zero [n, V] gradient for `gather` and a third
+    buffer in `log_softmax`'s backward, which runs a second exp over every logit; DPO's metrics took three more
+    passes with exps. Here exp(logits - max) is computed once, gives the metrics through dot products, and is
+    turned into the gradient in place in backward: d log p_t / d logits = onehot(t) - softmax. These 103k-wide
+    passes are most of a small ERNIE model's step outside the matmuls (benchmarks/lm_head.py measures it).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, extras):
+        top, best = logits.max(-1)
+        shifted = logits - top[:, None]
+        token = shifted.gather(-1, targets[:, None]).squeeze(-1)
+        outputs = [best == targets]
+        if extras:  # entropy, log sum of squared probabilities, mean logit (TRL's DPO metrics and WPO weights)
+            exp = shifted.exp()
+            total = exp.sum(-1)
+            dot = lambda a, b: torch.einsum("nv,nv->n", a, b)  # noqa: E731  (a batched dot: no [n, V] temporary)
+            outputs += [total.log() - dot(exp, shifted) / total, dot(exp, exp).log() - 2 * total.log(), logits.mean(-1)]
+            del shifted
+        else:
+            exp = shifted.exp_()
+            total = exp.sum(-1)
+        ctx.save_for_backward(exp, total, targets)
+        ctx.mark_non_differentiable(*outputs)
+        return (token - total.log(), *outputs)
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        exp, total, targets = ctx.saved_tensors
+        # grad * (onehot - exp / total), written over the saved buffer: it is not needed again
+        grad_logits = exp.mul_((-grad / total)[:, None])
+        grad_logits[torch.arange(len(targets), device=targets.device), targets] += grad
+        return grad_logits, None, None

@@ -32,6 +32,9 @@ class ThroughputMixin:
                 self._since_log = (time.perf_counter(), self.real_tokens, self.token_slots)
             self.real_tokens += real
             self.token_slots += int(slots)
+            # Kept in the TrainerState, so checkpoints carry it and a resumed run counts on from there (the
+            # Trainer itself updates it only with include_num_input_tokens_seen, which counts pads too)
+            self.state.num_input_tokens_seen += real
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         if "loss" in logs:  # every process logs the same steps, so the sum below is collective-safe
@@ -102,5 +105,5 @@ class ErnieSFTTrainer(CheckpointMixin, ThroughputMixin, SFTTrainer):
         real = int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else inputs["input_ids"].numel()
         self.count_tokens(model, real, slots)
         if mode == "train":
-            self._metrics[mode]["num_tokens"] = [self.real_tokens]
+            self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
         return (loss, scores) if return_outputs else loss
