@@ -56,7 +56,7 @@ def recipe_file(tmp_path: Path, model_dir: Path, name: str, lora: bool = True, *
 def history(out: Path) -> list[dict]:
     """Per-step training logs of a finished run (a resumed run's include those restored from its checkpoint)."""
     logs = json.loads((out / "trainer_state.json").read_text())["log_history"]
-    return [{k: v for k, v in h.items() if k in ("step", "loss", "learning_rate", "grad_norm", "mean_token_accuracy")}
+    return [{k: v for k, v in h.items() if k in ("step", "loss", "learning_rate", "grad_norm", "mean_token_accuracy", "num_tokens")}
             for h in logs if "loss" in h]
 
 
@@ -113,6 +113,7 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, capsys, monkeypatch, tin
         assert got["learning_rate"] == pytest.approx(ref["learning_rate"], rel=1e-9), got["step"]
         for key in ("loss", "grad_norm", "mean_token_accuracy"):
             assert got[key] == pytest.approx(ref[key], rel=1e-6), (got["step"], key)
+        assert got["num_tokens"] == ref["num_tokens"], got["step"]  # the token count goes on from the checkpoint
 
 
 def test_resume_without_checkpoint_starts_fresh(tmp_path, capsys, tiny_own_dir):
