@@ -97,7 +97,7 @@ def test_train_full_memorises_and_reports(tmp_path, capsys, tiny_own_dir):
 
 
 def test_train_lora_saves_adapter_that_reloads(tmp_path, capsys, tiny_own_dir):
-    code, out, err = run_cli(capsys, "train", recipe_file(tmp_path, tiny_own_dir, lora={"r": 8, "alpha": 16}, train__learning_rate=1e-2))
+    code, out, err = run_cli(capsys, "train", recipe_file(tmp_path, tiny_own_dir, lora={"r": 8, "alpha": 16}, train__learning_rate=1e-2, train__max_steps=40))
     assert code == 0, err
     run = tmp_path / "out"
     adapter = json.loads((run / "adapter_config.json").read_text())
