@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-import time
 from fnmatch import fnmatch
 from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
 
+from erniekit_lite import retry
 from erniekit_lite.data.load import _FILE_SUFFIXES, _looks_like_hub_id
 from erniekit_lite.errors import UserError
 from erniekit_lite.model.load import adapter_base
@@ -31,8 +31,7 @@ from erniekit_lite.recipe import HubSection, Recipe
 # The first line of every card we write: a README.md without it is the user's, and is never overwritten
 CARD_MARK = "<!-- erniekit-lite model card: `erniekit-lite push` rewrites this file; delete this line to keep your edits -->"
 NOT_PUSHED = ("training_args.bin", "*.pt", "*.pth")  # only needed to resume: optimizer.pt, scheduler.pt, rng_state*.pth
-RETRY_WAITS = (2, 4)  # seconds before the 2nd and 3rd try of a step the Hub failed transiently
-TRANSIENT = (408, 429, 500, 502, 503, 504)
+RETRY_WAITS = retry.WAITS  # seconds before the 2nd and 3rd try of a step the Hub failed transiently (tests shorten it)
 # TRL 1.16's defaults for what the card reports (reading them from TRL would import it: seconds, for a table cell)
 TRL_DEFAULTS = {"sft": {"learning_rate": 2e-5}, "dpo": {"learning_rate": 1e-6, "beta": 0.1, "loss_type": ["sigmoid"]}}
 
@@ -144,22 +143,16 @@ def _keep_local_copies(run: Path, stage: Path, hub: HubSection, log) -> list[str
 
 
 def _with_retries(step, repo: str, api, log):
-    """Run one Hub call; retry connection errors, 5xx and 429 with backoff; any failure becomes a one-line UserError."""
-    for attempt, wait in enumerate((*RETRY_WAITS, None), start=1):
-        try:
-            return step()
-        except (OSError, ValueError, _transport_error()) as e:  # HfHubHTTPError is an OSError; bad metadata a ValueError
-            if wait is None or not _transient(e):
-                raise _explain(e, repo, api.endpoint, attempt) from None
-            response = _response(e)
-            after = response.headers.get("Retry-After", "") if response is not None else ""
-            wait = max(wait, min(int(after), 60)) if after.isdigit() else wait  # a rate limit (429) may say how long
-            log(f"push: the Hub failed ({_describe(e)}); retrying in {wait} s (try {attempt + 1} of {len(RETRY_WAITS) + 1})")
-            time.sleep(wait)
+    """Run one Hub call under the shared retry policy (erniekit_lite/retry.py); any failure becomes a one-line UserError."""
+    try:
+        # HfHubHTTPError is an OSError; bad metadata a ValueError
+        return retry.call(step, "push", log, RETRY_WAITS, catch=(OSError, ValueError, retry.transport_error()))
+    except retry.GaveUp as failure:
+        raise _explain(failure.error, repo, api.endpoint, failure.attempts) from None
 
 
 def _explain(error: Exception, repo: str, endpoint: str, attempts: int) -> UserError:
-    status, where = _status(error), f"push to {repo}"
+    status, where = retry.status(error), f"push to {repo}"
     if status == 401:
         return UserError(f"{where}: the Hub did not accept the token (401 Unauthorized); "
                          "set HF_TOKEN to a valid write token or run `hf auth login`")
@@ -168,42 +161,10 @@ def _explain(error: Exception, repo: str, endpoint: str, attempts: int) -> UserE
                          f"use a token with write access to '{repo.split('/')[0]}'")
     if status == 404:
         return UserError(f"{where}: repository or branch not found (404); check the repo id and that the token can access it")
-    if _transient(error):
-        return UserError(f"{where}: the Hub at {endpoint} kept failing ({_describe(error)}, {attempts} tries); "
+    if retry.transient(error):
+        return UserError(f"{where}: the Hub at {endpoint} kept failing ({retry.describe(error)}, {attempts} tries); "
                          "nothing local was changed, push again later")
-    return UserError(f"{where}: {_describe(error)}")
-
-
-def _transport_error() -> type:
-    # Connection errors and timeouts: huggingface_hub 2 talks through httpx2, huggingface_hub 1 through httpx
-    try:
-        from httpx2 import TransportError
-    except ImportError:
-        from httpx import TransportError
-    return TransportError
-
-
-def _response(error: Exception):
-    from huggingface_hub.errors import HfHubHTTPError
-
-    return error.response if isinstance(error, HfHubHTTPError) else None
-
-
-def _status(error: Exception) -> int | None:
-    response = _response(error)
-    return response.status_code if response is not None else None
-
-
-def _transient(error: Exception) -> bool:
-    return _status(error) in TRANSIENT or isinstance(error, _transport_error())
-
-
-def _describe(error: Exception) -> str:
-    response = _response(error)
-    if response is not None:
-        message = getattr(error, "server_message", None) or response.reason_phrase
-        return " ".join(f"HTTP {response.status_code}: {message}".split())
-    return " ".join(str(error).split()) or type(error).__name__
+    return UserError(f"{where}: {retry.describe(error)}")
 
 
 def _need_token(repo_id: str) -> None:

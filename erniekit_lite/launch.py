@@ -8,20 +8,81 @@ up from the environment `accelerate launch` sets.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import yaml
 
 from erniekit_lite.errors import UserError
 
+STOP_TIMEOUT = 300  # seconds a stopped worker has to finish its step and save (a second Ctrl-C ends it at once)
+
 
 def launch(recipe: str, overrides: list[str], num_processes: int | None, config_file: str | None) -> int:
-    """Run the training command under `accelerate launch`; returns its exit status."""
+    """Run the training command under `accelerate launch`; returns its exit status (128 + signal after a stop)."""
     command, env = launch_command(recipe, overrides, num_processes, config_file)
-    return subprocess.call(command, env=env)
+    return run_forwarding_signals(command, env)
+
+
+def run_forwarding_signals(command: list[str], env: dict) -> int:
+    """Run the launcher; a SIGTERM, Ctrl-C or hangup of this process stops the workers as it stops a single process.
+
+    The launcher (torch elastic, under `accelerate launch`) passes one signal on to each worker, which finishes its
+    step, saves a checkpoint and exits; the workers run in sessions of their own, so nothing else reaches them. The
+    launcher gets a session of its own too: a terminal's Ctrl-C reaches only this process, which passes it on once
+    (two would make the workers stop at once, without a checkpoint). A second signal kills the launcher and workers
+    at once, as a second Ctrl-C does to a single process. Without this, `kill` of this process left the launcher and
+    workers training, and Ctrl-C had subprocess.call SIGKILL the launcher while the workers were saving.
+    """
+    received: list[int] = []
+    process: subprocess.Popen | None = None
+
+    def forward(signum, frame):
+        received.append(signum)
+        if process is None:
+            return  # not started yet: passed on as soon as it is
+        if len(received) == 1:
+            process.send_signal(_stop_signal(signum))
+        else:
+            _kill_tree(process.pid)
+
+    handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    main_thread = threading.current_thread() is threading.main_thread()  # handlers can only be set there
+    previous = {s: signal.signal(s, forward) for s in handled} if main_thread else {}
+    try:
+        process = subprocess.Popen(command, env=env, start_new_session=True)
+        if received:
+            process.send_signal(_stop_signal(received[0]))
+        code = process.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    # Stopped workers exit 128 + signal, the launcher 1 (it re-raises the signal as an exception); say what happened
+    return 128 + received[0] if received and code != 0 else code
+
+
+def _stop_signal(signum: int) -> int:
+    # The launcher would pass a hangup on, and it kills the workers without a checkpoint; they get a stop request
+    return signal.SIGTERM if signum == signal.SIGHUP else signum
+
+
+def _kill_tree(pid: int) -> None:
+    import psutil  # an accelerate dependency
+
+    try:
+        parent = psutil.Process(pid)
+        tree = [*parent.children(recursive=True), parent]  # the workers are the launcher's children
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def launch_command(recipe: str, overrides: list[str], num_processes: int | None, config_file: str | None) -> tuple[list[str], dict]:
@@ -42,6 +103,9 @@ def launch_command(recipe: str, overrides: list[str], num_processes: int | None,
     command += ["-m", "erniekit_lite", "train", recipe, *overrides]
 
     env = dict(os.environ)
+    # After passing a stop signal on, the launcher SIGKILLs workers that have not exited within this many seconds
+    # (torch's default, 30, is short for finishing a large model's step and saving its checkpoint)
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(STOP_TIMEOUT))
     if not torch.cuda.is_available():
         # The processes train on CPU over gloo. Not accelerate's `--cpu`: with it, `accelerate launch` starts a
         # single process (its multi-CPU mode needs mpirun); this variable makes each Trainer use the CPU instead.

@@ -1,7 +1,9 @@
 """More than one process: `erniekit-lite train ... --num-processes N`, and the shipped multi-GPU accelerate configs.
 
 Data parallelism is checked where it runs here, on CPU over gloo: 2 processes x 1 row per step train exactly like
-1 process x 2 accumulated rows. FSDP2 and ZeRO-3 need GPUs; their configs are checked as accelerate reads them.
+1 process x 2 accumulated rows, and a 2-process run stopped by SIGTERM resumes exactly (signals reach the workers
+through the launcher once; a second one ends everything at once). FSDP2 and ZeRO-3 need GPUs; their configs are
+checked as accelerate reads them.
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +95,132 @@ def test_two_processes_train_like_one_with_twice_the_accumulation(tmp_path, tiny
     for out in (two, one):
         assert len((out / "samples.jsonl").read_text().splitlines()) == 1
         assert {"recipe.yaml", "model.safetensors", "tokenizer.json", "train_results.json"} <= {p.name for p in out.iterdir()}
+
+
+def events(out: Path) -> list[dict]:
+    path = out / "progress.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+@pytest.mark.slow  # three launches of 2 processes: ~2 min on 2 shared cores
+def test_stopped_two_process_run_resumes_like_an_uninterrupted_one(tmp_path, tiny_own_dir):
+    """SIGTERM to `erniekit-lite train --num-processes 2` (as `kill` or the web UI sends it) reaches both workers
+    once: each finishes the step, they save one checkpoint and exit, leaving no process behind; `--resume
+    --num-processes 2` then trains the remaining steps exactly as the uninterrupted run did."""
+    import psutil
+
+    from erniekit_lite.train import checkpoints
+
+    recipe = {
+        "model": {"path": str(tiny_own_dir)},
+        "data": {"train": [str(write_data(tmp_path / "data.jsonl"))], "max_length": 64},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.1},  # dropout: each rank's restored RNG state matters
+        "output": {"dir": str(tmp_path / "unused")},
+        "train": {"learning_rate": 2e-3, "max_steps": 16, "per_device_train_batch_size": 1, "logging_steps": 1,
+                  "save_steps": 4, "activation_checkpointing": False, "seed": 0, "lr_scheduler_type": "cosine"},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    reference, out = tmp_path / "reference", tmp_path / "stopped"
+    done = train_cli(tmp_path, str(path), f"output.dir={reference}", "--num-processes", "2")
+    assert done.returncode == 0, done.stderr[-4000:]
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "erniekit_lite", "train", str(path), f"output.dir={out}", "--num-processes", "2"]
+    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not any(e["event"] == "log" and e["step"] >= 5 for e in events(out)) and proc.poll() is None:  # past checkpoint-4
+        assert time.time() < deadline, "no step 5 in time"
+        time.sleep(0.05)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    assert len(tree) == 3  # the launcher and both workers
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 143, stderr[-4000:]
+    psutil.wait_procs(tree, timeout=10)
+    assert not [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # nothing left training
+
+    end = events(out)[-1]
+    stop = end["step"]
+    assert end["event"] == "end" and end["status"] == "stopped" and 5 <= stop < 16
+    assert end["checkpoint"] == str(out / f"checkpoint-{stop}") and f"stopped at step {stop} of 16" in stderr
+    assert checkpoints.complete(out)[-1] == out / f"checkpoint-{stop}" and not list(out.glob("tmp-*"))
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in (out / f"checkpoint-{stop}").iterdir()}
+
+    resumed = train_cli(tmp_path, str(path), f"output.dir={out}", "--resume", "--num-processes", "2")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resuming from {out / f'checkpoint-{stop}'}" in resumed.stdout
+    logged = [e["step"] for e in events(out) if e["event"] == "log" and "loss" in e]
+    assert logged == list(range(1, stop + 1)) + list(range(stop + 1, 17))  # after resuming: each step once
+    ref, got = history(reference), history(out)
+    assert [h["step"] for h in got] == list(range(1, 17))
+    for r, g in zip(ref[stop:], got[stop:]):  # same rows on each rank, dropout masks, learning rates and updates
+        assert g["learning_rate"] == pytest.approx(r["learning_rate"], rel=1e-9), g["step"]
+        assert (g["loss"], g["grad_norm"]) == pytest.approx((r["loss"], r["grad_norm"]), rel=1e-6), g["step"]
+
+
+# A stand-in for `accelerate launch` (torch elastic): notes the signals it gets, has a worker in a session of its
+# own (as torch elastic starts them), and exits 1 after a stop, as torch elastic does; with "hang" it ignores them.
+LAUNCHER = r"""
+import json, os, signal, subprocess, sys, time
+where, mode = sys.argv[1], sys.argv[2]
+got = []
+for s in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(s, lambda signum, frame: got.append(signum))
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+with open(os.path.join(where, "pids.json"), "w") as f:
+    json.dump([os.getpid(), worker.pid], f)
+while mode == "hang" or not got:
+    time.sleep(0.01)
+time.sleep(0.5)  # a duplicate signal would arrive meanwhile
+worker.kill()
+with open(os.path.join(where, "got.json"), "w") as f:
+    json.dump(got, f)
+sys.exit(1)
+"""
+FORWARDING = """
+import os, sys
+from erniekit_lite.launch import run_forwarding_signals
+sys.exit(run_forwarding_signals([sys.executable, "-c", sys.argv[1], *sys.argv[2:]], dict(os.environ)))
+"""
+
+
+def start_forwarding(tmp_path: Path, mode: str):
+    # In a session of its own, as a terminal's foreground job is: killpg reaches it as a terminal's Ctrl-C does
+    proc = subprocess.Popen([sys.executable, "-c", FORWARDING, LAUNCHER, str(tmp_path), mode], cwd=ROOT, start_new_session=True)
+    deadline = time.time() + 60
+    while not (tmp_path / "pids.json").is_file() or not (tmp_path / "pids.json").read_text():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    time.sleep(0.1)  # the file is written; the launcher is in its loop
+    return proc, json.loads((tmp_path / "pids.json").read_text())
+
+
+def test_ctrl_c_reaches_the_launcher_once(tmp_path):
+    """Twice would stop the workers at once, without a checkpoint (the second signal is the "now" one)."""
+    proc, _ = start_forwarding(tmp_path, "stop")
+    os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C: to the whole foreground process group
+    assert proc.wait(timeout=30) == 130
+    assert json.loads((tmp_path / "got.json").read_text()) == [signal.SIGINT]
+
+
+def test_a_second_signal_ends_launcher_and_workers_at_once(tmp_path):
+    import psutil
+
+    proc, pids = start_forwarding(tmp_path, "hang")
+    processes = [psutil.Process(pid) for pid in pids]
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert proc.poll() is None and all(p.is_running() for p in processes)  # the first one: a stop, which takes its time
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 143
+    gone, alive = psutil.wait_procs(processes, timeout=10)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def history(out: Path) -> list[dict]:
+    logs = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [h for h in logs if "loss" in h]
 
 
 def test_missing_accelerate_config_is_one_line(tmp_path, capsys, tiny_own_dir):

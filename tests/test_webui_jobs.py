@@ -1,10 +1,15 @@
 """Web UI job runner, with a stand-in for `erniekit-lite train` that follows the same contract (progress.jsonl
 events, SIGTERM finishes the step, saves a checkpoint, writes the end event and exits 143): start, live progress,
-one job at a time, reattaching from a new page, stop with a checkpoint or with nothing saved yet, failures."""
+one job at a time, reattaching from a new page, stop with a checkpoint or with nothing saved yet, failures.
+
+Then the runner under abuse (click storms, stops while data loads, two sessions or two servers pressing Start at
+once), with the stand-in and with the real CLI on a tiny model: at most one training process at any moment, no
+process left behind, and every stop ends with a checkpoint that loads or a plain "nothing saved yet"."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -16,14 +21,19 @@ from webui import progress
 from webui.jobs import STATE_DIR, Runner
 
 # Reads output.dir and train.max_steps from the recipe it is given; FAKE_PREPARE seconds of "loading" come first
-# (no handler yet: SIGTERM kills it, as it kills the real CLI before training starts); FAKE_FAIL fails like the CLI;
-# FAKE_LOG_EXTRA (JSON) is added to every log event.
+# (no handler yet: SIGTERM kills it, as it kills the real CLI before training starts); FAKE_HELPER starts a helper
+# process first; FAKE_FAIL fails like the CLI; FAKE_LOG_EXTRA (JSON) is added to every log event; FAKE_FINISH
+# seconds of "saving the model" come after the last step (with FAKE_FINAL_CHECKPOINT, after saving its checkpoint).
 FAKE_TRAIN = r"""
 import json, os, signal, sys, time
 import yaml
 recipe = yaml.safe_load(open(sys.argv[1]))
 out, steps = recipe["output"]["dir"], recipe["train"]["max_steps"]
 print("loading", flush=True)
+if os.environ.get("FAKE_HELPER"):  # a helper process, as data loading may start; orphaned if SIGTERM ends this one
+    import subprocess
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    print(f"helper {helper.pid}", flush=True)
 time.sleep(float(os.environ.get("FAKE_PREPARE", "0")))
 if os.environ.get("FAKE_FAIL"):
     print("error: data.train.0.path: missing.jsonl: file not found", file=sys.stderr)
@@ -41,10 +51,17 @@ for step in range(1, steps + 1):
     event(event="log", step=step, loss=10.0 / step, learning_rate=1e-3, epoch=step / steps, **extra)
     print(f"\r{step}/{steps} \x1b[A", end="\n" if step == steps else "", flush=True)
     if stop:
-        os.makedirs(os.path.join(out, f"checkpoint-{step}"))
+        os.makedirs(os.path.join(out, f"checkpoint-{step}"), exist_ok=True)
         event(event="end", step=step, status="stopped", checkpoint=os.path.join(out, f"checkpoint-{step}"))
         print(f"stopped at step {step} of {steps}", file=sys.stderr)
         sys.exit(143)
+if os.environ.get("FAKE_FINISH"):  # the checkpoint of the last step, then the final save, with no handler (as the CLI)
+    if os.environ.get("FAKE_FINAL_CHECKPOINT"):
+        os.makedirs(os.path.join(out, f"checkpoint-{steps}"), exist_ok=True)
+        open(os.path.join(out, f"checkpoint-{steps}", "trainer_state.json"), "w").write("{}")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    print("saving the model", flush=True)
+    time.sleep(float(os.environ["FAKE_FINISH"]))
 event(event="end", step=steps, status="finished", checkpoint=None)
 """
 
@@ -143,6 +160,23 @@ def test_stop_before_training_starts_saves_nothing(runner, tmp_path, monkeypatch
     assert not (tmp_path / "runs" / "fake").exists()
 
 
+@pytest.mark.parametrize("final_checkpoint", [True, False], ids=["checkpoint", "none"])
+def test_stop_after_the_last_step_names_what_was_saved(runner, tmp_path, monkeypatch, final_checkpoint):
+    earlier = tmp_path / "runs" / "fake" / "checkpoint-1"  # an earlier run's, in the same dir: not this job's
+    earlier.mkdir(parents=True)
+    (earlier / "trainer_state.json").write_text("{}")
+    os.utime(earlier / "trainer_state.json", (0, 0))
+    monkeypatch.setenv("FAKE_FINISH", "60")
+    if final_checkpoint:
+        monkeypatch.setenv("FAKE_FINAL_CHECKPOINT", "1")
+    job = runner.start(recipe_text(steps=3), "a.yaml", "runs/fake")
+    wait_for(lambda: "saving the model" in job.log_tail())
+    runner.stop()
+    assert job.process.wait(timeout=30) == -15  # the training loop is over: no handler, SIGTERM ends it at once
+    saved = "checkpoint saved in runs/fake/checkpoint-3" if final_checkpoint else "nothing saved yet"
+    assert job.outcome() == f"stopped after step 3 (exit status -15): {saved}"
+
+
 def test_a_failed_job_shows_the_clis_error(runner, monkeypatch):
     monkeypatch.setenv("FAKE_FAIL", "1")
     job = runner.start(recipe_text(), "a.yaml", "runs/fake")
@@ -163,3 +197,300 @@ def test_progress_ignores_earlier_runs_in_the_same_dir(tmp_path):
     p = progress.read(tmp_path, since=200.0)
     assert (p.step, p.max_steps, p.end, p.curve("loss")["value"].tolist()) == (6, 9, None, [0.5])
     assert p.eta == pytest.approx(3.0 / 6 * 3)
+
+
+# Under abuse: click storms, stops during data loading, two sessions (and two servers) at once. Each test watches
+# the processes all along: at most one training process at any moment, none left once a job has ended, and every
+# stop ends with a checkpoint that loads or a plain "nothing saved yet".
+
+def training_processes() -> list:
+    """This test process's live job processes (fake or real CLI): those given a recipe copy in the UI's state dir."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and child.cmdline()[-1:] and child.cmdline()[-1].startswith(STATE_DIR):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+class ProcessWatch:
+    """Counts the training processes every few milliseconds while the block runs."""
+
+    def __init__(self):
+        import threading
+
+        self.most, self._done = 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self):
+        while not self._done.is_set():
+            self.most = max(self.most, len(training_processes()))
+            time.sleep(0.005)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+
+
+def process_tree(job) -> list:
+    import psutil
+
+    try:
+        parent = psutil.Process(job.process.pid)
+        return [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def assert_gone(processes: list, seconds: float = 15) -> None:
+    import psutil
+
+    psutil.wait_procs(processes, timeout=seconds)
+    alive = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:  # a zombie has ended; only its parent may reap it
+                alive.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    assert not alive, f"left running: {alive}"
+
+
+def test_stop_during_data_loading_ends_the_helpers_too(runner, tmp_path, monkeypatch):
+    import psutil
+
+    monkeypatch.setenv("FAKE_PREPARE", "60")
+    monkeypatch.setenv("FAKE_HELPER", "1")
+    job = runner.start(recipe_text(), "a.yaml", "runs/fake")
+    wait_for(lambda: "helper" in job.log_tail())
+    helper = psutil.Process(int(re.search(r"helper (\d+)", job.log_tail()).group(1)))
+    assert runner.stop() == "stopping: training had not begun, so nothing is saved"
+    assert job.process.wait(timeout=30) == -15  # no handler yet: SIGTERM ended it at once
+    assert_gone([helper])  # orphaned by that, and ended by the runner
+    assert job.outcome() == "stopped before training began: nothing saved yet"
+    monkeypatch.delenv("FAKE_HELPER")
+    monkeypatch.setenv("FAKE_PREPARE", "0")
+    wait_for(lambda: _starts(runner))  # the job lock, which the helper had inherited, is free again
+    runner.job.process.wait(timeout=30)
+    assert runner.job.outcome() == "finished: 5 steps; the model is in runs/fake"
+
+
+def _starts(runner) -> bool:
+    try:
+        runner.start(recipe_text(), "a.yaml", "runs/fake")
+        return True
+    except UserError as e:
+        assert str(e) == "the last job's processes are still ending; start again in a moment"
+        return False
+
+
+def test_a_click_storm_runs_one_job_at_a_time_and_every_stop_is_clean(runner, tmp_path, monkeypatch):
+    import random
+
+    monkeypatch.setenv("FAKE_STEP", "0.05")
+    monkeypatch.setenv("FAKE_PREPARE", "0.2")
+    rng = random.Random(0)
+    jobs, refused = [], set()
+
+    outcomes = {}  # each job's, taken before the next job writes to the same run dir
+
+    def click(button: str) -> None:
+        if button == "stop":
+            runner.stop()
+            return
+        previous = runner.job
+        if previous is not None and not previous.running():
+            outcomes.setdefault(id(previous), previous.outcome())
+        try:
+            jobs.append(runner.start(recipe_text(steps=rng.choice([3, 40])), "a.yaml", "runs/fake"))
+        except UserError as e:
+            refused.add(str(e).split(" (")[0].split(";")[0])
+
+    with ProcessWatch() as watch:
+        for round in range(12):
+            click("start")
+            # Stop right away (the CLI is starting), during "loading", once training runs, or at a random time
+            if round % 4 == 2 and jobs and jobs[-1].running():
+                wait_for(lambda: jobs[-1].progress().started or not jobs[-1].running())
+            else:
+                time.sleep([0, 0.1, 0, rng.uniform(0, 0.6)][round % 4])
+            for button in rng.choices(["stop", "start"], weights=[3, 1], k=6):  # a burst of clicks
+                click(button)
+                time.sleep(rng.choice([0, 0.005, 0.02]))
+        runner.stop()
+        for job in jobs:
+            job.process.wait(timeout=30)
+    assert watch.most == 1 and len(jobs) >= 12
+    assert refused <= {"a job is already running", "the last job", "the last job's processes are still ending"}
+    kinds = set()
+    for job in jobs:
+        assert_gone(process_tree(job))
+        outcome = outcomes.get(id(job)) or job.outcome()
+        stopped = re.fullmatch(r"stopped at step (\d+) of \d+: checkpoint saved in (\S+) \(to go on, .*\)", outcome)
+        if stopped:
+            assert (tmp_path / stopped.group(2)).is_dir() and stopped.group(2).endswith(f"checkpoint-{stopped.group(1)}")
+            kinds.add("checkpoint")
+        else:
+            assert outcome in ("stopped before training began: nothing saved yet",
+                               f"finished: {job.progress().max_steps} steps; the model is in runs/fake"), outcome
+            kinds.add(outcome.split(":")[0])
+    assert {"checkpoint", "stopped before training began"} <= kinds
+
+
+@pytest.mark.parametrize("servers", [1, 2], ids=["two-sessions-one-server", "two-servers-one-dir"])
+def test_two_sessions_pressing_start_at_once_start_one_job(tmp_path, monkeypatch, servers):
+    """Two browser sessions share the server's runner; two servers started in one directory each have their own."""
+    import threading
+
+    monkeypatch.setenv("FAKE_STEP", "0.05")
+    runners = [Runner(tmp_path, (sys.executable, "-c", FAKE_TRAIN)) for _ in range(servers)]
+    sessions = [runners[0], runners[-1]]
+    barrier, results = threading.Barrier(2), [None, None]
+
+    def press_start(i: int):
+        barrier.wait()
+        try:
+            results[i] = sessions[i].start(recipe_text(out=f"runs/session{i}", steps=1000), f"s{i}.yaml", f"runs/session{i}")
+        except UserError as e:
+            results[i] = e
+
+    try:
+        with ProcessWatch() as watch:
+            threads = [threading.Thread(target=press_start, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            [job] = [r for r in results if not isinstance(r, UserError)]
+            [error] = [str(r) for r in results if isinstance(r, UserError)]
+            owner, other = sessions[results.index(job)], sessions[1 - results.index(job)]
+            if servers == 1:
+                assert error == f"a job is already running ({job.recipe_file}); stop it or wait until it ends"
+            else:  # which job, when the other server had already written it down
+                assert re.fullmatch(re.escape(f"another erniekit-lite web UI is running a job in {tmp_path}")
+                                    + rf"( \({re.escape(str(job.recipe_file))}(, process {job.process.pid})?\))?"
+                                    + re.escape("; stop it there or wait until it ends"), error), error
+                assert other.stop() == "no job is running"  # the other server cannot see, or stop, this job
+            wait_for(lambda: job.progress().step >= 1)
+            assert owner.stop() == "stopping: the current step finishes, then a checkpoint is saved"
+            assert job.process.wait(timeout=30) == 143
+            assert job.progress().end["status"] == "stopped" and (tmp_path / job.progress().end["checkpoint"]).is_dir()
+            wait_for(lambda: _starts_other(other))  # once it has ended, the other session or server may start one
+            other.stop()
+            other.job.process.wait(timeout=30)
+        assert watch.most == 1
+        assert_gone(process_tree(job) + process_tree(other.job))
+    finally:
+        for r in runners:
+            if r.job is not None and r.job.running():
+                r.job.process.kill()
+
+
+def _starts_other(runner) -> bool:
+    try:
+        runner.start(recipe_text(out="runs/other", steps=1000), "o.yaml", "runs/other")
+        return True
+    except UserError as e:
+        assert "still ending" in str(e) or "another erniekit-lite web UI" in str(e)
+        return False
+
+
+# The real `erniekit-lite train` on a tiny model. Data loading waits while the file `hold` exists in the job's
+# working directory, so a stop can land there for certain.
+HELD_CLI = r"""
+import os, sys, time
+from erniekit_lite.data import load, prepare
+from erniekit_lite.cli import main
+read_records = load.read_records
+def held(*args, **kwargs):
+    print("reading data", flush=True)
+    while os.path.exists("hold"):
+        time.sleep(0.05)
+    return read_records(*args, **kwargs)
+load.read_records = prepare.read_records = held
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+def real_recipe(model_dir) -> str:
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[1] / "recipes" / "data" / "identity.jsonl"
+    return (f"model: {{path: {model_dir}}}\ndata: {{train: [{data}], max_length: 128}}\nlora: {{r: 4, alpha: 8}}\n"
+            "output: {dir: runs/real}\n"
+            "train: {max_steps: 500, learning_rate: 1.0e-3, per_device_train_batch_size: 1, logging_steps: 1, save_steps: 1000, "
+            "activation_checkpointing: false, seed: 0}\n")
+
+
+@pytest.fixture
+def real_runner(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    runner = Runner(tmp_path, (sys.executable, "-c", HELD_CLI))
+    yield runner
+    if runner.job is not None and runner.job.running():
+        runner.job.process.kill()
+        runner.job.process.wait()
+
+
+def test_real_cli_stopped_while_loading_data_saves_nothing_and_leaves_nothing(real_runner, tmp_path, tiny_own_dir):
+    (tmp_path / "hold").touch()
+    with ProcessWatch() as watch:
+        job = real_runner.start(real_recipe(tiny_own_dir), "real.yaml", "runs/real")
+        wait_for(lambda: "reading data" in job.log_tail(), 120)
+        tree = process_tree(job)
+        assert job.outcome() == f"preparing data and model ({job.recipe_file})"
+        assert [real_runner.stop() for _ in range(3)][0] == "stopping: training had not begun, so nothing is saved"
+        assert job.process.wait(timeout=30) == -15
+        assert job.outcome() == "stopped before training began: nothing saved yet"
+        # Start and stop again at once, while the CLI is still starting up
+        again = real_runner.start(real_recipe(tiny_own_dir), "real.yaml", "runs/real")
+        real_runner.stop()
+        again.process.wait(timeout=30)
+        assert again.outcome() == "stopped before training began: nothing saved yet"
+    assert watch.most == 1
+    assert_gone(tree + process_tree(again))
+    assert not (tmp_path / "runs" / "real").exists()  # the run dir is claimed only after the data and model load
+
+
+def test_real_cli_click_storm_while_training_leaves_a_checkpoint_that_loads(real_runner, tmp_path, tiny_own_dir):
+    import torch
+
+    from erniekit_lite.model.load import load_model
+
+    with ProcessWatch() as watch:
+        job = real_runner.start(real_recipe(tiny_own_dir), "real.yaml", "runs/real")
+        wait_for(lambda: job.progress().step >= 1 or not job.running(), 120)
+        tree = process_tree(job)
+        answers = []
+        for button in ["stop", "start", "stop", "stop", "start", "stop"]:  # one SIGTERM only: a second would kill the save
+            try:
+                if button == "stop":
+                    answers.append(real_runner.stop())
+                else:
+                    answers.append(real_runner.start(real_recipe(tiny_own_dir), "b.yaml", "runs/b"))
+            except UserError as e:
+                answers.append(str(e))
+        assert answers[0] == "stopping: the current step finishes, then a checkpoint is saved"
+        assert set(answers[1:]) <= {answers[0], "no job is running",
+                                    f"the last job ({job.recipe_file}) is still stopping; start again when it has ended"}
+        assert job.process.wait(timeout=60) == 143
+    assert watch.most == 1
+    assert_gone(tree)
+    outcome = job.outcome()
+    stopped = re.fullmatch(r"stopped at step (\d+) of 500: checkpoint saved in (\S+) \(to go on, .*\)", outcome)
+    assert stopped, outcome
+    checkpoint = tmp_path / stopped.group(2)
+    assert checkpoint == tmp_path / "runs" / "real" / f"checkpoint-{stopped.group(1)}"
+    tuned, base = load_model(str(checkpoint), trainable_adapter=False).eval(), load_model(str(tiny_own_dir)).eval()
+    ids = torch.tensor([[3, 10, 20, 30, 40]])
+    with torch.no_grad():
+        tuned_logits, base_logits = tuned(input_ids=ids).logits, base(input_ids=ids).logits
+    assert torch.isfinite(tuned_logits).all() and not torch.allclose(tuned_logits, base_logits)  # the trained adapter

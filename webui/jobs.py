@@ -2,12 +2,19 @@
 
 Because the job lives here, any page (a reload, a second browser) shows the same running job. The edited recipe
 is written into the UI's state dir (`.erniekit-webui/jobs/<time>-<name>/`, with the job's `train.log`), never
-over the user's recipe file. Stop sends SIGTERM: training finishes the current step, saves a checkpoint, writes
-the `end` event and exits (see erniekit_lite/train/callbacks.py).
+over the user's recipe file. Stop sends one SIGTERM, however often it is pressed: training finishes the current
+step, saves a checkpoint, writes the `end` event and exits (see erniekit_lite/train/callbacks.py); before training
+has begun the CLI has no handler yet and SIGTERM ends it at once, with nothing saved.
+
+One job per directory, also across servers: the training process holds a lock on `.erniekit-webui/job.lock`
+for as long as it runs (two web UIs started in one directory must not train into the same run dirs at once).
+The job runs in a process group of its own: when its process has ended, whatever it left running there is ended
+too, and a server that exits stops it first (the terminal's Ctrl-C no longer reaches it directly).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import signal
@@ -20,9 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
+from erniekit_lite.train import checkpoints
 from webui import progress
 
+try:
+    import fcntl
+except ImportError:  # Windows: one server per directory is then up to the user
+    fcntl = None
+
 STATE_DIR = ".erniekit-webui"
+LOCK = "job.lock"
 TRAIN = (sys.executable, "-m", "erniekit_lite", "train")
 TAIL_BYTES = 32_768
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # tqdm moves the cursor between its bars
@@ -56,6 +70,8 @@ class Job:
         """One line: what the job is doing, or how it ended."""
         p = self.progress()
         if self.running():
+            if self.stop_requested and not p.started:
+                return "stopping: training had not begun, so nothing is saved"
             if self.stop_requested:
                 return "stopping: the current step finishes, then a checkpoint is saved"
             return f"training ({self.recipe_file})" if p.started else f"preparing data and model ({self.recipe_file})"
@@ -67,9 +83,17 @@ class Job:
             return f"finished: {p.step} steps; the model is in {self.output_dir}"
         if self.stop_requested and not p.started:
             return "stopped before training began: nothing saved yet"
-        if self.stop_requested:
-            return f"stopped after step {p.step} (exit status {code}); see the log"
+        if self.stop_requested:  # e.g. during the final save, after the training loop ended (no handler then)
+            saved = self.saved_checkpoint()
+            return f"stopped after step {p.step} (exit status {code}): " + (
+                f"checkpoint saved in {saved.relative_to(self.root)}" if saved else "nothing saved yet")
         return f"failed (exit status {code}): {self._error_line()}"
+
+    def saved_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint this job wrote (never one an earlier run left in the same dir)."""
+        found = checkpoints.complete(self.root / self.output_dir)
+        mine = [c for c in found if (c / checkpoints.STATE).stat().st_mtime >= self.started]
+        return mine[-1] if mine else None
 
     def _error_line(self) -> str:
         lines = self.log_tail(200).splitlines()
@@ -83,24 +107,42 @@ class Runner:
         self.command = command  # the CLI; tests put a stand-in here
         self.job: Job | None = None  # the running job, or the last one (its final state stays visible)
         self._lock = threading.Lock()  # two tabs may press Start at once
+        self._stops_at_exit = False
 
     def start(self, recipe_text: str, name: str, output_dir: str) -> Job:
         with self._lock:
             if self.job is not None and self.job.running():
+                if self.job.stop_requested:
+                    raise UserError(f"the last job ({self.job.recipe_file}) is still stopping; start again when it has ended")
                 raise UserError(f"a job is already running ({self.job.recipe_file}); stop it or wait until it ends")
             jobs = self.root / STATE_DIR / "jobs"
             jobs.mkdir(parents=True, exist_ok=True)
-            job_dir = Path(tempfile.mkdtemp(prefix=f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(name).stem}-", dir=jobs))
-            recipe_file = (job_dir / Path(name).name).relative_to(self.root)
-            (self.root / recipe_file).write_text(recipe_text, encoding="utf-8")
-            log_file = job_dir / "train.log"
-            started = time.time()
-            with open(log_file, "wb") as log:
-                process = subprocess.Popen(
-                    [*self.command, str(recipe_file)], cwd=self.root, stdout=log, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},  # the log fills as it happens
-                )
+            lock = self._claim()
+            try:
+                job_dir = Path(tempfile.mkdtemp(prefix=f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(name).stem}-", dir=jobs))
+                recipe_file = (job_dir / Path(name).name).relative_to(self.root)
+                if lock is not None:  # who holds it, for the message another server shows
+                    os.write(lock, f"{recipe_file}\n".encode())
+                (self.root / recipe_file).write_text(recipe_text, encoding="utf-8")
+                log_file = job_dir / "train.log"
+                started = time.time()
+                with open(log_file, "wb") as log:
+                    process = subprocess.Popen(
+                        [*self.command, str(recipe_file)], cwd=self.root, stdout=log, stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},  # the log fills as it happens
+                        pass_fds=() if lock is None else (lock,),  # the process holds the lock until it ends
+                        start_new_session=True,  # its own process group: what it leaves behind is found by that
+                    )
+                if lock is not None:
+                    os.write(lock, f"{process.pid}\n".encode())
+            finally:
+                if lock is not None:
+                    os.close(lock)
             self.job = Job(self.root, recipe_file, output_dir, log_file, process, started)
+            threading.Thread(target=_end_leftovers, args=(process,), daemon=True).start()
+            if not self._stops_at_exit:
+                atexit.register(self._stop_at_exit)
+                self._stops_at_exit = True
             return self.job
 
     def stop(self) -> str:
@@ -108,7 +150,64 @@ class Runner:
             job = self.job
             if job is None or not job.running():
                 return "no job is running"
-            if not job.stop_requested:
+            if not job.stop_requested:  # once: a second SIGTERM would end the process at once, mid-save
                 job.process.send_signal(signal.SIGTERM)
                 job.stop_requested = True
             return job.outcome()
+
+    def _stop_at_exit(self) -> None:
+        """The server is exiting (Ctrl-C): stop the job as the Stop button does, and wait for its checkpoint.
+
+        In a process group of its own, the job no longer gets the terminal's Ctrl-C; this stops it instead.
+        """
+        job = self.job
+        if job is None or not job.running():
+            return
+        print(f"stopping the training job ({job.recipe_file}) first: it saves a checkpoint; Ctrl-C again ends it at once",
+              file=sys.stderr, flush=True)
+        self.stop()
+        try:
+            job.process.wait()
+        except KeyboardInterrupt:
+            os.killpg(job.process.pid, signal.SIGKILL)
+
+    def _claim(self) -> int | None:
+        """The directory's job lock, taken without waiting; None where file locks are unavailable."""
+        if fcntl is None:
+            return None
+        fd = os.open(self.root / STATE_DIR / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 4096).decode(errors="replace").splitlines()  # recipe, pid: written as the job starts
+            os.close(fd)
+            if self.job is not None and holder[1:] == [str(self.job.process.pid)]:
+                raise UserError("the last job's processes are still ending; start again in a moment") from None
+            which = f" ({', process '.join(holder[:2])})" if holder else ""
+            raise UserError(f"another erniekit-lite web UI is running a job in {self.root}{which}; "
+                            "stop it there or wait until it ends") from None
+        os.ftruncate(fd, 0)
+        return fd
+
+
+def _end_leftovers(process: subprocess.Popen) -> None:
+    """When the job's process has ended, end what it left running in its process group.
+
+    A stop before training begins ends the CLI at once (no handler yet), which would orphan any helper process it
+    had started (data loading, a compile pool); those must not keep the machine, or the job lock, busy.
+    """
+    if not hasattr(os, "killpg"):  # Windows: no process groups to clean up
+        process.wait()
+        return
+    try:
+        # Waits without reaping: while the ended process is not reaped, its pid (the group's id) cannot be reused.
+        # Reaped by another wait() first (or no waitid: macOS before Python 3.13), the id stays taken while the
+        # group has members, which are what is looked for.
+        os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
+    except (ChildProcessError, AttributeError):
+        process.wait()
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # nothing was left
+        pass
+    process.wait()

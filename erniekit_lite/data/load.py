@@ -5,10 +5,12 @@ from __future__ import annotations
 import codecs
 import csv
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from erniekit_lite import retry
 from erniekit_lite.errors import DataError
 
 
@@ -198,13 +200,22 @@ def _read_with_datasets(builder: str, path: str, split: str, header_lines: int =
 
 
 def _read_hub(repo_id: str, split: str) -> list[Record]:
+    """A Hub dataset's split; network hiccups are retried under the same policy as `push` (erniekit_lite/retry.py)."""
     import datasets
 
     try:
-        table = datasets.load_dataset(repo_id, split=split)
-    except Exception as e:
-        raise DataError(repo_id, f"not a local file, and loading it as a Hub dataset failed: {str(e).splitlines()[0]}") from None
+        table = retry.call(lambda: datasets.load_dataset(repo_id, split=split), f"data {repo_id}", _say)
+    except retry.GaveUp as failure:  # datasets raises many types; the user needs the id and the reason
+        cause = retry.describe(failure.error)
+        if retry.transient(failure.error):
+            raise DataError(repo_id, f"loading it as a Hub dataset failed {failure.attempts} times ({cause}); "
+                            "check the connection (or HF_ENDPOINT) and start again") from None
+        raise DataError(repo_id, f"not a local file, and loading it as a Hub dataset failed: {cause}") from None
     return [Record(row, f"{repo_id}[{split}]", i + 1) for i, row in enumerate(table)]
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)  # read_records has no log: a retry is worth a line on any caller's console
 
 
 def _looks_like_hub_id(path: str) -> bool:
