@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Stopped as e:
-        print(str(e), file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every process of a launched run stops; one says so
+            print(str(e), file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -68,3 +68,35 @@ def test_signal_saves_a_checkpoint_and_resume_finishes(tmp_path, tiny_own_dir, s
     resumed_steps = [e["step"] for e in last[last.index(end) + 1 :] if e["event"] == "log" and "loss" in e]
     assert resumed_steps == list(range(end["step"] + 1, 31))  # every remaining step once, none repeated
     assert (out / "train_results.json").is_file()
+
+
+def test_a_signal_during_the_final_save_waits_for_it(tmp_path):
+    """SIGTERM while the final model is written: the save completes, then the run stops with 143."""
+    from types import SimpleNamespace
+
+    from erniekit_lite.errors import Stopped
+    from erniekit_lite.train import callbacks
+
+    written = []
+
+    class Trainer:  # the four calls save_final makes, the first interrupted by a real SIGTERM
+        state = SimpleNamespace(is_world_process_zero=True, global_step=4, max_steps=4)
+
+        def save_model(self, out):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs between bytecodes: give it the chance to kill us
+            written.append("model")
+
+        def save_metrics(self, split, metrics):
+            written.append("metrics")
+
+        def save_state(self):
+            written.append("state")
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Stopped) as stopped:
+        callbacks.save_final(Trainer(), tmp_path, {})
+    assert written == ["model", "metrics", "state"]
+    assert stopped.value.code == 143 and "the trained model is complete" in str(stopped.value)
+    assert json.loads((tmp_path / callbacks.PROGRESS).read_text().splitlines()[-1])["status"] == "finished"
+    assert signal.getsignal(signal.SIGTERM) == before  # the usual handling is back

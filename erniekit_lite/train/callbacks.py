@@ -130,3 +130,35 @@ def train(trainer, out: Path, resume_from_checkpoint=None):
 
 def finished(out: Path, state) -> None:
     write_event(out, "end", state, status="finished", checkpoint=None)
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGTERM/SIGINT received inside the block are held until it ends; yields the list of those received."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    for s in previous:
+        signal.signal(s, lambda signum, frame: received.append(signum))
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def save_final(trainer, out: Path, metrics: dict, expert_load=None) -> None:
+    """The trained model (or adapter), train_results.json and trainer_state.json, with a stop held back until all
+    are written: SIGTERM or Ctrl-C here never leaves a half-written model in the run dir."""
+    with signals_held() as received:
+        trainer.save_model(str(out))  # from the main process only, with the tokenizer, gathering sharded weights
+        trainer.save_metrics("train", metrics)  # train_results.json
+        trainer.save_state()  # trainer_state.json with log_history
+        if expert_load is not None:
+            expert_load.save(out, trainer.is_world_process_zero())
+    if received:
+        finished(out, trainer.state)
+        raise Stopped(128 + received[0], f"stopped after the final save: the trained model is complete in {out} "
+                                         "(sample prompts and the Hub push were skipped)")

@@ -33,11 +33,7 @@ def run(recipe: Recipe, log=print) -> Path:
     metrics = {**result.metrics, **trainer.throughput(result.metrics["train_runtime"]), **last_rewards(trainer), "train_samples": len(data.train.pairs)}
     if data.eval is not None:
         metrics.update(trainer.evaluate())
-    trainer.save_model(str(out))  # with the tokenizer, from the main process only
-    trainer.save_metrics("train", metrics)
-    trainer.save_state()
-    if expert_load is not None:
-        expert_load.save(out, trainer.is_world_process_zero())
+    callbacks.save_final(trainer, out, metrics, expert_load)
     log(
         f"done: loss {metrics['train_loss']:.4f}, reward accuracy {metrics.get('rewards/accuracies', float('nan')):.2f}, "
         f"{metrics['train_tokens_per_second']:.0f} real tokens/s, packing efficiency {metrics['packing_efficiency']:.1%}; saved to {out}"

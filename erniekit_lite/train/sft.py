@@ -32,12 +32,7 @@ def run(recipe: Recipe, log=print) -> Path:
     metrics = {**result.metrics, **trainer.throughput(result.metrics["train_runtime"]), "train_samples": len(data.train.samples)}
     if data.eval is not None:
         metrics.update(trainer.evaluate())
-    # The Trainer's saves write from the main process only (with the tokenizer), gathering sharded weights first
-    trainer.save_model(str(out))
-    trainer.save_metrics("train", metrics)  # train_results.json
-    trainer.save_state()  # trainer_state.json with log_history
-    if expert_load is not None:
-        expert_load.save(out, trainer.is_world_process_zero())
+    callbacks.save_final(trainer, out, metrics, expert_load)
     log(f"done: loss {metrics['train_loss']:.4f}, {metrics['train_tokens_per_second']:.0f} real tokens/s, "
         f"packing efficiency {metrics['packing_efficiency']:.1%}; saved to {out}")
     if recipe.output.sample_prompts:
