@@ -59,6 +59,14 @@ class DataSection(_Section):
         "truncate", description="truncate drops the oldest turns, then cuts the last response; drop skips the sample."
     )
     system: str | None = Field(None, description="System prompt for records that have none.")
+    num_proc: int | None = Field(
+        None, ge=1, description="Processes that tokenize in parallel (the same samples whatever the number). Unset: one per "
+        "5,000 records up to one per core, but 1 on 2 cores or fewer, where the tokenizer's own threads already use them.",
+    )
+    cache: bool = Field(
+        True, description="Reuse tokenized samples from an earlier run with the same data files, tokenizer and settings "
+        "(local files of 1 MB or more; kept in $ERNIEKIT_CACHE/data, default ~/.cache/erniekit-lite/data).",
+    )
 
     @field_validator("train", "eval", mode="before")
     @classmethod

@@ -207,3 +207,30 @@ def test_lm_head_scores_equal_log_softmax(extras):
         assert torch.allclose(mean_logits, logits.mean(-1), atol=1e-5)
     else:
         assert entropy is None and log_sum_sq is None and mean_logits is None
+
+
+def _best_fit_decreasing_by_scan(lengths: list[int], capacity: int) -> list[list[int]]:
+    """The definition, written plainly: longest first (ties in input order), each into the open bin with the least
+    room that still fits it (ties: the earliest bin), else a new bin."""
+    bins, rooms = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = [b for b in range(len(bins)) if rooms[b] >= lengths[i]]
+        if fits:
+            b = min(fits, key=lambda b: (rooms[b], b))
+        else:
+            b = len(bins)
+            bins.append([])
+            rooms.append(capacity)
+        bins[b].append(i)
+        rooms[b] -= lengths[i]
+    return bins
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_best_fit_decreasing_matches_its_definition(seed):
+    import random
+
+    rng = random.Random(seed)
+    capacity = rng.choice([1, 3, 8, 64, 2048])
+    lengths = [rng.randint(1, capacity) for _ in range(rng.randint(0, 300))]
+    assert best_fit_decreasing(lengths, capacity) == _best_fit_decreasing_by_scan(lengths, capacity)

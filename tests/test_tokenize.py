@@ -457,3 +457,45 @@ def test_model_template_truncation_and_generation_prompt(chatml_tokenizer):
     gen_ids = tok.encode([gen.text])[0]
     first_trained_2 = len(full) - len(chatml_tokenizer("A2<|im_end|>\n", add_special_tokens=False)["input_ids"])
     assert full.input_ids[:first_trained_2] == gen_ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 8. Tokenizer.encode calls the Rust tokenizer directly (speed); it must give exactly what tokenizer(...) gives
+# ---------------------------------------------------------------------------------------------------------------
+
+ENCODE_TEXTS = [
+    "Hello world! 你好，世界。",
+    "  two leading spaces, two trailing  ",
+    "tabs\tand\nnewlines\r\n and ▁ literal ▁▁ spaces",
+    "<|end_of_sentence|> <|begin_of_sentence|></s><s><unk> <|LOC_0|> <|IMAGE_PLACEHOLDER|>",
+    "",
+    "emoji 🙂🚀 and combining e\u0301 and \x00 control",
+    "a" * 3000,
+]
+
+
+@pytest.mark.parametrize("parse_special", [False, True])
+def test_encode_equals_calling_the_tokenizer(ernie_tokenizer, parse_special):
+    from erniekit_lite.data.tokenize import _direct_backend
+
+    tok = Tokenizer(ernie_tokenizer, template_for(ernie_tokenizer))
+    tok.parse_special = parse_special
+    assert _direct_backend(ernie_tokenizer) is not None  # the direct path is the one under test
+    expected = ernie_tokenizer(ENCODE_TEXTS, add_special_tokens=False, split_special_tokens=not parse_special)["input_ids"]
+    assert tok.encode(ENCODE_TEXTS) == expected
+    # and the tokenizer's own __call__ still follows its own argument afterwards (the setting is not left behind)
+    assert ernie_tokenizer("<|end_of_sentence|>", add_special_tokens=False)["input_ids"] == [EOT]
+
+
+def test_encode_falls_back_to_calling_a_tokenizer_with_truncation_set(scratch_tokenizer):
+    from erniekit_lite.data.tokenize import _direct_backend
+
+    scratch_tokenizer.backend_tokenizer.enable_truncation(4)
+    try:
+        assert _direct_backend(scratch_tokenizer) is None
+        tok = Tokenizer(scratch_tokenizer, template_for(scratch_tokenizer))
+        assert tok.encode(["one two three four five six"]) == scratch_tokenizer(
+            ["one two three four five six"], add_special_tokens=False, split_special_tokens=True
+        )["input_ids"]
+    finally:
+        scratch_tokenizer.backend_tokenizer.no_truncation()

@@ -40,6 +40,15 @@ class TokenStats:
     lengths: list[int] = field(default_factory=list)  # of kept samples, after truncation
     trained_tokens: int = 0
 
+    def add(self, later: TokenStats) -> None:
+        """Fold in the statistics of the conversations that follow (so chunks add up to one whole call)."""
+        self.kept += later.kept
+        self.truncated += later.truncated
+        self.dropped_overlong += later.dropped_overlong
+        self.dropped_untrained += later.dropped_untrained
+        self.lengths += later.lengths
+        self.trained_tokens += later.trained_tokens
+
 
 class Tokenizer:
     """Turns conversations into samples for one tokenizer and template."""
@@ -51,11 +60,22 @@ class Tokenizer:
         self.parse_special = isinstance(template, ModelTemplate)
 
     def encode(self, texts: list[str]) -> list[list[int]]:
-        out: list[list[int]] = []
-        for i in range(0, len(texts), _BATCH):
-            chunk = texts[i : i + _BATCH]
-            out += self.tokenizer(chunk, add_special_tokens=False, split_special_tokens=not self.parse_special)["input_ids"]
-        return out
+        backend = _direct_backend(self.tokenizer)
+        if backend is None:
+            out: list[list[int]] = []
+            for i in range(0, len(texts), _BATCH):
+                chunk = texts[i : i + _BATCH]
+                out += self.tokenizer(chunk, add_special_tokens=False, split_special_tokens=not self.parse_special)["input_ids"]
+            return out
+        # What transformers' __call__ does with these arguments, minus a BatchEncoding per text (a tenth of the
+        # time); tests/test_tokenize.py checks the ids are the same
+        before = backend.encode_special_tokens
+        backend.encode_special_tokens = not self.parse_special
+        try:
+            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # _fast (tokenizers >= 0.21): no offsets
+            return [e.ids for i in range(0, len(texts), _BATCH) for e in encode(texts[i : i + _BATCH], add_special_tokens=False)]
+        finally:
+            backend.encode_special_tokens = before
 
     def __call__(self, convs: list[Conversation], max_length: int, overlong: str = "truncate") -> tuple[list[Sample | None], TokenStats]:
         """One entry per conversation: a Sample, or None when it was dropped (counted in the stats)."""
@@ -69,35 +89,38 @@ class Tokenizer:
         stats = TokenStats()
         samples: list[Sample | None] = []
         for conv, turns in zip(convs, per_conv):
-            turn_tokens = [_assemble(turn, encoded) for turn in turns]
-            sample = self._fit(conv, turn_tokens, max_length, overlong)
-            if sample is not None and all(label == IGNORE for label in sample.labels):
+            ids: list[int] = []
+            labels: list[int] = []
+            turn_ends = []
+            for turn in turns:
+                _extend(ids, labels, turn, encoded)
+                turn_ends.append(len(ids))
+            sample = Sample(ids, labels) if len(ids) <= max_length else self._fit(conv, ids, labels, turn_ends, max_length, overlong)
+            if sample is None:
+                stats.dropped_overlong += 1
+            elif (ignored := sample.labels.count(IGNORE)) == len(sample.labels):
                 stats.dropped_untrained += 1
                 sample = None
-            elif sample is None:
-                stats.dropped_overlong += 1
             else:
                 stats.kept += 1
                 stats.truncated += sample.truncated
                 stats.lengths.append(len(sample))
-                stats.trained_tokens += sum(label != IGNORE for label in sample.labels)
+                stats.trained_tokens += len(sample.labels) - ignored
             samples.append(sample)
         return samples, stats
 
-    def _fit(self, conv: Conversation, turn_tokens: list[tuple[list[int], list[int]]], max_length: int, overlong: str) -> Sample | None:
-        ids = [t for turn in turn_tokens for t in turn[0]]
-        if len(ids) <= max_length:
-            return Sample(ids, [label for turn in turn_tokens for label in turn[1]])
+    def _fit(
+        self, conv: Conversation, ids: list[int], labels: list[int], turn_ends: list[int], max_length: int, overlong: str
+    ) -> Sample | None:
+        """An overlong conversation (`ids`, `labels`, with turn i ending at `turn_ends[i]`) cut to max_length, or None."""
         if overlong == "drop":
             return None
         # Drop the oldest turns first; the turn that becomes first carries BOS and the system line again
         for start in range(1, len(conv.turns)):
             first_ids, first_labels, _ = self._as_first_turn(conv, start)
-            tail = turn_tokens[start + 1 :]
-            if len(first_ids) + sum(len(t[0]) for t in tail) <= max_length:
-                ids = first_ids + [i for t in tail for i in t[0]]
-                labels = first_labels + [label for t in tail for label in t[1]]
-                return Sample(ids, labels, truncated=True)
+            tail = turn_ends[start]
+            if len(first_ids) + len(ids) - tail <= max_length:
+                return Sample(first_ids + ids[tail:], first_labels + labels[tail:], truncated=True)
         # Only the last turn is left and still too long: cut its response (the end-of-turn token goes with it)
         ids, labels, prompt_length = self._as_first_turn(conv, len(conv.turns) - 1)
         if prompt_length >= max_length:
@@ -123,13 +146,33 @@ class Tokenizer:
 def _assemble(pieces: list[Piece], encoded) -> tuple[list[int], list[int]]:
     ids: list[int] = []
     labels: list[int] = []
+    _extend(ids, labels, pieces, encoded)
+    return ids, labels
+
+
+def _extend(ids: list[int], labels: list[int], pieces: list[Piece], encoded) -> None:
+    """Append the pieces' tokens and labels; text pieces take the next entry of `encoded`."""
     for piece in pieces:
-        piece_ids = list(next(encoded)) if piece.text is not None else list(piece.ids)
+        piece_ids = next(encoded) if piece.text is not None else piece.ids
         ids += piece_ids
         if not piece.trained:
             labels += [IGNORE] * len(piece_ids)
-        elif piece.label_ids is not None:
-            labels += list(piece.label_ids)
         else:
-            labels += piece_ids
-    return ids, labels
+            labels += piece_ids if piece.label_ids is None else piece.label_ids
+
+
+def _direct_backend(tokenizer):
+    """The Rust tokenizer behind a transformers fast tokenizer, when calling it directly is what `__call__` does:
+    a plain `TokenizersBackend` (no subclass with its own encoding) with no truncation or padding set."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: take the ordinary path
+        return None
+    kind = type(tokenizer)
+    if not isinstance(tokenizer, TokenizersBackend) or hasattr(tokenizer, "_switch_to_input_mode") or any(
+        getattr(kind, name) is not getattr(TokenizersBackend, name) for name in ("__call__", "_encode_plus")
+    ):
+        return None
+    backend = tokenizer.backend_tokenizer
+    return backend if backend.truncation is None and backend.padding is None else None
+
