@@ -16,6 +16,18 @@ SHARED = Path(os.environ.get("ERNIEKIT_SHARED", ROOT.parent / "shared"))
 ERNIE_TOKENIZER_DIR = SHARED / "ernie45" / "ernie-4.5-0.3b-base-pt"
 DATA_DIR = SHARED / "data"
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_data_cache(tmp_path_factory):
+    """Tests never write into (or read from) the user's own data cache (erniekit_lite/data/cache.py)."""
+    old = os.environ.get("ERNIEKIT_CACHE")
+    os.environ["ERNIEKIT_CACHE"] = str(tmp_path_factory.mktemp("erniekit-cache"))
+    yield
+    if old is None:
+        os.environ.pop("ERNIEKIT_CACHE", None)
+    else:
+        os.environ["ERNIEKIT_CACHE"] = old
+
+
 needs_shared = pytest.mark.skipif(not ERNIE_TOKENIZER_DIR.is_dir(), reason=f"shared reference files not found at {SHARED}")
 
 
