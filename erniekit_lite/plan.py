@@ -59,6 +59,7 @@ def plan(recipe: Recipe, log=print) -> dict:
         f"model: {arch['class']} ({recipe.model.path}), {arch['parameters']:,} parameters, "
         f"{arch['trainable']:,} trainable ({'LoRA r=%d' % recipe.lora.r if recipe.lora else 'full fine-tuning'})"
     )
+    log(arch["groups"])
     log(
         f"tokens per sequence: mean {info['length_mean']}, p95 {info['length_p95']}, max {info['length_max']} "
         f"(max_length {recipe.data.max_length}); {info['truncated']} truncated, {info['dropped']} dropped"
@@ -176,7 +177,10 @@ def architecture(path: str, recipe: Recipe) -> dict:
 
         model = apply_lora(model, recipe.lora)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    from erniekit_lite.train.common import groups_line
+
     return {
+        "groups": groups_line(model),
         "class": type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__,
         "parameters": total,
         "trainable": trainable,

@@ -203,6 +203,7 @@ def test_21b_lora_recipes_plan_every_expert(capsys, released_21b_dir, name):
     shared = 27 * 3 * r * (hidden + 2 * moe_inter)
     routed = 27 * experts * (2 * r * (hidden + 2 * moe_inter) + r * (moe_inter + hidden))
     assert f"{attention + dense + shared + routed:,} trainable (LoRA r=32)" in out
+    assert f"trainable by group: attention {attention:,}, dense MLP {dense:,}, shared experts {shared:,}, routed experts {routed:,}" in out
 
 
 def test_qlora_without_a_gpu_stops_with_one_line(tmp_path, capsys, tiny_moe_dir):

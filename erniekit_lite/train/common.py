@@ -94,13 +94,17 @@ def describe_model(model) -> str:
     total = sum(p.numel() for p in model.parameters())
     config = model.config
     lines = [f"model: {type(model).__name__} attention={config._attn_implementation} trainable {trainable:,} of {total:,} parameters"]
-    groups, moe = trainable_groups(model), is_moe(model)
-    # Zeros are shown for every group the architecture has, so a group left without adapters is visible
-    shown = [g for g in GROUPS if groups[g] or g in ("attention", "dense MLP") or (moe and g != "other")]
-    lines.append("  trainable by group: " + ", ".join(f"{g} {groups[g]:,}" for g in shown))
+    lines.append(groups_line(model))
     if getattr(config, "output_router_logits", False):
         lines.append(f"  router aux loss coefficient {config.router_aux_loss_coef} (logged as aux_loss)")
     return "\n".join(lines)
+
+
+def groups_line(model) -> str:
+    groups, moe = trainable_groups(model), is_moe(model)
+    # Zeros are shown for every group the architecture has, so a group left without adapters is visible
+    shown = [g for g in GROUPS if groups[g] or g in ("attention", "dense MLP") or (moe and g != "other")]
+    return "  trainable by group: " + ", ".join(f"{g} {groups[g]:,}" for g in shown)
 
 
 def tokenizer_path(model_path: str) -> str:
