@@ -16,6 +16,17 @@ SHARED = Path(os.environ.get("ERNIEKIT_SHARED", ROOT.parent / "shared"))
 ERNIE_TOKENIZER_DIR = SHARED / "ernie45" / "ernie-4.5-0.3b-base-pt"
 DATA_DIR = SHARED / "data"
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: tiny ops on a shared 2-core machine are steadier and often faster so."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_data_cache(tmp_path_factory):
     """Tests never write into (or read from) the user's own data cache (erniekit_lite/data/cache.py)."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from erniekit_lite.cli import main
 from test_cli import recipe_file  # tests/ is on sys.path under pytest
@@ -15,14 +14,6 @@ from test_cli import recipe_file  # tests/ is on sys.path under pytest
 
 def _losses(run) -> list[float]:
     return [h["loss"] for h in json.loads((run / "trainer_state.json").read_text())["log_history"] if "loss" in h]
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_torch_compile_gives_the_eager_losses(tmp_path, capsys, tiny_own_dir, one_thread):

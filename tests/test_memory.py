@@ -46,15 +46,6 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny ops on a shared 2-core machine: one thread is steadier than two (no thread-synchronisation stalls)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_estimate_matches_measured_memory_of_tiny_models(case, one_thread):
     result = MC.measure(case)

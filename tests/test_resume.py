@@ -28,13 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 IDENTITY = str(ROOT / "recipes" / "data" / "identity.jsonl")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """In-process runs on one thread, as the subprocesses (OMP_NUM_THREADS=1): several times faster on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# In-process runs on one thread, as the subprocesses (OMP_NUM_THREADS=1): several times faster on a busy 2-core machine
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def recipe_file(tmp_path: Path, model_dir: Path, name: str, lora: bool = True, **train) -> Path:
