@@ -340,6 +340,41 @@ def print_table(summary: dict[str, dict], baseline: str | None, unit: str) -> No
               f"{s['real_tokens_per_second']:.0f} | {ratio} | {peak} | {loss} | {fmt_reported(s['reported'])} |")
 
 
+def summarise_modes(runs: dict[str, list[dict]], preferred: str) -> tuple[dict[str, dict], str | None]:
+    """Per-mode summaries and the baseline mode the ratios divide by (`preferred`, else erniekit-padded)."""
+    summary = {m: summarise(rs) for m, rs in runs.items()}
+    baseline = preferred if preferred in summary and "error" not in summary[preferred] else (
+        "erniekit-padded" if "erniekit-padded" in summary else None)
+    return summary, baseline
+
+
+def print_tail(*, benchmark: str, config: dict, summary: dict, baseline: str | None, extra: dict, notes: list[str],
+               started: tuple[float, float, str | None], main_versions: dict, lf_versions: dict | None) -> None:
+    """Notes, the load and checkout warnings, then the one JSON line; `started` = (perf_counter, loadavg, git rev)."""
+    t_start, load_start, revision = started
+    wall, load_end, revision_end = time.perf_counter() - t_start, os.getloadavg()[0], git_revision()
+    for note in notes:
+        print("note:", note)
+    print(load_note(load_start, load_end, wall))
+    if revision_end != revision:
+        print(f"WARNING: the checkout changed during the run ({revision} -> {revision_end}); the modes may have run different code")
+    base_tps = summary[baseline]["real_tokens_per_second"] if baseline else None
+    print(json.dumps({
+        "benchmark": benchmark,
+        "config": {**config, "metric": "probe real tokens / wall clock of Trainer.train()",
+                   "git": revision if revision_end == revision else [revision, revision_end]},
+        "machine": machine(),
+        "versions": {"main": main_versions, **({"llamafactory_venv": lf_versions} if lf_versions else {})},
+        "baseline": baseline,
+        "modes": summary,
+        "x_baseline": {m: round(s["real_tokens_per_second"] / base_tps, 3) for m, s in summary.items() if base_tps and "error" not in s},
+        **extra,
+        "notes": notes,
+        "wall_seconds": round(wall, 1),
+        "loadavg_1min": [round(load_start, 2), round(load_end, 2)],
+    }))
+
+
 def load_note(load_start: float, load_end: float, wall: float) -> str:
     return (f"wall time: {wall:.1f} s; 1-min load average {load_start:.2f} at start, {load_end:.2f} at end"
             + (" (above 1: other processes may have competed; timings may be noisy)" if max(load_start, load_end) > 1.0 else ""))

@@ -49,7 +49,6 @@ import statistics
 import sys
 import tempfile
 import time
-import json
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -150,11 +149,7 @@ def main(argv=None, packing_only: bool = False) -> int:
 
         runs = C.run_modes(modes, spec, tmp, args)
 
-    summary = {m: C.summarise(rs) for m, rs in runs.items()}
-    wall, load_end, revision_end = time.perf_counter() - t_start, os.getloadavg()[0], C.git_revision()
-    baseline = BASELINE if BASELINE in summary and "error" not in summary[BASELINE] else (
-        "erniekit-padded" if "erniekit-padded" in summary else None)
-    base_tps = summary[baseline]["real_tokens_per_second"] if baseline else None
+    summary, baseline = C.summarise_modes(runs, BASELINE)
 
     print()
     C.print_table(summary, baseline, "rows")
@@ -171,28 +166,14 @@ def main(argv=None, packing_only: bool = False) -> int:
         extra["packing_efficiency_2048_full_alpaca"] = round(eff_2048, 4)
         print(f"packing efficiency, full alpaca demo ({full_samples} samples) at max_length 2048: {eff_2048:.2%} in {full_rows} rows "
               f"(target >= 97%: {'met' if eff_2048 >= 0.97 else 'NOT met'})")
-    for note in notes:
-        print("note:", note)
-    print(C.load_note(load_start, load_end, wall))
-    if revision_end != revision:
-        print(f"WARNING: the checkout changed during the run ({revision} -> {revision_end}); the modes may have run different code")
-    print(json.dumps({
-        "benchmark": "sft_packing" if packing_only else "sft",
-        "config": {"hidden_size": args.hidden_size, "layers": args.layers, "lora_r": args.lora_r, "max_length": args.max_length,
-                   "samples": len(records), "rounds": args.rounds, "steps": args.steps, "batch": args.batch,
-                   "erniekit_packed": [packed_batch, packed_steps], "threads": args.threads,
-                   "metric": "probe real tokens / wall clock of Trainer.train()",
-                   "git": revision if revision_end == revision else [revision, revision_end]},
-        "machine": C.machine(),
-        "versions": {"main": main_versions, **({"llamafactory_venv": lf_versions} if lf_versions else {})},
-        "baseline": baseline,
-        "modes": summary,
-        "x_baseline": {m: round(s["real_tokens_per_second"] / base_tps, 3) for m, s in summary.items() if base_tps and "error" not in s},
-        **extra,
-        "notes": notes,
-        "wall_seconds": round(wall, 1),
-        "loadavg_1min": [round(load_start, 2), round(load_end, 2)],
-    }))
+    C.print_tail(
+        benchmark="sft_packing" if packing_only else "sft",
+        config={"hidden_size": args.hidden_size, "layers": args.layers, "lora_r": args.lora_r, "max_length": args.max_length,
+                "samples": len(records), "rounds": args.rounds, "steps": args.steps, "batch": args.batch,
+                "erniekit_packed": [packed_batch, packed_steps], "threads": args.threads},
+        summary=summary, baseline=baseline, extra=extra, notes=notes, started=(t_start, load_start, revision),
+        main_versions=main_versions, lf_versions=lf_versions,
+    )
     return 0
 
 
