@@ -40,16 +40,19 @@ b = bytes of matmul outputs (2 under bf16/fp16 autocast, else r).
     a checkpointed layer keeps only its input, r*h per token (none on the device when offloaded), plus the rope
     cos/sin once, 8d.
 - logits: the LM head runs only at the P trained positions, in chunks of C = min(P, MAX_CHUNK_ELEMENTS / V)
-  (scoring.py). One chunk keeps its fp32 exp(logits - max), 4CV, plus 8P for the targets; with several chunks each is
-  recomputed in backward instead, and the P scored hidden states (r*h) stay; a trained head keeps its input.
-- backward working set, the larger of: the LM-head phase, 4CV (8CV when chunks are recomputed; with full
-  FT and several chunks at least 3 x V x h gradient bytes: a chunk's head-weight gradient, the running sum, the
-  new sum); the layer phase, one recomputed layer (with checkpointing) + a quarter of a layer's activations
-  (gradients in flight; fitted to the measurements) + 2 x the layer's parameters in gradient bytes (full FT) + the
-  merged expert stack's gradient (expert LoRA), less the single chunk's 4CV, freed by then. QLoRA adds the
-  largest dequantized linear weight (x2, bf16).
+  (scoring.py), plus 8P for the targets. A frozen head (LoRA, QLoRA) keeps each position's gradient w.r.t. its
+  hidden state, P*r*h, and no logits. A trained head (full FT) keeps each chunk's fp32 exp(logits - max), 4PV, and
+  its input; or, when the plan says that does not fit (`head_keep` false), recomputes every chunk in backward and
+  keeps the P scored hidden states (r*h) instead.
+- working set, the larger of: the LM-head phase (frozen head: one chunk in forward, 4CV, + 2bCV with bf16 output,
+  + 4CV for DPO's metrics; trained head: 4CV, 8CV when chunks are recomputed, and with several chunks at least
+  3 x V x h gradient bytes: a chunk's head-weight gradient, the running sum, the new sum); the layer phase, one
+  recomputed layer (with checkpointing) + a quarter of a layer's activations (gradients in flight; fitted to the
+  measurements) + 2 x the layer's parameters in gradient bytes (full FT) + the merged expert stack's gradient
+  (expert LoRA), less the trained head's kept buffers, freed by then. QLoRA adds the largest dequantized linear
+  weight (x2, bf16).
 - DPO: LoRA DPO's reference is the base with the adapter disabled: its no-grad forward (one layer's activations,
-  or one logits chunk at (b + 12) x CV) counts where it exceeds the backward working set. Full DPO adds a frozen
+  or one logits chunk at (8 + b) x CV) counts where it exceeds the working set. Full DPO adds a frozen
   copy of the model (not with precompute_ref_log_probs). Not yet measured.
 - overhead: 0.5 GiB (CUDA context, cuBLAS workspace: outside PyTorch's allocator) + 10% of the rest (caching-
   allocator fragmentation). An assumption, not measured on a GPU yet.
@@ -155,6 +158,7 @@ class Run:
     method: str = "sft"
     reference: str = "none"  # none | adapter (LoRA DPO: adapter disabled) | copy (full DPO) | precomputed
     chunk_elements: int = 2**27
+    head_keep: bool = False  # a trained LM head keeps every chunk's buffer instead of recomputing (scoring.py)
     device: str = "cuda"  # cpu only for the calibration: CPU dropout keeps its mask in the input's dtype
 
 
@@ -346,41 +350,49 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
     step = max(1, run.chunk_elements // vocab)
     scored = max(1, min(run.scored, run.tokens))
     chunk = min(scored, step)
-    multi = scored > step
     b = 2 if (run.autocast or r == 2) else 4
-    if multi:  # every chunk is checkpointed: the scored hidden states stay, the chunk is recomputed in backward
-        head_input = scored * shape.hidden * r
-    elif params.head_trains:  # the head's input, for its gradient (autocast keeps its bf16 copy)
-        head_input = scored * shape.hidden * (2 if run.autocast and r == 4 else r)
-    else:
-        head_input = 0
-    logits = (0 if multi else 4 * chunk * vocab) + 8 * scored + head_input
-    if weight_copies:
-        logits += 2 * vocab * shape.hidden  # autocast's bf16 copy of the LM head
-    # Backward working set on top of what the forward kept, whichever phase is larger:
-    # - one logits chunk: its fp32 logits beside the kept exp buffer, which backward turns into the gradient in
-    #   place (scoring._TokenLogProb), and (when chunks are checkpointed) the recomputed exp buffer too; with full fine-tuning
-    #   and several chunks, the LM head's weight gradient of a chunk, the running sum and the new sum
-    #   (3 x vocab x hidden), when that is larger;
-    # - one layer: (with checkpointing) its recomputed activations, plus the activation gradients in flight
-    #   (measured: a quarter of the layer's saved activations), plus with full fine-tuning its weight gradients
-    #   before they are added to .grad, and with expert LoRA the merged expert stack's gradient.
-    lm_phase = (8 if multi else 4) * chunk * vocab
-    if params.head_trains and multi:
-        lm_phase = max(lm_phase, 3 * vocab * shape.hidden * train_bytes)
     layer_phase = recompute + max(layer.values()) * t // 4 + merged
     if full:
         layer_phase += 2 * params.layer_params_max * train_bytes
-    # by the layer phase the kept exp buffer has been turned into its gradient and freed
-    transient = max(lm_phase, layer_phase - (0 if multi else 4 * chunk * vocab))
+    if params.head_trains:
+        # Each chunk keeps its fp32 exp(logits - max) for backward: all of them (no recompute, `head_keep`, or a
+        # single chunk), or none, when every chunk is checkpointed and recomputed in backward
+        multi = scored > step and not run.head_keep
+        if multi:  # the scored hidden states stay, the chunk is recomputed in backward
+            head_input = scored * shape.hidden * r
+        else:  # the head's input, for its gradient (autocast keeps its bf16 copy)
+            head_input = scored * shape.hidden * (2 if run.autocast and r == 4 else r)
+        kept = 0 if multi else 4 * scored * vocab
+        logits = kept + 8 * scored + head_input
+        if weight_copies:
+            logits += 2 * vocab * shape.hidden  # autocast's bf16 copy of the LM head
+        # Backward, the larger phase: one chunk's fp32 logits beside its exp buffer, which backward turns into the
+        # gradient in place (scoring._TokenLogProb), and when recomputed the recomputed exp buffer too, or with
+        # several chunks the head-weight gradient of a chunk, the running sum and the new sum (3 x vocab x hidden);
+        # or one layer: (with checkpointing) its recomputed activations, plus the activation gradients in flight
+        # (measured: a quarter of the layer's saved activations), plus with full fine-tuning its weight gradients
+        # before they are added to .grad, and with expert LoRA the merged expert stack's gradient. By the layer
+        # phase every kept exp buffer has become its gradient and been freed.
+        lm_phase = (8 if multi else 4) * chunk * vocab
+        if scored > step:
+            lm_phase = max(lm_phase, 3 * vocab * shape.hidden * train_bytes)
+        transient = max(lm_phase, layer_phase - kept)
+    else:
+        # A frozen head (LoRA, QLoRA): each chunk's gradient w.r.t. its hidden states is computed in forward and
+        # kept (P x h in r); no logits outlive their chunk. The chunk's working set, at the end of the forward:
+        # the head's output, its fp32 exp (the same buffer in fp32), the gradient cast back to b, and for DPO's
+        # metrics a second fp32 buffer (scoring._HeadLogProb)
+        logits = 8 * scored + scored * shape.hidden * r
+        lm_phase = (4 + (2 * b if b != 4 else 0) + (4 if run.method == "dpo" else 0)) * chunk * vocab
+        transient = max(lm_phase, layer_phase)
     if run.load_in_4bit:
         transient += 2 * params.largest_linear * 2  # dequantized bf16 weight (forward and backward)
 
     reference = reference_copy = 0
     if run.method == "dpo" and run.reference in ("adapter", "copy"):
         # the no-grad reference forward runs while the policy's activations are alive: one layer's
-        # working set and one logits chunk (its fp32 logits, log-softmax and extras) at a time
-        ref_working = max(max(layer.values()) * t, (b + 12) * chunk * vocab)  # (not yet measured)
+        # working set and one logits chunk (the head's output, its fp32 copy, the metrics' exp buffer) at a time
+        ref_working = max(max(layer.values()) * t, (8 + (b if b != 4 else 0)) * chunk * vocab)  # (not yet measured)
         reference = max(0, ref_working - transient)
         if run.reference == "copy":
             reference_copy = int(params.linear * r + params.fp32 * 4 + params.other * r + params.trainable * r)

@@ -119,8 +119,11 @@ def without_gpu_settings(recipe: Recipe) -> Recipe:
     return changed
 
 
-def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool):
-    """Peak accelerator memory per device (memory.py) for the run this recipe makes, on a CUDA GPU."""
+def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: bool = False):
+    """Peak accelerator memory per device (memory.py) for the run this recipe makes, on a CUDA GPU.
+
+    `head_keep`: a trained LM head keeps its chunks' buffers instead of recomputing them (`head_keep_positions`).
+    """
     from erniekit_lite.model.load import resolve_attention
     from erniekit_lite.train.scoring import MAX_CHUNK_ELEMENTS
 
@@ -153,6 +156,7 @@ def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool):
         method=recipe.method,
         reference=reference,
         chunk_elements=MAX_CHUNK_ELEMENTS,
+        head_keep=head_keep,
     )
     return memory.estimate(arch["shape"], arch["memory"], run), run
 
@@ -213,3 +217,25 @@ def choose_checkpointing(recipe: Recipe, args, device_bytes: int, log=print) -> 
             f"{device_bytes / memory.GIB:.0f} GiB on this GPU (set train.activation_checkpointing to choose)")
     else:
         args.activation_checkpointing = True
+
+
+HEAD_KEEP_HEADROOM = 0.85  # of the free memory, as for activation checkpointing
+
+
+def head_keep_positions(recipe: Recipe, args, free_bytes: int, cuda: bool, log=print) -> int:
+    """Full fine-tuning trains the LM head (ERNIE ties it to the embeddings). Its chunks' fp32 buffers can stay
+    alive for backward (no recompute: a third less LM-head compute) or be recomputed there (one chunk's memory).
+    Keep them when the plan with them kept fits in the device's free memory; the positions returned are the most
+    a micro-batch can score (0: recompute)."""
+    from erniekit_lite.model.load import adapter_base
+
+    arch = architecture(adapter_base(recipe.model.path) or recipe.model.path, recipe)
+    est, run = memory_estimate(recipe, args, arch, cuda, head_keep=True)
+    where = "on this GPU" if cuda else "of RAM"
+    if est.total <= HEAD_KEEP_HEADROOM * free_bytes:
+        log(f"LM head: trained; its chunks are kept for backward, not recomputed (the run needs about "
+            f"{est.total / memory.GIB:.1f} GiB so, {free_bytes / memory.GIB:.0f} GiB free {where})")
+        return run.tokens
+    log(f"LM head: trained; its chunks are recomputed in backward (keeping them needs about {est.total / memory.GIB:.1f} "
+        f"GiB, {free_bytes / memory.GIB:.0f} GiB free {where})")
+    return 0

@@ -51,3 +51,21 @@ def test_a_recipes_own_choice_is_kept(tiny_dense_dir, tmp_path, setting):
     args = training_args(recipe, tmp_path / "out")
     choose_checkpointing(recipe, args, 10**15)
     assert args.activation_checkpointing is setting
+
+
+def test_trained_lm_head_keeps_its_chunks_only_when_the_plan_fits(tiny_dense_dir, tmp_path):
+    """Full fine-tuning: the head's chunk buffers stay for backward when the plan with them kept fits the free
+    memory (the positions a micro-batch can score), else every chunk is recomputed (0)."""
+    from erniekit_lite.plan import HEAD_KEEP_HEADROOM, head_keep_positions
+
+    recipe = _recipe(tiny_dense_dir, tmp_path).model_copy(update={"lora": None})
+    args = training_args(recipe, tmp_path / "out")
+    arch = architecture(recipe.model.path, recipe)
+    keep, run = memory_estimate(recipe, args, arch, cuda=False, head_keep=True)
+    recompute, _ = memory_estimate(recipe, args, arch, cuda=False, head_keep=False)
+    assert keep.logits >= 4 * run.tokens * arch["shape"].vocab > 10 * recompute.logits  # every chunk's fp32 buffer
+    assert keep.total > recompute.total
+    said = []
+    assert head_keep_positions(recipe, args, int(keep.total / HEAD_KEEP_HEADROOM) + 1, False, said.append) == 4 * 1024
+    assert head_keep_positions(recipe, args, int(keep.total / HEAD_KEEP_HEADROOM) - 1, False, said.append) == 0
+    assert "kept for backward" in said[0] and "recomputed in backward" in said[1]

@@ -73,6 +73,27 @@ def load_for_training(recipe: Recipe, log=print, apply_lora: bool = True):
     return model
 
 
+def plan_lm_head(trainer, recipe: Recipe, log=print) -> None:
+    """A trained LM head (full fine-tuning): keep or recompute its chunks, as the memory plan allows (scoring.py).
+    A frozen head (LoRA) needs no choice: its gradient is taken in forward."""
+    import torch
+
+    model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    head = model.get_output_embeddings()
+    if head is None or not any(p.requires_grad for p in head.parameters()):
+        return
+    from erniekit_lite.plan import head_keep_positions
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        free = torch.cuda.mem_get_info()[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    model._erniekit_head_keep_positions = head_keep_positions(recipe, trainer.args, free, cuda, log)
+
+
 def watch_moe(trainer, recipe: Recipe, log=print):
     """MoE runs: say how the router is trained and start recording expert load (None for dense models)."""
     if not is_moe(trainer.model):

@@ -10,7 +10,7 @@ from erniekit_lite.data.prepare import PreparedPairs, prepare_pairs
 from erniekit_lite.model.load import load_tokenizer
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import callbacks, rundir
-from erniekit_lite.train.common import describe_model, load_for_training, rows_dataset, tokenizer_path, training_args, watch_moe
+from erniekit_lite.train.common import describe_model, load_for_training, rows_dataset, tokenizer_path, plan_lm_head, training_args, watch_moe
 
 
 def run(recipe: Recipe, log=print) -> Path:
@@ -26,6 +26,7 @@ def run(recipe: Recipe, log=print) -> Path:
 
     out = rundir.claim(recipe, log)
     trainer = build_trainer(model, tokenizer, args, data, recipe)
+    plan_lm_head(trainer, recipe, log)
     expert_load = watch_moe(trainer, recipe, log)
     if recipe.lora is not None:
         log(describe_model(trainer.model))

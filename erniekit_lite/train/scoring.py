@@ -1,11 +1,22 @@
-"""Per-token log-probabilities at trained positions only, with bounded LM-head memory.
+"""Per-token log-probabilities at trained positions only, with bounded LM-head memory and no recompute.
 
 ERNIE 4.5's LM head has 103k rows, so for small models it is most of the compute, and full logits for an 8k-token
 row take gigabytes. `model(..., score_labels=labels)` runs the backbone once, keeps the hidden states of positions
-whose next token is trained, and scores them in chunks of positions of at most `MAX_CHUNK_ELEMENTS` logits. When
-there is more than one chunk, each is checkpointed (recomputed in backward), so peak memory stays at one chunk's
-logits. (TRL's vocabulary-tiled kernel bounds memory too, but measured ~2x slower end to end on CPU.)
-SFT and DPO both read their losses and metrics from these scores.
+whose next token is trained, and scores them in chunks of at most `MAX_CHUNK_ELEMENTS` logits. How the gradient
+gets back to the hidden states depends on whether the head trains:
+
+- frozen head (LoRA, QLoRA: ERNIE ties the head to the frozen embeddings): while each chunk's logits exist, the
+  forward also computes d log p(target) / d hidden for that chunk (tokens x hidden) and keeps only that. Backward
+  scales it by the upstream gradient of each token's log-prob (SFT's -1/N, DPO's per-sequence weights). Nothing is
+  recomputed and no logits outlive their chunk: the idea of Liger's fused linear cross-entropy and Apple's Cut
+  Cross-Entropy, kept general (per-token log-probs, any upstream gradient) for DPO;
+- trained head (full fine-tuning): each chunk keeps its exp buffer for backward, which also yields the head's
+  weight gradient. With several chunks either all buffers are kept (no recompute) or each chunk is checkpointed
+  (recomputed in backward, one chunk's memory), as `keep_positions` allows; the trainer sets it from the memory
+  plan (`plan.head_keep_positions`).
+
+The head is always called as a module, never read through its weight, so FSDP and ZeRO-3 gather its parameters
+as for any forward. SFT and DPO both read their losses and metrics from these scores.
 """
 
 from __future__ import annotations
@@ -18,7 +29,9 @@ from torch.utils.checkpoint import checkpoint
 
 from erniekit_lite.data.tokenize import IGNORE
 
-MAX_CHUNK_ELEMENTS = 2**27  # logits per chunk: 512 MiB in fp32 (about 1,300 positions of a 103k vocabulary)
+# Logits per chunk: 512 MiB in fp32 (about 1,300 positions of a 103k vocabulary). Measured on CPU, larger chunks
+# run the head's matmuls faster (1.2-1.5x over 128 positions at hidden 256-1024), and the frozen path keeps no chunk.
+MAX_CHUNK_ELEMENTS = 2**27
 
 
 @dataclass
@@ -56,7 +69,7 @@ def add_scoring_forward(model) -> None:
 
 
 def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True) -> Scores:
-    """`extras` adds entropy, log-sum of squared probabilities and mean logit: three more passes over the logits."""
+    """`extras` adds entropy, log-sum of squared probabilities and mean logit (DPO's metrics)."""
     moe = bool(inputs.pop("output_router_logits", False))
     tracker = getattr(model, "_expert_load", None)  # an ExpertLoad (expert_load.py) during MoE training
     routed = moe or tracker is not None
@@ -66,16 +79,11 @@ def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True) -> Sco
     out = model.base_model(**inputs, use_cache=False, **({"output_router_logits": True} if routed else {}))
     if tracker is not None and model.training and torch.is_grad_enabled():  # policy passes only, not the reference
         tracker.add(out.router_logits, inputs.get("attention_mask"))
-    # The head is called as a module (not via its weight) so ZeRO-3 / FSDP gather its parameters as for any forward
-    head = model.get_output_embeddings()
     hidden = out.last_hidden_state[keep]
-    step = max(1, MAX_CHUNK_ELEMENTS // head.out_features)
-    parts = []
-    for start in range(0, max(1, hidden.shape[0]), step):
-        args = (hidden[start : start + step], head, targets[start : start + step], extras)
-        many = hidden.shape[0] > step and torch.is_grad_enabled()
-        parts.append(checkpoint(_chunk_scores, *args, use_reentrant=False) if many else _chunk_scores(*args))
-    log_probs, entropy, log_sum_sq, mean_logits, is_top1 = (None if x[0] is None else torch.cat(x) for x in zip(*parts))
+    head = model.get_output_embeddings()
+    log_probs, entropy, log_sum_sq, mean_logits, is_top1 = head_scores(
+        head, hidden, targets, extras, getattr(model, "_erniekit_head_keep_positions", 0)
+    )
     aux = None
     if moe:
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
@@ -84,7 +92,105 @@ def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True) -> Sco
     return Scores(log_probs, entropy, log_sum_sq, mean_logits, is_top1, aux, out.router_logits if routed else None)
 
 
+def chunk_positions(vocab: int) -> int:
+    return max(1, MAX_CHUNK_ELEMENTS // vocab)
+
+
+def head_scores(head, hidden, targets, extras: bool, keep_positions: int = 0) -> tuple:
+    """(log_probs, entropy, log_sum_sq, mean_logits, is_top1) of `targets` under `head(hidden)`; see the module doc.
+
+    `keep_positions`: with a trained head, keep every chunk's buffer (no recompute) when there are at most this many
+    positions; above it, each chunk is checkpointed.
+    """
+    step = chunk_positions(head.out_features)
+    if not (torch.is_grad_enabled() and hidden.requires_grad):  # eval, reference passes: no gradient work at all
+        return _HeadLogProb.run(hidden, targets, head, extras, step, want_grad=False)[0]
+    if not any(p.requires_grad for p in head.parameters()):
+        return _FrozenHeadLogProb.apply(hidden, targets, head, extras, step)
+    n = hidden.shape[0]
+    recompute = n > step and n > keep_positions
+    parts = []
+    for start in range(0, max(1, n), step):
+        args = (hidden[start : start + step], head, targets[start : start + step], extras)
+        parts.append(checkpoint(_chunk_scores, *args, use_reentrant=False) if recompute else _chunk_scores(*args))
+    return tuple(None if x[0] is None else torch.cat(x) for x in zip(*parts))
+
+
+class _HeadLogProb:
+    """The frozen-head chunk loop, shared by the no-grad path and `_FrozenHeadLogProb.forward`."""
+
+    @staticmethod
+    def run(hidden, targets, head, extras: bool, step: int, want_grad: bool):
+        n, vocab = hidden.shape[0], head.out_features
+        grad_hidden = torch.empty_like(hidden) if want_grad else None
+        spare = hidden.new_empty((min(step, n), vocab), dtype=torch.float32) if extras else None  # reused by chunks
+        parts = []
+        for start in range(0, max(1, n), step):
+            stop = min(n, start + step)
+            h, t = hidden[start:stop].detach(), targets[start:stop]
+            if want_grad:
+                h.requires_grad_()
+            with torch.set_grad_enabled(want_grad):
+                logits = head(h)
+            token, top1, more, exp, total = _softmax_parts(logits.detach().float(), t, extras, spare)
+            parts.append((token, *more, top1))
+            if want_grad:
+                # d log p_t / d logits = onehot(t) - softmax, built in place; the head's own backward maps it to hidden
+                grad_logits = exp.mul_((-1 / total)[:, None])
+                grad_logits[torch.arange(stop - start, device=t.device), t] += 1
+                (grad_hidden[start:stop],) = torch.autograd.grad(logits, h, grad_logits.to(logits.dtype))
+            del logits, exp
+        token, entropy, log_sum_sq, mean_logits, top1 = (None if x[0] is None else torch.cat(x) for x in zip(*parts))
+        return (token, entropy, log_sum_sq, mean_logits, top1), grad_hidden
+
+
+class _FrozenHeadLogProb(torch.autograd.Function):
+    """Log-probs through a frozen head, with each position's gradient w.r.t. its hidden state computed in forward.
+
+    Backward only scales the kept gradients, so a second backward through the same graph is as correct as the first.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, targets, head, extras, step):
+        outputs, grad_hidden = _HeadLogProb.run(hidden, targets, head, extras, step, want_grad=True)
+        ctx.save_for_backward(grad_hidden)
+        token, *rest = outputs
+        ctx.mark_non_differentiable(*[x for x in rest if x is not None])
+        return (token, *rest)
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        (grad_hidden,) = ctx.saved_tensors
+        return (grad_hidden.float() * grad[:, None]).to(grad_hidden.dtype), None, None, None, None
+
+
+def _softmax_parts(logits, targets, extras: bool, spare):
+    """From fp32 `logits`, which it overwrites: log p(target), top-1 hits, the extras, exp(logits - max) and its sum.
+
+    One exp pass; the extras come from dot products, not more [n, V] temporaries. The exp is written over the
+    logits, or into `spare` (rows reused across chunks) when the extras still need the shifted logits. Callers
+    pass the head's output detached: autograd needs the head's input and weight to differentiate it, never its
+    output, so overwriting it is safe.
+    """
+    top, best = logits.max(-1)
+    top1 = best == targets
+    mean_logits = logits.mean(-1) if extras else None
+    shifted = logits.sub_(top[:, None])
+    token = shifted.gather(-1, targets[:, None]).squeeze(-1)
+    if extras:
+        exp = torch.exp(shifted, out=spare[: len(targets)])
+        total = exp.sum(-1)
+        dot = lambda a, b: torch.einsum("nv,nv->n", a, b)  # noqa: E731  (a batched dot: no [n, V] temporary)
+        more = [total.log() - dot(exp, shifted) / total, dot(exp, exp).log() - 2 * total.log(), mean_logits]
+    else:
+        exp = shifted.exp_()
+        total = exp.sum(-1)
+        more = [None, None, None]
+    return token - total.log(), top1, more, exp, total
+
+
 def _chunk_scores(hidden, head, targets, extras):
+    """A trained head's chunk: the head's output through `_TokenLogProb` (its exp buffer kept for backward)."""
     logits = head(hidden).float()
     token, is_top1, *more = _TokenLogProb.apply(logits, targets, extras)
     entropy, log_sum_sq, mean_logits = more if extras else (None, None, None)
@@ -95,35 +201,28 @@ class _TokenLogProb(torch.autograd.Function):
     """log softmax(logits)[target], with one exp over the logits and one [n, V] buffer kept for backward.
 
     `log_softmax` + `gather` keep the log-probabilities, build a zero [n, V] gradient for `gather` and a third
-    buffer in `log_softmax`'s backward, which runs a second exp over every logit; DPO's metrics took three more
-    passes with exps. Here exp(logits - max) is computed once, gives the metrics through dot products, and is
-    turned into the gradient in place in backward: d log p_t / d logits = onehot(t) - softmax. These 103k-wide
-    passes are most of a small ERNIE model's step outside the matmuls (benchmarks/lm_head.py measures it).
+    buffer in `log_softmax`'s backward, which runs a second exp over every logit. Here exp(logits - max) is computed
+    once, over the logits themselves, and turned into the gradient in place in backward:
+    d log p_t / d logits = onehot(t) - softmax. A second backward would read a consumed buffer, so it raises.
     """
 
     @staticmethod
     def forward(ctx, logits, targets, extras):
-        top, best = logits.max(-1)
-        shifted = logits - top[:, None]
-        token = shifted.gather(-1, targets[:, None]).squeeze(-1)
-        outputs = [best == targets]
-        if extras:  # entropy, log sum of squared probabilities, mean logit (TRL's DPO metrics and WPO weights)
-            exp = shifted.exp()
-            total = exp.sum(-1)
-            dot = lambda a, b: torch.einsum("nv,nv->n", a, b)  # noqa: E731  (a batched dot: no [n, V] temporary)
-            outputs += [total.log() - dot(exp, shifted) / total, dot(exp, exp).log() - 2 * total.log(), logits.mean(-1)]
-            del shifted
-        else:
-            exp = shifted.exp_()
-            total = exp.sum(-1)
+        spare = torch.empty_like(logits) if extras else None
+        token, top1, more, exp, total = _softmax_parts(logits.detach(), targets, extras, spare)
         ctx.save_for_backward(exp, total, targets)
+        ctx.consumed = False
+        outputs = [top1, *(m for m in more if m is not None)]
         ctx.mark_non_differentiable(*outputs)
-        return (token - total.log(), *outputs)
+        return (token, *outputs)
 
     @staticmethod
     def backward(ctx, grad, *_):
+        if ctx.consumed:
+            raise RuntimeError("the LM-head loss was back-propagated twice; its saved buffer became the first gradient")
+        ctx.consumed = True
         exp, total, targets = ctx.saved_tensors
-        # grad * (onehot - exp / total), written over the saved buffer: it is not needed again
+        # grad * (onehot - exp / total), written over the saved buffer
         grad_logits = exp.mul_((-grad / total)[:, None])
         grad_logits[torch.arange(len(targets), device=targets.device), targets] += grad
         return grad_logits, None, None

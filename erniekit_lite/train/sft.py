@@ -11,7 +11,7 @@ from erniekit_lite.data.prepare import PreparedData, prepare
 from erniekit_lite.model.load import load_tokenizer
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import callbacks, rundir
-from erniekit_lite.train.common import load_for_training, rows_dataset, tokenizer_path, training_args, watch_moe
+from erniekit_lite.train.common import load_for_training, rows_dataset, tokenizer_path, plan_lm_head, training_args, watch_moe
 
 
 def run(recipe: Recipe, log=print) -> Path:
@@ -27,6 +27,7 @@ def run(recipe: Recipe, log=print) -> Path:
     # Claimed only now, so a recipe or data mistake never leaves a half-made run dir behind
     out = rundir.claim(recipe, log)
     trainer = build_trainer(model, tokenizer, args, data, recipe)
+    plan_lm_head(trainer, recipe, log)
     expert_load = watch_moe(trainer, recipe, log)
     result = callbacks.train(trainer, out, args.resume_from_checkpoint)
     metrics = {**result.metrics, **trainer.throughput(result.metrics["train_runtime"]), "train_samples": len(data.train.samples)}

@@ -1,0 +1,119 @@
+"""The LM-head scoring path (erniekit_lite/train/scoring.py) against the plain `log_softmax` way.
+
+Log-probs, the gradients they send to the hidden states (and to the head when it trains), top-1 hits and DPO's
+metrics are compared with `log_softmax` + `gather` over full logits, with mixed-sign upstream gradients (DPO's
+chosen and rejected terms), for a frozen head (gradient computed in forward) and a trained head (chunks kept or
+recomputed), in one chunk and in several. Tolerance 1e-5 (fp32; the two ways sum in different orders).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from erniekit_lite.train import scoring
+from erniekit_lite.train.scoring import head_scores
+
+VOCAB = 1000
+
+
+class CountingHead(torch.nn.Linear):
+    """An LM head that counts its forward calls (a recompute would call it again in backward)."""
+
+    calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+def _case(trained: bool):
+    torch.manual_seed(0)
+    head = CountingHead(32, VOCAB, bias=False).requires_grad_(trained)
+    hidden = (3 * torch.randn(50, 32)).requires_grad_()
+    targets = torch.randint(0, VOCAB, (50,))
+    weights = torch.randn(50)  # mixed-sign upstream gradients, as DPO's chosen/rejected terms give
+    return head, hidden, targets, weights
+
+
+def _reference(head, hidden, targets, weights):
+    logits = torch.nn.functional.linear(hidden, head.weight)
+    log_probs = torch.log_softmax(logits, -1)
+    token = log_probs.gather(-1, targets[:, None]).squeeze(-1)
+    grads = torch.autograd.grad((token * weights).sum(), [hidden] + ([head.weight] if head.weight.requires_grad else []))
+    return logits.detach(), log_probs.detach(), token.detach(), grads
+
+
+@pytest.mark.parametrize("extras", [False, True], ids=["sft", "dpo-metrics"])
+@pytest.mark.parametrize("chunk", [None, 7], ids=["one-chunk", "7-position-chunks"])
+@pytest.mark.parametrize("mode", ["frozen", "trained-recompute", "trained-keep"])
+def test_head_scores_equal_log_softmax(monkeypatch, extras, chunk, mode):
+    if chunk:
+        monkeypatch.setattr(scoring, "MAX_CHUNK_ELEMENTS", chunk * VOCAB)
+    head, hidden, targets, weights = _case(trained=mode != "frozen")
+    keep = 10**9 if mode == "trained-keep" else 0
+    token, entropy, log_sum_sq, mean_logits, top1 = head_scores(head, hidden, targets, extras, keep)
+    chunks = -(-50 // chunk) if chunk else 1
+    assert head.calls == chunks  # the forward ran each chunk once
+    got = torch.autograd.grad((token * weights).sum(), [hidden] + ([head.weight] if mode != "frozen" else []))
+    recomputed = mode == "trained-recompute" and chunks > 1
+    assert head.calls == chunks * (2 if recomputed else 1)  # backward recomputed them only where asked to
+    logits, log_probs, ref, ref_grads = _reference(head, hidden, targets, weights)
+    assert torch.allclose(token, ref, atol=1e-5)
+    for g, r in zip(got, ref_grads, strict=True):
+        assert torch.allclose(g, r, atol=1e-5)
+    assert torch.equal(top1, logits.argmax(-1) == targets)
+    if extras:
+        assert torch.allclose(entropy, -(log_probs.exp() * log_probs).sum(-1), atol=1e-5)
+        assert torch.allclose(log_sum_sq, torch.logsumexp(2 * log_probs, -1), atol=1e-5)
+        assert torch.allclose(mean_logits, logits.mean(-1), atol=1e-5)
+    else:
+        assert entropy is None and log_sum_sq is None and mean_logits is None
+
+
+@pytest.mark.parametrize("trained", [False, True], ids=["frozen", "trained"])
+def test_without_grad_the_head_runs_once_per_chunk_and_scores_the_same(monkeypatch, trained):
+    """Eval and DPO's reference pass: no gradient work, same log-probs."""
+    monkeypatch.setattr(scoring, "MAX_CHUNK_ELEMENTS", 7 * VOCAB)
+    head, hidden, targets, _ = _case(trained)
+    with torch.no_grad():
+        token, *_, top1 = head_scores(head, hidden, targets, True)
+    assert head.calls == 8 and not token.requires_grad
+    _, _, ref, _ = _reference(head, hidden, targets, torch.ones(50))
+    assert torch.allclose(token, ref, atol=1e-5)
+
+
+def test_frozen_head_backward_twice_gives_the_same_gradient():
+    head, hidden, targets, weights = _case(trained=False)
+    token = head_scores(head, hidden, targets, False)[0]
+    loss = (token * weights).sum()
+    (first,) = torch.autograd.grad(loss, hidden, retain_graph=True)
+    (second,) = torch.autograd.grad(loss, hidden)
+    assert torch.equal(first, second)
+
+
+def test_trained_head_backward_twice_raises():
+    """The trained path turns its saved buffer into the gradient in place: a second backward must not reuse it."""
+    head, hidden, targets, weights = _case(trained=True)
+    token = head_scores(head, hidden, targets, False)[0]
+    loss = (token * weights).sum()
+    torch.autograd.grad(loss, hidden, retain_graph=True)
+    with pytest.raises(RuntimeError, match="back-propagated twice"):
+        torch.autograd.grad(loss, hidden)
+
+
+def test_frozen_head_keeps_no_logits_for_backward(monkeypatch):
+    """What the frozen path keeps for backward is one gradient per position (tokens x hidden), no [n, V] buffer:
+    each chunk's own head graph is gone once its gradient is taken."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(scoring, "MAX_CHUNK_ELEMENTS", 7 * VOCAB)
+    head, hidden, targets, _ = _case(trained=False)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), weakref.ref(t))) or t, lambda t: t):
+        token = head_scores(head, hidden, targets, True)[0]
+    gc.collect()
+    weight = head.weight.untyped_storage().data_ptr()
+    alive = [shape for shape, ref in saved if ref() is not None and ref().untyped_storage().data_ptr() != weight]
+    assert alive == [(50, 32)] and token.requires_grad
