@@ -117,3 +117,30 @@ def test_frozen_head_keeps_no_logits_for_backward(monkeypatch):
     weight = head.weight.untyped_storage().data_ptr()
     alive = [shape for shape, ref in saved if ref() is not None and ref().untyped_storage().data_ptr() != weight]
     assert alive == [(50, 32)] and token.requires_grad
+
+
+@pytest.mark.parametrize("trained", [False, True], ids=["frozen", "trained"])
+def test_log_probs_below_float32_underflow_stay_exact(trained):
+    """A target 200 nats below the top has probability e^-200, which float32 cannot hold: its log-prob and gradient
+    still equal log_softmax's (the fallback through the largest probability)."""
+    head = torch.nn.Linear(4, 6, bias=False).requires_grad_(trained)
+    with torch.no_grad():
+        head.weight.copy_(torch.eye(6, 4))
+    hidden = torch.tensor([[200.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.5, 0.0], [0.0, 0.0, 0.0, -300.0]], requires_grad=True)
+    targets = torch.tensor([1, 1, 2])  # row 0: e^-200; row 1: ordinary; row 2: logit 0 against 0s and -300
+    token = head_scores(head, hidden, targets, True)[0]
+    ref = torch.log_softmax(torch.nn.functional.linear(hidden, head.weight), -1).gather(-1, targets[:, None]).squeeze(-1)
+    assert token[0].item() == pytest.approx(-200.0, abs=1e-4) and torch.allclose(token, ref, atol=1e-5)
+    (got,) = torch.autograd.grad(token.sum(), hidden)
+    (want,) = torch.autograd.grad(ref.sum(), hidden)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_a_tie_for_the_top_counts_as_a_hit():
+    """is_top1 means 'no token has a larger logit than the target' (argmax would take the first of tied indices)."""
+    head = torch.nn.Linear(2, 3, bias=False).requires_grad_(False)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]))  # tokens 0 and 1 always tie
+    hidden = torch.tensor([[2.0, 0.0], [2.0, 0.0], [0.0, 2.0]])
+    top1 = head_scores(head, hidden, torch.tensor([1, 2, 0]), False)[-1]
+    assert top1.tolist() == [True, False, False]

@@ -10,7 +10,7 @@ gets back to the hidden states depends on whether the head trains:
   scales it by the upstream gradient of each token's log-prob (SFT's -1/N, DPO's per-sequence weights). Nothing is
   recomputed and no logits outlive their chunk: the idea of Liger's fused linear cross-entropy and Apple's Cut
   Cross-Entropy, kept general (per-token log-probs, any upstream gradient) for DPO;
-- trained head (full fine-tuning): each chunk keeps its exp buffer for backward, which also yields the head's
+- trained head (full fine-tuning): each chunk keeps its softmax buffer for backward, which also yields the head's
   weight gradient. With several chunks either all buffers are kept (no recompute) or each chunk is checkpointed
   (recomputed in backward, one chunk's memory), as `keep_positions` allows; the trainer sets it from the memory
   plan (`plan.head_keep_positions`).
@@ -21,6 +21,7 @@ as for any forward. SFT and DPO both read their losses and metrics from these sc
 
 from __future__ import annotations
 
+import math
 import types
 from dataclasses import dataclass
 
@@ -132,14 +133,15 @@ class _HeadLogProb:
                 h.requires_grad_()
             with torch.set_grad_enabled(want_grad):
                 logits = head(h)
-            token, top1, more, exp, total = _softmax_parts(logits.detach().float(), t, extras, spare)
+            token, top1, more, probs = _softmax_parts(logits.detach().float(), t, extras, spare)
             parts.append((token, *more, top1))
             if want_grad:
-                # d log p_t / d logits = onehot(t) - softmax, built in place; the head's own backward maps it to hidden
-                grad_logits = exp.mul_((-1 / total)[:, None])
-                grad_logits[torch.arange(stop - start, device=t.device), t] += 1
-                (grad_hidden[start:stop],) = torch.autograd.grad(logits, h, grad_logits.to(logits.dtype))
-            del logits, exp
+                # d log p_t / d logits = onehot(t) - softmax: the head's own backward maps softmax - onehot (built
+                # in place) to the hidden states, and the sign is flipped on that small result
+                probs[torch.arange(stop - start, device=t.device), t] -= 1
+                (grad,) = torch.autograd.grad(logits, h, probs.to(logits.dtype))
+                torch.neg(grad, out=grad_hidden[start:stop])
+            del logits, probs
         token, entropy, log_sum_sq, mean_logits, top1 = (None if x[0] is None else torch.cat(x) for x in zip(*parts))
         return (token, entropy, log_sum_sq, mean_logits, top1), grad_hidden
 
@@ -164,33 +166,38 @@ class _FrozenHeadLogProb(torch.autograd.Function):
         return (grad_hidden.float() * grad[:, None]).to(grad_hidden.dtype), None, None, None, None
 
 
-def _softmax_parts(logits, targets, extras: bool, spare):
-    """From fp32 `logits`, which it overwrites: log p(target), top-1 hits, the extras, exp(logits - max) and its sum.
+UNDERFLOW = 1e-30  # below this a float32 probability loses precision (normal floats end at 1.2e-38)
 
-    One exp pass; the extras come from dot products, not more [n, V] temporaries. The exp is written over the
-    logits, or into `spare` (rows reused across chunks) when the extras still need the shifted logits. Callers
-    pass the head's output detached: autograd needs the head's input and weight to differentiate it, never its
-    output, so overwriting it is safe.
+
+def _softmax_parts(logits, targets, extras: bool, spare):
+    """From fp32 `logits`: log p(target), top-1 hits, the extras, and the softmax.
+
+    The softmax is written over the logits (or into `spare`, rows reused across chunks, when the extras still need
+    the logits): one row-wise kernel whose rows stay in cache, where max / subtract / exp / sum / scale were five
+    passes over the whole chunk. log p(target) = log softmax[target], exact to float32 rounding while that
+    probability is a normal float; below `UNDERFLOW` it is (z_t - max z) + log max softmax, since the largest
+    probability, exp(max z - logsumexp), is at least 1/V. `is_top1`: the target's logit is the largest (a tie for
+    the top counts as a hit, where argmax would pick the first index). Callers pass the head's output detached:
+    autograd needs the head's input and weight to differentiate it, never its output, so overwriting it is safe.
     """
-    top, best = logits.max(-1)
-    top1 = best == targets
+    target_logit = logits.gather(-1, targets[:, None]).squeeze(-1)
+    top = logits.amax(-1)
+    top1 = target_logit >= top
     mean_logits = logits.mean(-1) if extras else None
-    shifted = logits.sub_(top[:, None])
-    token = shifted.gather(-1, targets[:, None]).squeeze(-1)
-    if extras:
-        exp = torch.exp(shifted, out=spare[: len(targets)])
-        total = exp.sum(-1)
-        dot = lambda a, b: torch.einsum("nv,nv->n", a, b)  # noqa: E731  (a batched dot: no [n, V] temporary)
-        more = [total.log() - dot(exp, shifted) / total, dot(exp, exp).log() - 2 * total.log(), mean_logits]
-    else:
-        exp = shifted.exp_()
-        total = exp.sum(-1)
-        more = [None, None, None]
-    return token - total.log(), top1, more, exp, total
+    probs = torch.ops.aten._softmax.out(logits, -1, False, out=spare[: len(targets)] if extras else logits)
+    token = probs.gather(-1, targets[:, None]).squeeze(-1).log()
+    small = token < math.log(UNDERFLOW)
+    if small.any():
+        token = torch.where(small, target_logit - top + probs.amax(-1).log(), token)
+    more = [None, None, None]
+    if extras:  # entropy = logsumexp - sum p z; log sum p^2; mean logit (batched dots: no [n, V] temporary)
+        dot = lambda a, b: torch.einsum("nv,nv->n", a, b)  # noqa: E731
+        more = [(target_logit - token) - dot(probs, logits), dot(probs, probs).log(), mean_logits]
+    return token, top1, more, probs
 
 
 def _chunk_scores(hidden, head, targets, extras):
-    """A trained head's chunk: the head's output through `_TokenLogProb` (its exp buffer kept for backward)."""
+    """A trained head's chunk: the head's output through `_TokenLogProb` (its softmax buffer kept for backward)."""
     logits = head(hidden).float()
     token, is_top1, *more = _TokenLogProb.apply(logits, targets, extras)
     entropy, log_sum_sq, mean_logits = more if extras else (None, None, None)
@@ -198,19 +205,19 @@ def _chunk_scores(hidden, head, targets, extras):
 
 
 class _TokenLogProb(torch.autograd.Function):
-    """log softmax(logits)[target], with one exp over the logits and one [n, V] buffer kept for backward.
+    """log softmax(logits)[target], with one softmax over the logits and one [n, V] buffer kept for backward.
 
     `log_softmax` + `gather` keep the log-probabilities, build a zero [n, V] gradient for `gather` and a third
-    buffer in `log_softmax`'s backward, which runs a second exp over every logit. Here exp(logits - max) is computed
-    once, over the logits themselves, and turned into the gradient in place in backward:
+    buffer in `log_softmax`'s backward, which runs a second exp over every logit. Here the softmax is computed once,
+    over the logits themselves, and turned into the gradient in place in backward:
     d log p_t / d logits = onehot(t) - softmax. A second backward would read a consumed buffer, so it raises.
     """
 
     @staticmethod
     def forward(ctx, logits, targets, extras):
         spare = torch.empty_like(logits) if extras else None
-        token, top1, more, exp, total = _softmax_parts(logits.detach(), targets, extras, spare)
-        ctx.save_for_backward(exp, total, targets)
+        token, top1, more, probs = _softmax_parts(logits.detach(), targets, extras, spare)
+        ctx.save_for_backward(probs, targets)
         ctx.consumed = False
         outputs = [top1, *(m for m in more if m is not None)]
         ctx.mark_non_differentiable(*outputs)
@@ -221,8 +228,8 @@ class _TokenLogProb(torch.autograd.Function):
         if ctx.consumed:
             raise RuntimeError("the LM-head loss was back-propagated twice; its saved buffer became the first gradient")
         ctx.consumed = True
-        exp, total, targets = ctx.saved_tensors
-        # grad * (onehot - exp / total), written over the saved buffer
-        grad_logits = exp.mul_((-grad / total)[:, None])
+        probs, targets = ctx.saved_tensors
+        # grad * (onehot - softmax), written over the saved buffer
+        grad_logits = probs.mul_(-grad[:, None])
         grad_logits[torch.arange(len(targets), device=targets.device), targets] += grad
         return grad_logits, None, None
