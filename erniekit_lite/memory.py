@@ -45,7 +45,7 @@ b = bytes of matmul outputs (2 under bf16/fp16 autocast, else r).
   its input; or, when the plan says that does not fit (`head_keep` false), recomputes every chunk in backward and
   keeps the P scored hidden states (r*h) instead.
 - working set, the larger of: the LM-head phase (frozen head: one chunk in forward, 4CV, + 2bCV with bf16 output,
-  + 4CV for DPO's metrics; trained head: 4CV, 8CV when chunks are recomputed, and with several chunks at least
+  + 4CV for DPO's metrics, + 2Vh for autocast's copy of the head weight, made per call for a frozen weight; trained head: 4CV, 8CV when chunks are recomputed, and with several chunks at least
   3 x V x h gradient bytes: a chunk's head-weight gradient, the running sum, the new sum); the layer phase, one
   recomputed layer (with checkpointing) + a quarter of a layer's activations (gradients in flight; fitted to the
   measurements) + 2 x the layer's parameters in gradient bytes (full FT) + the merged expert stack's gradient
@@ -384,6 +384,8 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
         # metrics a second fp32 buffer (scoring._HeadLogProb)
         logits = 8 * scored + scored * shape.hidden * r
         lm_phase = (4 + (2 * b if b != 4 else 0) + (4 if run.method == "dpo" else 0)) * chunk * vocab
+        if weight_copies:
+            lm_phase += 2 * vocab * shape.hidden  # autocast casts a frozen weight for every call (it caches trained ones only)
         transient = max(lm_phase, layer_phase)
     if run.load_in_4bit:
         transient += 2 * params.largest_linear * 2  # dequantized bf16 weight (forward and backward)
@@ -392,7 +394,8 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
     if run.method == "dpo" and run.reference in ("adapter", "copy"):
         # the no-grad reference forward runs while the policy's activations are alive: one layer's
         # working set and one logits chunk (the head's output, its fp32 copy, the metrics' exp buffer) at a time
-        ref_working = max(max(layer.values()) * t, (8 + (b if b != 4 else 0)) * chunk * vocab)  # (not yet measured)
+        ref_working = max(max(layer.values()) * t, (8 + (b if b != 4 else 0)) * chunk * vocab
+                          + (2 * vocab * shape.hidden if weight_copies else 0))  # (not yet measured)
         reference = max(0, ref_working - transient)
         if run.reference == "copy":
             reference_copy = int(params.linear * r + params.fp32 * 4 + params.other * r + params.trainable * r)

@@ -74,6 +74,11 @@ def plan(recipe: Recipe, log=print) -> dict:
     info["fits_gpu_gb"] = gpu
     for line in memory.format_lines(est, run, gpu):
         log(line)
+    if recipe.lora is None:  # a trained head: `train` keeps its chunks instead of recomputing them when there is room
+        kept, _ = memory_estimate(recipe, args, arch, cuda, head_keep=True)
+        info["memory_gb_head_kept"] = round(kept.total / memory.GIB, 2)
+        log(f"  LM head trains: the estimate recomputes its logit chunks in backward; keeping them instead (what train "
+            f"does when the device has room, a third less LM-head compute) needs {kept.total / memory.GIB:.1f} GiB")
     if gpu is None or (recipe.lora is None and gpu == memory.GPUS_GB[-1]):
         for n in (2, 4, 8, 16, 32, 64):
             per_device = memory.sharded_total(est, arch["memory"], run, n)
@@ -105,16 +110,15 @@ def gpu_only_settings(recipe: Recipe, cuda: bool) -> list[str]:
             "QLoRA (model.load_in_4bit) needs a CUDA GPU with bitsandbytes; this machine has none, so `train` would "
             "stop. The plan and memory estimate above are for a GPU."
         )
-    for key in ("bf16", "fp16"):
-        if recipe.train.get(key) is True and not recipe.model.load_in_4bit:
-            notes.append(f"train.{key}: true needs a CUDA GPU; this machine has none, so `train` would stop (set train.{key}=false for CPU)")
+    if recipe.train.get("fp16") is True and not recipe.model.load_in_4bit:
+        notes.append("train.fp16: true needs a CUDA GPU; this machine has none, so `train` would stop (train.bf16=true runs on CPU)")
     return notes
 
 
 def without_gpu_settings(recipe: Recipe) -> Recipe:
-    """The recipe without bf16/fp16 and 4-bit loading, so the Trainer arguments can be built on this machine."""
+    """The recipe without fp16 and 4-bit loading, so the Trainer arguments can be built on this machine."""
     changed = recipe.model_copy(deep=True)
-    changed.train = {**changed.train, **{k: False for k in ("bf16", "fp16") if changed.train.get(k) is True}}
+    changed.train = {**changed.train, **({"fp16": False} if changed.train.get("fp16") is True else {})}
     changed.model.load_in_4bit = False
     return changed
 
@@ -222,20 +226,25 @@ def choose_checkpointing(recipe: Recipe, args, device_bytes: int, log=print) -> 
 HEAD_KEEP_HEADROOM = 0.85  # of the free memory, as for activation checkpointing
 
 
-def head_keep_positions(recipe: Recipe, args, free_bytes: int, cuda: bool, log=print) -> int:
+def head_keep_positions(recipe: Recipe, args, free_bytes: int, log=print) -> int:
     """Full fine-tuning trains the LM head (ERNIE ties it to the embeddings). Its chunks' fp32 buffers can stay
     alive for backward (no recompute: a third less LM-head compute) or be recomputed there (one chunk's memory).
-    Keep them when the plan with them kept fits in the device's free memory; the positions returned are the most
-    a micro-batch can score (0: recompute)."""
+    Keep them when the plan with them kept fits in the memory still free once the model is loaded; the positions
+    returned are the most a micro-batch can score (0: recompute). Runs of several processes always recompute, so
+    every rank makes the same choice (and the plan below is not the sharded one)."""
     from erniekit_lite.model.load import adapter_base
 
+    if args.world_size > 1:
+        log("LM head: trained; its chunks are recomputed in backward (several processes: one choice for all ranks)")
+        return 0
     arch = architecture(adapter_base(recipe.model.path) or recipe.model.path, recipe)
-    est, run = memory_estimate(recipe, args, arch, cuda, head_keep=True)
-    where = "on this GPU" if cuda else "of RAM"
-    if est.total <= HEAD_KEEP_HEADROOM * free_bytes:
-        log(f"LM head: trained; its chunks are kept for backward, not recomputed (the run needs about "
-            f"{est.total / memory.GIB:.1f} GiB so, {free_bytes / memory.GIB:.0f} GiB free {where})")
+    # the run's own precision (cuda=True reads it from args; the CPU planning default assumes the GPU's autocast)
+    est, run = memory_estimate(recipe, args, arch, cuda=True, head_keep=True)
+    need = est.total - est.weights  # the weights are already in memory, so not in `free_bytes`
+    if need <= HEAD_KEEP_HEADROOM * free_bytes:
+        log(f"LM head: trained; its chunks are kept for backward, not recomputed (the step needs about "
+            f"{need / memory.GIB:.1f} GiB more than the weights, {free_bytes / memory.GIB:.0f} GiB free)")
         return run.tokens
-    log(f"LM head: trained; its chunks are recomputed in backward (keeping them needs about {est.total / memory.GIB:.1f} "
-        f"GiB, {free_bytes / memory.GIB:.0f} GiB free {where})")
+    log(f"LM head: trained; its chunks are recomputed in backward (keeping them needs about {need / memory.GIB:.1f} "
+        f"GiB more than the weights, {free_bytes / memory.GIB:.0f} GiB free)")
     return 0

@@ -196,10 +196,10 @@ def test_eval_split_reports_eval_loss(tmp_path, capsys, tiny_own_dir):
     assert "eval: 4 samples" in out  # 20% of 18
 
 
-def test_bf16_on_cpu_is_a_clear_error(tmp_path, capsys, tiny_own_dir):
+def test_fp16_on_cpu_is_a_clear_error(tmp_path, capsys, tiny_own_dir):
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
-    assert "train.bf16: true needs a CUDA GPU" in _bad(capsys, "train", recipe_file(tmp_path, tiny_own_dir), "train.bf16=true")
+    assert "train.fp16: true needs a CUDA GPU" in _bad(capsys, "train", recipe_file(tmp_path, tiny_own_dir), "train.fp16=true")
 
 
 @pytest.mark.parametrize("name", ["sft.yaml", "sft-lora.yaml", "dpo.yaml", "dpo-lora.yaml"])

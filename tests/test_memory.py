@@ -115,11 +115,11 @@ def test_smallest_gpu():
     assert memory.smallest_gpu(142 * GIB) is None
 
 
-def _recipe(tmp_path: Path, model_dir: Path, **model) -> Path:
+def _recipe(tmp_path: Path, model_dir: Path, lora: bool = True, **model) -> Path:
     recipe = {
         "model": {"path": str(model_dir), **model},
         "data": {"train": [str(IDENTITY)], "max_length": 128},
-        "lora": {"r": 4},
+        **({"lora": {"r": 4}} if lora else {}),
         "output": {"dir": str(tmp_path / "out")},
         "train": {"max_steps": 1, "per_device_train_batch_size": 2},
     }
@@ -140,6 +140,20 @@ def test_validate_prints_memory_and_returns_it(tmp_path, capsys, tiny_own_dir):
     assert "fits a 24 GB GPU" in text and info["fits_gpu_gb"] == 24
     assert 0.5 <= info["memory_gb"] < 2  # a tiny model: the overhead term (CUDA context) dominates
     assert "QLoRA" not in text
+    assert "LM head trains" not in text and "memory_gb_head_kept" not in info  # LoRA: the head is frozen
+
+
+def test_validate_of_a_full_fine_tune_gives_both_lm_head_plans(tmp_path, tiny_own_dir):
+    """Full fine-tuning trains the head: validate's estimate recomputes its chunks and names what keeping them
+    (what `train` does when the device has room) needs."""
+    from erniekit_lite import recipe as recipes
+    from erniekit_lite.plan import plan
+
+    lines = []
+    info = plan(recipes.load(_recipe(tmp_path, tiny_own_dir, lora=False), ["train.bf16=false"]), log=lines.append)
+    said = [line for line in lines if "LM head trains" in line]
+    assert len(said) == 1 and f"needs {info['memory_gb_head_kept']:.1f} GiB" in said[0]
+    assert info["memory_gb_head_kept"] >= info["memory_gb"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")
@@ -163,8 +177,7 @@ def test_released_03b_lora_recipe_fits_a_24gb_gpu(capsys):
     assert code == 0, err
     line = next(x for x in out.splitlines() if x.startswith("memory per device"))
     assert "8,192 tokens per micro-batch (bf16 autocast, activation checkpointing on); fits a 24 GB GPU" in line
-    if not torch.cuda.is_available():
-        assert "note: train.bf16: true needs a CUDA GPU" in out  # validate plans the GPU run and says so
+    assert "needs a CUDA GPU" not in out  # bf16 autocast runs on CPU too
 
 
 def test_sharded_estimate_divides_the_states():

@@ -144,3 +144,56 @@ def test_a_tie_for_the_top_counts_as_a_hit():
     hidden = torch.tensor([[2.0, 0.0], [2.0, 0.0], [0.0, 2.0]])
     top1 = head_scores(head, hidden, torch.tensor([1, 2, 0]), False)[-1]
     assert top1.tolist() == [True, False, False]
+
+
+@pytest.mark.parametrize("trained", [False, True], ids=["frozen", "trained"])
+def test_a_batch_without_trained_positions_scores_nothing_and_backpropagates(trained):
+    head, hidden, targets, _ = _case(trained)
+    token, *_, top1 = head_scores(head, hidden[:0], targets[:0], True)
+    assert token.shape == (0,) and top1.shape == (0,)
+    (token.sum() + (hidden * 0).sum()).backward()
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+
+
+@pytest.mark.parametrize("trained", [False, True], ids=["frozen", "trained"])
+def test_a_head_with_a_bias_scores_and_differentiates_like_log_softmax(trained, monkeypatch):
+    monkeypatch.setattr(scoring, "MAX_CHUNK_ELEMENTS", 7 * VOCAB)
+    torch.manual_seed(1)
+    head = torch.nn.Linear(32, VOCAB).requires_grad_(trained)
+    hidden = torch.randn(30, 32, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (30,))
+    weights = torch.randn(30)
+    token = head_scores(head, hidden, targets, False, 10**9)[0]
+    wrt = [hidden] + ([head.weight, head.bias] if trained else [])
+    got = torch.autograd.grad((token * weights).sum(), wrt)
+    ref_token = torch.log_softmax(head(hidden), -1).gather(-1, targets[:, None]).squeeze(-1)
+    ref = torch.autograd.grad((ref_token * weights).sum(), wrt)
+    assert torch.allclose(token, ref_token, atol=1e-5)
+    for g, r in zip(got, ref, strict=True):
+        assert torch.allclose(g, r, atol=1e-5)
+
+
+def test_the_frozen_head_graph_stays_out_of_outer_saved_tensor_hooks():
+    """An outer pair of saved-tensor hooks (TRL's activation offloading) sees nothing of the per-chunk head graph,
+    which is differentiated inside the forward."""
+    head, hidden, targets, weights = _case(trained=False)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(tuple(t.shape)) or t, lambda t: t):
+        token = head_scores(head, hidden, targets, False)[0]
+    assert packed == [(50, 32)]  # only what the real backward needs
+    (got,) = torch.autograd.grad((token * weights).sum(), hidden)
+    _, _, _, (ref,) = _reference(head, hidden, targets, weights)
+    assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_dpo_metrics_stay_fp32_under_bf16_autocast():
+    """Under autocast the entropy and log-sum-sq would be computed from bf16 probabilities; they are not."""
+    head, hidden, targets, _ = _case(trained=False)
+    with torch.no_grad():
+        head.weight.mul_(8)  # confident predictions, large logits: where bf16 rounding would show
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = head(hidden).float()  # the same bf16 logits the scoring path sees
+            _, entropy, log_sum_sq, _, _ = head_scores(head, hidden, targets, True)
+        log_probs = torch.log_softmax(logits, -1)
+    assert torch.allclose(entropy, -(log_probs.exp() * log_probs).sum(-1), atol=1e-4)
+    assert torch.allclose(log_sum_sq, torch.logsumexp(2 * log_probs, -1), atol=1e-4)

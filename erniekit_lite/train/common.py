@@ -40,9 +40,10 @@ def training_args(recipe: Recipe, out: Path, log=print):
         settings["dataset_kwargs"] = {"skip_prepare_dataset": True}
     if recipe.model.load_in_4bit and not cuda:
         raise UserError(QLORA_NEEDS_GPU)
-    if (settings.get("bf16") or settings.get("fp16")) and not cuda:
-        key = "bf16" if settings.get("bf16") else "fp16"
-        raise UserError(f"train.{key}: true needs a CUDA GPU and none was found; set train.{key}=false to train on CPU")
+    if settings.get("fp16") and not cuda:
+        raise UserError("train.fp16: true needs a CUDA GPU and none was found; on CPU use train.bf16=true (bf16 autocast) or train.fp16=false")
+    if settings.get("bf16") and not cuda:
+        settings["use_cpu"] = True  # transformers accepts bf16 without a GPU only so; accelerate then autocasts on CPU
     try:
         args = (DPOConfig if recipe.method == "dpo" else SFTConfig)(**settings)
     except (ValueError, TypeError) as e:
@@ -91,7 +92,7 @@ def plan_lm_head(trainer, recipe: Recipe, log=print) -> None:
         import psutil
 
         free = psutil.virtual_memory().available
-    model._erniekit_head_keep_positions = head_keep_positions(recipe, trainer.args, free, cuda, log)
+    model._erniekit_head_keep_positions = head_keep_positions(recipe, trainer.args, free, log)
 
 
 def watch_moe(trainer, recipe: Recipe, log=print):

@@ -104,9 +104,10 @@ def head_scores(head, hidden, targets, extras: bool, keep_positions: int = 0) ->
     positions; above it, each chunk is checkpointed.
     """
     step = chunk_positions(head.out_features)
-    if not (torch.is_grad_enabled() and hidden.requires_grad):  # eval, reference passes: no gradient work at all
+    head_trains = any(p.requires_grad for p in head.parameters())
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or head_trains):  # eval, reference passes
         return _HeadLogProb.run(hidden, targets, head, extras, step, want_grad=False)[0]
-    if not any(p.requires_grad for p in head.parameters()):
+    if not head_trains:
         return _FrozenHeadLogProb.apply(hidden, targets, head, extras, step)
     n = hidden.shape[0]
     recompute = n > step and n > keep_positions
@@ -131,19 +132,25 @@ class _HeadLogProb:
             h, t = hidden[start:stop].detach(), targets[start:stop]
             if want_grad:
                 h.requires_grad_()
-            with torch.set_grad_enabled(want_grad):
+            # The chunk's own small graph is differentiated right here: identity saved-tensor hooks keep it away from
+            # any outer ones (TRL's activation offloading, checkpointing), which belong to the model's real backward
+            with torch.set_grad_enabled(want_grad), torch.autograd.graph.saved_tensors_hooks(_same, _same):
                 logits = head(h)
-            token, top1, more, probs = _softmax_parts(logits.detach().float(), t, extras, spare)
-            parts.append((token, *more, top1))
-            if want_grad:
-                # d log p_t / d logits = onehot(t) - softmax: the head's own backward maps softmax - onehot (built
-                # in place) to the hidden states, and the sign is flipped on that small result
-                probs[torch.arange(stop - start, device=t.device), t] -= 1
-                (grad,) = torch.autograd.grad(logits, h, probs.to(logits.dtype))
-                torch.neg(grad, out=grad_hidden[start:stop])
+                token, top1, more, probs = _softmax_parts(logits.detach().float(), t, extras, spare)
+                parts.append((token, *more, top1))
+                if want_grad:
+                    # d log p_t / d logits = onehot(t) - softmax: the head's own backward maps softmax - onehot (built
+                    # in place) to the hidden states, and the sign is flipped on that small result
+                    probs[torch.arange(stop - start, device=t.device), t] -= 1
+                    (grad,) = torch.autograd.grad(logits, h, probs.to(logits.dtype))
+                    torch.neg(grad, out=grad_hidden[start:stop])
             del logits, probs
         token, entropy, log_sum_sq, mean_logits, top1 = (None if x[0] is None else torch.cat(x) for x in zip(*parts))
         return (token, entropy, log_sum_sq, mean_logits, top1), grad_hidden
+
+
+def _same(x):
+    return x
 
 
 class _FrozenHeadLogProb(torch.autograd.Function):
@@ -163,7 +170,7 @@ class _FrozenHeadLogProb(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, *_):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden.float() * grad[:, None]).to(grad_hidden.dtype), None, None, None, None
+        return grad_hidden * grad.to(grad_hidden.dtype)[:, None], None, None, None, None
 
 
 UNDERFLOW = 1e-30  # below this a float32 probability loses precision (normal floats end at 1.2e-38)
@@ -177,9 +184,15 @@ def _softmax_parts(logits, targets, extras: bool, spare):
     passes over the whole chunk. log p(target) = log softmax[target], exact to float32 rounding while that
     probability is a normal float; below `UNDERFLOW` it is (z_t - max z) + log max softmax, since the largest
     probability, exp(max z - logsumexp), is at least 1/V. `is_top1`: the target's logit is the largest (a tie for
-    the top counts as a hit, where argmax would pick the first index). Callers pass the head's output detached:
-    autograd needs the head's input and weight to differentiate it, never its output, so overwriting it is safe.
+    the top counts as a hit, where argmax would pick the first index; the exact first-index rule would cost another
+    pass). Callers pass the head's output detached: autograd needs the head's input and weight to differentiate it,
+    never its output, so overwriting it is safe. Autocast is off here: it would run the extras' dot products in bf16.
     """
+    with torch.autocast(logits.device.type, enabled=False):
+        return _softmax_parts_fp32(logits, targets, extras, spare)
+
+
+def _softmax_parts_fp32(logits, targets, extras: bool, spare):
     target_logit = logits.gather(-1, targets[:, None]).squeeze(-1)
     top = logits.amax(-1)
     top1 = target_logit >= top
