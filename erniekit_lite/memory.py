@@ -45,8 +45,9 @@ b = bytes of matmul outputs (2 under bf16/fp16 autocast, else r).
   its input; or, when the plan says that does not fit (`head_keep` false), recomputes every chunk in backward and
   keeps the P scored hidden states (r*h) instead.
 - working set, the larger of: the LM-head phase (frozen head: one chunk in forward, 4CV, + 2bCV with bf16 output,
-  + 4CV for DPO's metrics, + 2Vh for autocast's copy of the head weight, made per call for a frozen weight; trained head: 4CV, 8CV when chunks are recomputed, and with several chunks at least
-  3 x V x h gradient bytes: a chunk's head-weight gradient, the running sum, the new sum); the layer phase, one
+  + 4CV for DPO's metrics, + 2Vh for autocast's copy of the head weight, made per call for a frozen weight;
+  trained head: its weight gradient beside the kept softmax (computed in place), 8CV when chunks are recomputed,
+  and with several chunks at least 3 x V x h gradient bytes: a chunk's head-weight gradient, the running sum, the new sum); the layer phase, one
   recomputed layer (with checkpointing) + a quarter of a layer's activations (gradients in flight; fitted to the
   measurements) + 2 x the layer's parameters in gradient bytes (full FT) + the merged expert stack's gradient
   (expert LoRA), less the trained head's kept buffers, freed by then. QLoRA adds the largest dequantized linear
@@ -366,14 +367,15 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
         logits = kept + 8 * scored + head_input
         if weight_copies:
             logits += 2 * vocab * shape.hidden  # autocast's bf16 copy of the LM head
-        # Backward, the larger phase: one chunk's fp32 logits beside its exp buffer, which backward turns into the
-        # gradient in place (scoring._TokenLogProb), and when recomputed the recomputed exp buffer too, or with
+        # Backward, the larger phase: the kept softmax buffer, which backward turns into the gradient in place
+        # (scoring._TokenLogProb), plus the head's weight gradient; when recomputed, the recomputed buffer too, or with
         # several chunks the head-weight gradient of a chunk, the running sum and the new sum (3 x vocab x hidden);
         # or one layer: (with checkpointing) its recomputed activations, plus the activation gradients in flight
         # (measured: a quarter of the layer's saved activations), plus with full fine-tuning its weight gradients
         # before they are added to .grad, and with expert LoRA the merged expert stack's gradient. By the layer
         # phase every kept exp buffer has become its gradient and been freed.
-        lm_phase = (8 if multi else 4) * chunk * vocab
+        # (the softmax is computed in place: a kept chunk needs nothing beside its buffer but the head's weight gradient)
+        lm_phase = 8 * chunk * vocab if multi else vocab * shape.hidden * train_bytes
         if scored > step:
             lm_phase = max(lm_phase, 3 * vocab * shape.hidden * train_bytes)
         transient = max(lm_phase, layer_phase - kept)
