@@ -383,7 +383,7 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
         # A frozen head (LoRA, QLoRA): each chunk's gradient w.r.t. its hidden states is computed in forward and
         # kept (P x h in r); no logits outlive their chunk. The chunk's working set, at the end of the forward:
         # the head's output, its fp32 exp (the same buffer in fp32), the gradient cast back to b, and for DPO's
-        # metrics a second fp32 buffer (scoring._HeadLogProb)
+        # metrics a second fp32 buffer (scoring._head_chunks)
         logits = 8 * scored + scored * shape.hidden * r
         lm_phase = (4 + (2 * b if b != 4 else 0) + (4 if run.method == "dpo" else 0)) * chunk * vocab
         if weight_copies:

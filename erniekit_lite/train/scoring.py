@@ -106,7 +106,7 @@ def head_scores(head, hidden, targets, extras: bool, keep_positions: int = 0) ->
     step = chunk_positions(head.out_features)
     head_trains = any(p.requires_grad for p in head.parameters())
     if not torch.is_grad_enabled() or not (hidden.requires_grad or head_trains):  # eval, reference passes
-        return _HeadLogProb.run(hidden, targets, head, extras, step, want_grad=False)[0]
+        return _head_chunks(hidden, targets, head, extras, step, want_grad=False)[0]
     if not head_trains:
         return _FrozenHeadLogProb.apply(hidden, targets, head, extras, step)
     n = hidden.shape[0]
@@ -118,35 +118,33 @@ def head_scores(head, hidden, targets, extras: bool, keep_positions: int = 0) ->
     return tuple(None if x[0] is None else torch.cat(x) for x in zip(*parts))
 
 
-class _HeadLogProb:
-    """The frozen-head chunk loop, shared by the no-grad path and `_FrozenHeadLogProb.forward`."""
-
-    @staticmethod
-    def run(hidden, targets, head, extras: bool, step: int, want_grad: bool):
-        n, vocab = hidden.shape[0], head.out_features
-        grad_hidden = torch.empty_like(hidden) if want_grad else None
-        spare = hidden.new_empty((min(step, n), vocab), dtype=torch.float32) if extras else None  # reused by chunks
-        parts = []
-        for start in range(0, max(1, n), step):
-            stop = min(n, start + step)
-            h, t = hidden[start:stop].detach(), targets[start:stop]
+def _head_chunks(hidden, targets, head, extras: bool, step: int, want_grad: bool):
+    """The chunk loop of the no-grad path and of `_FrozenHeadLogProb.forward`; with `want_grad`, also each
+    position's gradient of log p(target) w.r.t. its hidden state."""
+    n, vocab = hidden.shape[0], head.out_features
+    grad_hidden = torch.empty_like(hidden) if want_grad else None
+    spare = hidden.new_empty((min(step, n), vocab), dtype=torch.float32) if extras else None  # reused by chunks
+    parts = []
+    for start in range(0, max(1, n), step):
+        stop = min(n, start + step)
+        h, t = hidden[start:stop].detach(), targets[start:stop]
+        if want_grad:
+            h.requires_grad_()
+        # The chunk's own small graph is differentiated right here: identity saved-tensor hooks keep it away from
+        # any outer ones (TRL's activation offloading, checkpointing), which belong to the model's real backward
+        with torch.set_grad_enabled(want_grad), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            logits = head(h)
+            token, top1, more, probs = _softmax_parts(logits.detach().float(), t, extras, spare)
+            parts.append((token, *more, top1))
             if want_grad:
-                h.requires_grad_()
-            # The chunk's own small graph is differentiated right here: identity saved-tensor hooks keep it away from
-            # any outer ones (TRL's activation offloading, checkpointing), which belong to the model's real backward
-            with torch.set_grad_enabled(want_grad), torch.autograd.graph.saved_tensors_hooks(_same, _same):
-                logits = head(h)
-                token, top1, more, probs = _softmax_parts(logits.detach().float(), t, extras, spare)
-                parts.append((token, *more, top1))
-                if want_grad:
-                    # d log p_t / d logits = onehot(t) - softmax: the head's own backward maps softmax - onehot (built
-                    # in place) to the hidden states, and the sign is flipped on that small result
-                    probs[torch.arange(stop - start, device=t.device), t] -= 1
-                    (grad,) = torch.autograd.grad(logits, h, probs.to(logits.dtype))
-                    torch.neg(grad, out=grad_hidden[start:stop])
-            del logits, probs
-        token, entropy, log_sum_sq, mean_logits, top1 = (None if x[0] is None else torch.cat(x) for x in zip(*parts))
-        return (token, entropy, log_sum_sq, mean_logits, top1), grad_hidden
+                # d log p_t / d logits = onehot(t) - softmax: the head's own backward maps softmax - onehot (built
+                # in place) to the hidden states, and the sign is flipped on that small result
+                probs[torch.arange(stop - start, device=t.device), t] -= 1
+                (grad,) = torch.autograd.grad(logits, h, probs.to(logits.dtype))
+                torch.neg(grad, out=grad_hidden[start:stop])
+        del logits, probs
+    token, entropy, log_sum_sq, mean_logits, top1 = (None if x[0] is None else torch.cat(x) for x in zip(*parts))
+    return (token, entropy, log_sum_sq, mean_logits, top1), grad_hidden
 
 
 def _same(x):
@@ -161,7 +159,7 @@ class _FrozenHeadLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, targets, head, extras, step):
-        outputs, grad_hidden = _HeadLogProb.run(hidden, targets, head, extras, step, want_grad=True)
+        outputs, grad_hidden = _head_chunks(hidden, targets, head, extras, step, want_grad=True)
         ctx.save_for_backward(grad_hidden)
         token, *rest = outputs
         ctx.mark_non_differentiable(*[x for x in rest if x is not None])
