@@ -79,11 +79,13 @@ def plan_lm_head(trainer, recipe: Recipe, log=print) -> None:
     A frozen head (LoRA) needs no choice: its gradient is taken in forward."""
     import torch
 
+    from erniekit_lite.plan import head_keep_positions
+    from erniekit_lite.train.scoring import head_trains
+
     model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
     head = model.get_output_embeddings()
-    if head is None or not any(p.requires_grad for p in head.parameters()):
+    if head is None or not head_trains(head):
         return
-    from erniekit_lite.plan import head_keep_positions
 
     cuda = torch.cuda.is_available()
     if cuda:

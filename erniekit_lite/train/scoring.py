@@ -93,8 +93,9 @@ def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True) -> Sco
     return Scores(log_probs, entropy, log_sum_sq, mean_logits, is_top1, aux, out.router_logits if routed else None)
 
 
-def chunk_positions(vocab: int) -> int:
-    return max(1, MAX_CHUNK_ELEMENTS // vocab)
+def head_trains(head) -> bool:
+    """Whether the LM head has trainable parameters (full fine-tuning); LoRA leaves ERNIE's tied head frozen."""
+    return any(p.requires_grad for p in head.parameters())
 
 
 def head_scores(head, hidden, targets, extras: bool, keep_positions: int = 0) -> tuple:
@@ -103,11 +104,11 @@ def head_scores(head, hidden, targets, extras: bool, keep_positions: int = 0) ->
     `keep_positions`: with a trained head, keep every chunk's buffer (no recompute) when there are at most this many
     positions; above it, each chunk is checkpointed.
     """
-    step = chunk_positions(head.out_features)
-    head_trains = any(p.requires_grad for p in head.parameters())
-    if not torch.is_grad_enabled() or not (hidden.requires_grad or head_trains):  # eval, reference passes
+    step = max(1, MAX_CHUNK_ELEMENTS // head.out_features)
+    trains = head_trains(head)
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or trains):  # eval, reference passes
         return _head_chunks(hidden, targets, head, extras, step, want_grad=False)[0]
-    if not head_trains:
+    if not trains:
         return _FrozenHeadLogProb.apply(hidden, targets, head, extras, step)
     n = hidden.shape[0]
     recompute = n > step and n > keep_positions
