@@ -69,7 +69,9 @@ def evaluate(
         f"({source.samples} samples of {source.records} records in {data_file}); wrote {results_path}"
     )
     if generate:
-        if model.config._attn_implementation == "packed_sdpa":
+        from erniekit_lite.model.attention import PACKED
+
+        if model.config._attn_implementation in PACKED:
             model.set_attn_implementation("sdpa")  # the same kernel, with the padding mask batched generation needs
         lines = answer_records(model, tokenizer, data, source.format, batch_size, max_new_tokens)
         generations_path.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")

@@ -24,12 +24,14 @@ def answers(model, tokenizer, prompts: list[Prompt], batch_size: int = 1, max_ne
     """One answer per prompt, in order, generated `batch_size` prompts at a time (left-padded); greedy by default.
 
     Prompts are batched in order of length, so a batch holds little padding; `progress` (a tqdm bar) is advanced
-    by each batch's size. Padding needs an attention that reads the mask: not packed_sdpa, which registers no mask.
+    by each batch's size. Padding needs an attention that reads the mask: not the packed ones, which register no mask.
     """
     import torch
 
-    if batch_size > 1 and model.config._attn_implementation == "packed_sdpa":
-        raise ValueError("packed_sdpa ignores padding; call model.set_attn_implementation('sdpa') before batched generation")
+    from erniekit_lite.model.attention import PACKED
+
+    if batch_size > 1 and model.config._attn_implementation in PACKED:
+        raise ValueError(f"{model.config._attn_implementation} ignores padding; call model.set_attn_implementation('sdpa') before batched generation")
     tok = Tokenizer(tokenizer, template_for(tokenizer))
     ids = [_prompt_ids(tok, p) for p in prompts]
     stop = stop_ids(model, tokenizer)

@@ -154,7 +154,8 @@ def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: boo
         checkpointing=bool(args.activation_checkpointing),
         every_n_layers=int(kwargs.get("every_n_layers", 1) or 1),
         offload=bool(kwargs.get("offload", False)),
-        attention="flash" if attn.startswith("flash") else "eager" if attn == "eager" else "sdpa",
+        # PyTorch's varlen kernel keeps what flash attention keeps (its output is o_proj's input, no copy)
+        attention="flash" if attn.startswith("flash") or attn == "packed_varlen" else "eager" if attn == "eager" else "sdpa",
         row_length=capacity,
         optim=str(getattr(args.optim, "value", args.optim)),
         method=recipe.method,

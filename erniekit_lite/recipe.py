@@ -29,10 +29,10 @@ class ModelSection(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype the weights are loaded in. Mixed precision is train.bf16 / train.fp16."
     )
-    attn_implementation: Literal["auto", "packed_sdpa", "sdpa", "eager", "flash_attention_2", "flash_attention_3"] = Field(
+    attn_implementation: Literal["auto", "packed_sdpa", "packed_varlen", "sdpa", "eager", "flash_attention_2", "flash_attention_3"] = Field(
         "auto",
-        description="auto: flash_attention_2 on CUDA when installed, else per-sample sdpa (packed_sdpa) for packed "
-        "batches and sdpa for padded ones.",
+        description="auto: flash_attention_2 on CUDA when installed, else PyTorch's varlen attention (packed_varlen, "
+        "CUDA) for packed batches; on CPU per-sample sdpa (packed_sdpa) for packed batches; sdpa for padded ones.",
     )
     trust_remote_code: bool = Field(False, description="Run code shipped with the checkpoint. ERNIE 4.5 never needs it.")
     load_in_4bit: bool = Field(

@@ -1,9 +1,12 @@
-"""Attention run per packed sample on backends without a varlen kernel (CPU, GPUs without flash-attn).
+"""Attention over packed rows where flash-attn is not installed: per-sample sdpa (any device) and PyTorch's own
+variable-length attention (CUDA).
 
-Stock sdpa over a packed row needs a [T, T] block-diagonal mask and still computes every cross-sample score;
-running sdpa once per sample with `is_causal=True` does only the useful work. The boundaries come from
-`cu_seq_lens_q`, which the packed collator passes through the model's forward kwargs, as flash attention reads them.
-Without them (generation, padded batches) this is plain sdpa.
+Stock sdpa over a packed row needs a [T, T] block-diagonal mask and still computes every cross-sample score.
+`packed_sdpa` runs sdpa once per sample with `is_causal=True`, doing only the useful work; `packed_varlen` hands the
+whole row to `torch.nn.attention.varlen.varlen_attn` (PyTorch's flash kernel, CUDA, bf16/fp16), which takes the
+sample bounds on the device as flash-attn's varlen kernel does. Both read the bounds from `cu_seq_lens_q`, which the
+packed collator passes through the model's forward kwargs. Without them (generation, padded batches) both are plain
+sdpa.
 
 The row is cut with one `split` per tensor, not a slice per sample: a slice's backward materialises a zero gradient
 the size of the whole row, so n samples cost n full-row fills and adds per layer (quadratic in the row at 32k
@@ -12,6 +15,7 @@ tokens of short samples), where `split`'s backward concatenates the pieces once.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
@@ -19,25 +23,36 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "packed_sdpa"
+VARLEN = "packed_varlen"
+PACKED = (NAME, VARLEN)  # registered without a mask function: batched generation needs plain sdpa instead
 _bounds: tuple = (None, None)  # (weakref to the last cu_seq_lens tensor, its sample lengths): read once per forward
 
 
-def sample_lengths(cu: torch.Tensor) -> list[int]:
-    """Sample lengths from `cu_seq_lens`, read from the tensor once per batch (on a GPU each read syncs with the host)."""
+def remember_lengths(cu: torch.Tensor, lengths: list[int]) -> None:
+    """Tell `sample_lengths` what `cu` holds, so it never reads the tensor: the trainer computes the lengths from the
+    collator's CPU tensor before the batch moves to the GPU (reading a GPU tensor waits for the GPU to catch up)."""
     global _bounds
+    _bounds = (weakref.ref(cu), lengths)
+
+
+def sample_lengths(cu: torch.Tensor) -> list[int]:
+    """Sample lengths from `cu_seq_lens`: as remembered for this tensor, else read from it once per batch."""
     ref, lengths = _bounds
     if ref is None or ref() is not cu:
         lengths = (cu[1:] - cu[:-1]).tolist()
-        _bounds = (weakref.ref(cu), lengths)
+        remember_lengths(cu, lengths)
     return lengths
 
 
+def _packed(query, key, kwargs) -> bool:
+    return kwargs.get("cu_seq_lens_q") is not None and query.shape[0] == 1 and query.shape[2] == key.shape[2]
+
+
 def packed_sdpa_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+    if not _packed(query, key, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     # query: [1, heads, T, dim]; key/value: [1, kv_heads, T, dim] (grouped-query attention)
-    lengths = sample_lengths(cu)
+    lengths = sample_lengths(kwargs["cu_seq_lens_q"])
     outputs = [
         torch.nn.functional.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout if module.training else 0.0, is_causal=True, scale=scaling,
@@ -49,4 +64,49 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, scaling=None,
     return out.transpose(1, 2).contiguous(), None
 
 
+def varlen_kernel():
+    """PyTorch's varlen attention, or None where this torch has none (it arrived in 2.9)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def packed_varlen_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The packed row through `varlen_attn`: no per-sample loop, no host sync; the bounds stay on the device."""
+    dtype = query.dtype
+    if dtype == torch.float32 and torch.is_autocast_enabled(query.device.type):
+        dtype = torch.get_autocast_dtype(query.device.type)  # rotary embeddings may have upcast q and k
+    if (
+        not _packed(query, key, kwargs)
+        or dtype not in (torch.bfloat16, torch.float16)  # a flash kernel: fp32 runs per sample instead
+        or (dropout and module.training)  # the kernel has no dropout
+    ):
+        return packed_sdpa_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    cu = kwargs["cu_seq_lens_q"]
+    longest = kwargs.get("max_length_q")
+    if longest is None:
+        longest = max(sample_lengths(cu))
+    # [1, heads, T, dim] -> [T, heads, dim], the kernel's layout
+    q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))
+    out = _call_varlen(q, k, v, cu.to(torch.int32), int(longest), scaling)
+    return out[None].to(query.dtype), None
+
+
+def _call_varlen(q, k, v, cu, longest, scale):
+    kernel = varlen_kernel()
+    params = inspect.signature(kernel).parameters
+    if "window_size" in params:  # newer torch spells causal as a window and takes grouped-query heads
+        return kernel(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+    # torch 2.9/2.10: is_causal, and as many key/value heads as query heads
+    if q.shape[1] != k.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    extra = {"scale": scale} if "scale" in params else {}
+    if not extra and scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+        raise ValueError(f"{VARLEN}: this torch's varlen_attn takes no scale and the model uses {scale}; use packed_sdpa")
+    return kernel(q, k, v, cu, cu, longest, longest, is_causal=True, **extra)
+
+
 AttentionInterface.register(NAME, packed_sdpa_forward)
+AttentionInterface.register(VARLEN, packed_varlen_forward)

@@ -32,10 +32,13 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
 
 def resolve_attention(setting: str, packing: bool) -> str:
-    """`auto`: flash attention's varlen kernel on CUDA when installed; else per-sample sdpa for packed rows."""
+    """`auto`: flash attention's varlen kernel on CUDA when installed, else PyTorch's own varlen attention there
+    (packed rows); per-sample sdpa for packed rows elsewhere."""
     if setting != "auto":
         return setting
     import torch
+
+    from erniekit_lite.model.attention import NAME, VARLEN, varlen_kernel
 
     if torch.cuda.is_available():
         try:
@@ -43,8 +46,9 @@ def resolve_attention(setting: str, packing: bool) -> str:
 
             return "flash_attention_2"
         except ImportError:
-            pass
-    return "packed_sdpa" if packing else "sdpa"
+            if packing and varlen_kernel() is not None:
+                return VARLEN
+    return NAME if packing else "sdpa"
 
 
 def load_model(

@@ -15,6 +15,7 @@ import time
 import torch
 from trl import SFTTrainer
 
+from erniekit_lite.model.attention import remember_lengths
 from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.scoring import add_scoring_forward
 
@@ -64,7 +65,20 @@ class ThroughputMixin:
         return int(total[0]), int(total[1])
 
 
-class ErnieSFTTrainer(CheckpointMixin, ThroughputMixin, SFTTrainer):
+class HostBoundsMixin:
+    """Packed batches: the sample lengths are taken from the collator's CPU `cu_seq_lens_q` before the batch moves to
+    the GPU, so per-sample attention never reads them back from the device (a host sync per step)."""
+
+    def _prepare_inputs(self, inputs):
+        cu = inputs.get("cu_seq_lens_q")
+        lengths = (cu[1:] - cu[:-1]).tolist() if torch.is_tensor(cu) and cu.device.type == "cpu" else None
+        inputs = super()._prepare_inputs(inputs)
+        if lengths is not None:
+            remember_lengths(inputs["cu_seq_lens_q"], lengths)
+        return inputs
+
+
+class ErnieSFTTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, SFTTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         add_scoring_forward(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model)
