@@ -201,8 +201,9 @@ def architecture(path: str, recipe: Recipe) -> dict:
 CHECKPOINTING_HEADROOM = 0.85  # of the GPU's memory: the estimate's fragmentation allowance is itself a guess
 
 
-def choose_checkpointing(recipe: Recipe, args, device_bytes: int, log=print) -> None:
-    """Single-GPU runs whose recipe leaves activation checkpointing unset: off when the plan fits without it.
+def choose_checkpointing(recipe: Recipe, args, free_bytes: int, log=print) -> None:
+    """Single-GPU runs whose recipe leaves activation checkpointing unset: off when the plan fits without it in the
+    memory free on the device before the model loads (`free_bytes`: another process on the card counts).
 
     TRL turns it on by default, which recomputes every layer's forward in backward (about a third more compute)
     even where memory is plentiful, e.g. ERNIE-4.5-0.3B on one 80 GB GPU. A recipe that sets
@@ -217,9 +218,9 @@ def choose_checkpointing(recipe: Recipe, args, device_bytes: int, log=print) -> 
     arch = architecture(adapter_base(recipe.model.path) or recipe.model.path, recipe)
     args.activation_checkpointing = False
     est, _ = memory_estimate(recipe, args, arch, cuda=True)
-    if est.total <= CHECKPOINTING_HEADROOM * device_bytes:
+    if est.total <= CHECKPOINTING_HEADROOM * free_bytes:
         log(f"activation checkpointing off: the run needs about {est.total / memory.GIB:.1f} GiB without it, "
-            f"{device_bytes / memory.GIB:.0f} GiB on this GPU (set train.activation_checkpointing to choose)")
+            f"{free_bytes / memory.GIB:.0f} GiB free on this GPU (set train.activation_checkpointing to choose)")
     else:
         args.activation_checkpointing = True
 

@@ -69,3 +69,19 @@ def test_trained_lm_head_keeps_its_chunks_only_when_the_plan_fits(tiny_dense_dir
     assert head_keep_positions(recipe, args, int(need / HEAD_KEEP_HEADROOM) + 1, said.append) == 4 * 1024
     assert head_keep_positions(recipe, args, int(need / HEAD_KEEP_HEADROOM) - 1, said.append) == 0
     assert "kept for backward" in said[0] and "recomputed in backward" in said[1]
+
+
+def test_the_choice_reads_free_device_memory_not_its_total(monkeypatch):
+    """A stand-in GPU of 80 GiB with 3 GiB free (another process holds the rest): the plans are checked against the
+    3 GiB. On CPU the memory available now."""
+    import psutil
+    import torch
+
+    from erniekit_lite.train.common import free_memory
+
+    assert free_memory() == pytest.approx(psutil.virtual_memory().available, rel=0.05)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * memory.GIB, 80 * memory.GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: pytest.fail("read the total"))
+    assert free_memory() == 3 * memory.GIB
+

@@ -51,8 +51,20 @@ def training_args(recipe: Recipe, out: Path, log=print):
     if cuda:
         from erniekit_lite.plan import choose_checkpointing
 
-        choose_checkpointing(recipe, args, torch.cuda.get_device_properties(0).total_memory, log)
+        choose_checkpointing(recipe, args, free_memory(), log)
     return args
+
+
+def free_memory() -> int:
+    """Bytes free on the device this process trains on, read now: on a GPU what is not taken (by this process or
+    any other sharing the card), not its total; on CPU the memory available to new allocations."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0]
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def load_for_training(recipe: Recipe, log=print, apply_lora: bool = True):
@@ -77,8 +89,6 @@ def load_for_training(recipe: Recipe, log=print, apply_lora: bool = True):
 def plan_lm_head(trainer, recipe: Recipe, log=print) -> None:
     """A trained LM head (full fine-tuning): keep or recompute its chunks, as the memory plan allows (scoring.py).
     A frozen head (LoRA) needs no choice: its gradient is taken in forward."""
-    import torch
-
     from erniekit_lite.plan import head_keep_positions
     from erniekit_lite.train.scoring import head_trains
 
@@ -87,14 +97,7 @@ def plan_lm_head(trainer, recipe: Recipe, log=print) -> None:
     if head is None or not head_trains(head):
         return
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        free = torch.cuda.mem_get_info()[0]
-    else:
-        import psutil
-
-        free = psutil.virtual_memory().available
-    model._erniekit_head_keep_positions = head_keep_positions(recipe, trainer.args, free, log)
+    model._erniekit_head_keep_positions = head_keep_positions(recipe, trainer.args, free_memory(), log)
 
 
 def watch_moe(trainer, recipe: Recipe, log=print):
