@@ -48,6 +48,7 @@ def _packed(query, key, kwargs) -> bool:
     return kwargs.get("cu_seq_lens_q") is not None and query.shape[0] == 1 and query.shape[2] == key.shape[2]
 
 
+@torch.compiler.disable  # a loop over data-dependent bounds: traced, it would recompile for every new set of lengths
 def packed_sdpa_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     if not _packed(query, key, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

@@ -199,7 +199,9 @@ def _softmax_parts_fp32(logits, targets, extras: bool, spare):
     probs = torch.ops.aten._softmax.out(logits, -1, False, out=spare[: len(targets)] if extras else logits)
     token = probs.gather(-1, targets[:, None]).squeeze(-1).log()
     small = token < math.log(UNDERFLOW)
-    if small.any():
+    # Eager: the fallback's extra pass over the chunk only when a probability underflowed. Compiled: always (a
+    # branch on a tensor's value breaks the graph; inductor fuses the pass into the softmax's)
+    if torch.compiler.is_compiling() or small.any():
         token = torch.where(small, target_logit - top + probs.amax(-1).log(), token)
     more = [None, None, None]
     if extras:  # entropy = logsumexp - sum p z; log sum p^2; mean logit (batched dots: no [n, V] temporary)
