@@ -76,7 +76,6 @@ def test_a_compiled_packed_lora_step_breaks_only_where_it_must(tiny_dense_dir, e
     assert reasons.count("Dynamic shape operator") == 1  # labelled_positions: which positions train
     assert all(b.user_stack[-1].filename.endswith("modeling_ernie4_5.py") for b in explained.break_reasons[1:])
     assert len(reasons) == 1 + 2 * layers  # attention, as dynamo reports it from each decoder layer's frame
-    assert explained.graph_break_count == 10  # 12 before the bounds read and the underflow branch went
 
     torch._dynamo.reset()
     counters.clear()
