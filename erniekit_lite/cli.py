@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--auth", metavar="USER:PASSWORD", help="require this login (default: $ERNIEKIT_WEBUI_AUTH, else none)")
     p.set_defaults(handler=_webui)
 
-    args = parser.parse_args(argv)
+    args = _parse(parser, sub, sys.argv[1:] if argv is None else argv)
     try:
         return args.handler(args) or 0
     except UserError as e:
@@ -93,6 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _parse(parser, sub, argv: list[str]) -> argparse.Namespace:
+    """Options and `key=value` overrides in any order (`train r.yaml --resume train.max_steps=12`): each subcommand
+    parses its own arguments intermixed (argparse refuses that for a parser with subcommands)."""
+    if not argv or argv[0].startswith("-") or argv[0] not in sub.choices:
+        return parser.parse_args(argv)  # --help, or argparse's own error naming the commands
+    args = sub.choices[argv[0]].parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    return args
 
 
 def _train(args) -> int:

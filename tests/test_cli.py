@@ -226,3 +226,26 @@ def test_tiny_never_overwrites(tmp_path, capsys):
     assert code == 0 and "kept the tiny dense" in out  # same settings: nothing to redo
     assert "is not empty" in _bad(capsys, "tiny", target, "--hidden-size", "64")
     assert (target / "model.safetensors").read_bytes() == before
+
+
+def test_options_and_overrides_in_any_order(monkeypatch, capsys):
+    """`train r.yaml --resume train.max_steps=12` was "unrecognized arguments: train.max_steps=12"."""
+    import erniekit_lite.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_train", lambda args: seen.append((args.recipe, args.overrides, args.resume, args.num_processes)))
+    monkeypatch.setattr(cli, "_eval", lambda args: seen.append((args.target, args.data, args.generate)))
+    orders = [
+        ["train", "r.yaml", "--resume", "train.max_steps=12", "a.b=1", "--num-processes", "2"],
+        ["train", "--resume", "r.yaml", "train.max_steps=12", "--num-processes", "2", "a.b=1"],
+        ["train", "--num-processes=2", "r.yaml", "train.max_steps=12", "a.b=1", "--resume"],
+    ]
+    for argv in orders:
+        assert main(argv) == 0
+    assert seen == [("r.yaml", ["train.max_steps=12", "a.b=1"], True, 2)] * len(orders)
+    seen.clear()
+    assert main(["eval", "--generate", "out/run", "--data", "d.jsonl"]) == 0
+    assert seen == [("out/run", "d.jsonl", True)]
+    with pytest.raises(SystemExit) as e:  # argparse's own errors still come first
+        main(["trian", "r.yaml"])
+    assert e.value.code == 2 and "invalid choice: 'trian'" in capsys.readouterr().err
