@@ -46,21 +46,21 @@ def _trl_patched(model):
 def test_packed_pair_logps_equal_each_sample_alone(tiny_dense_dir, pairs):
     model = _trl_patched(load_model(str(tiny_dense_dir), "float32", "packed_sdpa").eval())
     rows = pack_pairs(pairs, 256)
-    assert len(rows) == 1 and rows[0].seq_lengths == [len(s) for p in pairs for s in (p.chosen, p.rejected)] or len(rows) == 1
+    assert len(rows) == 1
     batch = PackedPairCollator(256)([vars(r) for r in rows])
-    order = [i for r in rows for i in range(len(r.seq_lengths) // 2)]
     with torch.no_grad():
         out = model(**{k: v for k, v in batch.items() if k not in ("completion_mask", "token_slots")}, fused_lm_head=True)
     per_row = out.log_probs.sum(1)
     b = len(pairs)
-    # rows were packed best-fit-decreasing: map each packed pair back to its source pair by content
-    packed_pairs = []
+    # Rows are packed best-fit-decreasing: find each packed pair's source by content. Each pair sits whole,
+    # chosen then rejected, at the row's sample bounds
     ids = batch["packed_input_ids"][0].tolist()
     starts = batch["cu_seq_lens_q"].tolist()
-    for k in range(b):
-        chosen = ids[starts[2 * k] : starts[2 * k + 1]]
-        packed_pairs.append(next(p for p in pairs if p.chosen.input_ids == chosen))
-    assert len(order) == b
+    packed_pairs = [next(p for p in pairs if p.chosen.input_ids == ids[starts[2 * k] : starts[2 * k + 1]]) for k in range(b)]
+    assert sorted(map(id, packed_pairs)) == sorted(map(id, pairs))  # every pair once
+    for k, pair in enumerate(packed_pairs):
+        assert ids[starts[2 * k + 1] : starts[2 * k + 2]] == pair.rejected.input_ids
+    assert rows[0].seq_lengths == [len(s) for p in packed_pairs for s in (p.chosen, p.rejected)]
     for k, pair in enumerate(packed_pairs):
         assert abs(per_row[k].item() - _logp_alone(model, pair.chosen)) <= 1e-4
         assert abs(per_row[b + k].item() - _logp_alone(model, pair.rejected)) <= 1e-4
@@ -68,21 +68,28 @@ def test_packed_pair_logps_equal_each_sample_alone(tiny_dense_dir, pairs):
     assert int(batch["completion_mask"].sum()) == sum(sum(l != IGNORE for l in s.labels) for p in pairs for s in (p.chosen, p.rejected))
 
 
-def _raw_pairs(tokenizer):
-    """Pairs whose trained tokens are labelled with their own ids, as TRL labels them."""
-    bos, eot = tokenizer.convert_tokens_to_ids(["<|begin_of_sentence|>", "<|end_of_sentence|>"])
-    examples, pairs = [], []
-    for q, a, r in PROMPTS:
-        prompt = [bos] + tokenizer.encode(f"User: {q}\nAssistant: ", add_special_tokens=False)
-        chosen = tokenizer.encode(a, add_special_tokens=False) + [eot]
-        rejected = tokenizer.encode(r, add_special_tokens=False) + [eot]
-        examples.append({"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected})
-        pairs.append(Pair(Sample(prompt + chosen, [IGNORE] * len(prompt) + chosen), Sample(prompt + rejected, [IGNORE] * len(prompt) + rejected)))
-    return examples, pairs
+def _trl_examples(pairs):
+    """The production pairs as TRL's padded collator takes them: prompt ids, then each completion as its labels.
+
+    Our samples end a turn with the input `<|end_of_sentence|>` labelled `</s>` (as ERNIEKit trains); TRL scores a
+    completion's own ids. Ending TRL's completion with `</s>` makes it score the same targets: the last token's
+    input is never read by an earlier position (causal attention) and predicts nothing in the loss."""
+    examples = []
+    for pair in pairs:
+        example = {}
+        for name, sample in (("chosen", pair.chosen), ("rejected", pair.rejected)):
+            start = next(i for i, label in enumerate(sample.labels) if label != IGNORE)
+            assert all(label != IGNORE for label in sample.labels[start:])  # one trained answer, at the end
+            example["prompt_ids"] = sample.input_ids[:start]
+            example[f"{name}_ids"] = sample.labels[start:]
+        examples.append(example)
+    return examples
 
 
 @pytest.mark.parametrize("loss_type", [["sigmoid"], ["ipo"], ["hinge"], ["sigmoid", "sft"]], ids=["sigmoid", "ipo", "hinge", "rpo"])
-def test_dpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_tokenizer, loss_type):
+def test_dpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_tokenizer, pairs, loss_type):
+    """Loss, metrics and LoRA gradients of TRL's own padded batch and forward equal ours on packed rows, for the
+    pairs as training makes them (end of turn labelled `</s>`)."""
     from datasets import Dataset
     from trl import DPOConfig
     from trl.trainer.dpo_trainer import DataCollatorForPreference
@@ -93,7 +100,8 @@ def test_dpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_token
 
     torch.manual_seed(0)
     model = apply_lora(load_model(str(tiny_dense_dir), "float32", "packed_sdpa"), LoraSection(r=4, dropout=0.0))
-    examples, pairs = _raw_pairs(ernie_tokenizer)
+    examples = _trl_examples(pairs)
+    assert examples[0]["chosen_ids"][-1] == ernie_tokenizer.convert_tokens_to_ids("</s>")
     rows = pack_pairs(pairs, 256)
     dataset = Dataset.from_dict({"input_ids": [r.input_ids for r in rows], "labels": [r.labels for r in rows], "seq_lengths": [r.seq_lengths for r in rows]})
     args = DPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, loss_type=loss_type, beta=0.1, max_length=None)
@@ -105,13 +113,21 @@ def test_dpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_token
     model.eval()
     padded = DataCollatorForPreference(pad_token_id=0)(examples)  # TRL's own padded batch, in TRL's own forward
     packed = PackedPairCollator(256)([vars(r) for r in rows])
-    with torch.no_grad():
-        trl_loss = trainer.compute_loss(model, padded)
-        trl_metrics = {k: v[-1] for k, v in trainer._metrics["eval"].items()}
+    trained = [p for p in model.parameters() if p.requires_grad]
+
+    def loss_and_grads(batch):
+        model.zero_grad()
+        loss = trainer.compute_loss(model, batch)
+        loss.backward()
+        metrics = {k: v[-1] for k, v in trainer._metrics["eval"].items()}
         trainer._metrics["eval"].clear()
-        our_loss = trainer.compute_loss(model, packed)
-        our_metrics = {k: v[-1] for k, v in trainer._metrics["eval"].items()}
-    assert abs(trl_loss.item() - our_loss.item()) <= 1e-5
+        return loss.item(), metrics, [p.grad.clone() for p in trained]
+
+    trl_loss, trl_metrics, trl_grads = loss_and_grads(padded)
+    our_loss, our_metrics, our_grads = loss_and_grads(packed)
+    assert abs(trl_loss - our_loss) <= 1e-5
+    assert max((a - b).abs().max().item() for a, b in zip(trl_grads, our_grads)) <= 1e-5
+    assert max(g.abs().max().item() for g in our_grads) > 1e-3  # the gradients compared are not all zero
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected", "mean_token_accuracy"):
         assert abs(trl_metrics[key] - our_metrics[key]) <= 1e-4, key
     assert abs(our_metrics["rewards/margins"]) > 1e-4  # policy differs from the reference, so the check has teeth
