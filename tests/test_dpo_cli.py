@@ -52,10 +52,24 @@ def test_lora_dpo_learns_the_preferences(tmp_path, capsys, tiny_own_dir):
 
 
 def test_full_dpo_with_frozen_reference_and_ipo(tmp_path, capsys, tiny_own_dir):
-    code, out, err = run(capsys, "train", dpo_recipe(tmp_path, tiny_own_dir, lora=False, max_steps=4, learning_rate=1e-4, loss_type=["ipo"]))
+    """Full DPO trains the policy while its reference copy stays frozen: on the same eval pairs before and after
+    training, the reference log-probs (policy log-probs - reward / beta, from TRL's logged metrics) are unchanged
+    while the policy's moved."""
+    beta = 0.1
+    recipe = dpo_recipe(tmp_path, tiny_own_dir, lora=False, max_steps=4, learning_rate=1e-4, loss_type=["ipo"], beta=beta,
+                        eval_on_start=True, eval_strategy="steps", eval_steps=4)
+    code, out, err = run(capsys, "train", recipe)
     assert code == 0, err
     assert (tmp_path / "out" / "model.safetensors").is_file()
-    assert json.loads((tmp_path / "out" / "train_results.json").read_text())["train_loss"] > 0
+    history = json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"]
+    evals = [h for h in history if "eval_loss" in h]
+    before, after = evals[0], evals[-1]  # at step 0, and the final evaluation
+    assert (before["step"], after["step"]) == (0, 4)
+    for side in ("chosen", "rejected"):
+        reference = [h[f"eval_logps/{side}"] - h[f"eval_rewards/{side}"] / beta for h in (before, after)]
+        assert reference[0] == pytest.approx(reference[1], abs=1e-3)
+        assert abs(after[f"eval_logps/{side}"] - before[f"eval_logps/{side}"]) > 1e-2  # the policy trained
+        assert before[f"eval_rewards/{side}"] == pytest.approx(0, abs=1e-4)  # at the start the policy is the reference
 
 
 def test_dpo_continues_from_an_sft_lora_run(tmp_path, capsys, tiny_own_dir):
