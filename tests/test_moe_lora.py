@@ -235,3 +235,41 @@ def test_full_fine_tuning_trains_the_router_but_never_its_correction_bias(tmp_pa
     bias = "model.layers.1.mlp.moe_statics.e_score_correction_bias"  # the released layout's name
     assert torch.equal(before[bias], after[bias])  # it only biases which experts are picked: no gradient reaches it
     assert not torch.equal(before["model.layers.1.mlp.gate.weight"], after["model.layers.1.mlp.gate.weight"])
+
+
+def test_expert_load_counts_the_experts_the_model_routed_to(tiny_moe_dir):
+    """Per-expert counts equal the top-k indices the MoE blocks actually handed their experts (captured by a hook),
+    over real tokens only. The correction bias is set so that top-k without it picks other experts, and the batch is
+    padded so that counting pads gives other totals: a wrong rule or a missing mask fails."""
+    from erniekit_lite.model.load import load_model
+    from erniekit_lite.train.expert_load import ExpertLoad
+
+    model = load_model(str(tiny_moe_dir)).eval()
+    torch.manual_seed(0)
+    used, hooks = [], []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            hooks.append(module.register_forward_hook(lambda m, args, out: used.append(args[1].clone())))
+            gate = model.get_submodule(name.rsplit(".", 1)[0] + ".gate")
+            with torch.no_grad():
+                gate.moe_statics.e_score_correction_bias.normal_(0, 0.5)
+    mask = torch.tensor([[1] * 12, [1] * 7 + [0] * 5])
+    ids = torch.randint(3, model.config.vocab_size, mask.shape)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_router_logits=True, use_cache=False)
+    for h in hooks:
+        h.remove()
+    load = ExpertLoad(model)
+    load.add(out.router_logits, mask)
+    experts = model.config.moe_num_experts
+    real = mask.reshape(-1).bool()
+    expected = torch.stack([torch.bincount(chosen[real].reshape(-1), minlength=experts) for chosen in used])
+    assert torch.equal(load.counts, expected)
+    assert int(expected[0].sum()) == 19 * model.config.moe_k
+    unbiased = torch.stack([
+        torch.bincount(torch.topk(torch.softmax(logits.float(), -1), model.config.moe_k, -1).indices[real].reshape(-1), minlength=experts)
+        for logits in out.router_logits
+    ])
+    assert not torch.equal(unbiased, expected)  # the bias changes the choice here
+    with pytest.raises(ValueError, match="attention mask covers 12 tokens, the router logits 24"):
+        ExpertLoad(model).add(out.router_logits, mask[:1])

@@ -28,12 +28,14 @@ class ExpertLoad:
             for (_, router), logits in zip(self.routers, router_logits):
                 probs = torch.softmax(logits.detach().float(), dim=-1)
                 chosen = torch.topk(router.moe_statics(probs), router.top_k, dim=-1).indices
-                if keep is not None and keep.numel() == chosen.shape[0]:
+                if keep is not None:
+                    if keep.numel() != chosen.shape[0]:
+                        raise ValueError(f"expert load: the attention mask covers {keep.numel()} tokens, the router "
+                                         f"logits {chosen.shape[0]}; cannot tell real tokens from padding")
                     chosen = chosen[keep]
                 rows.append(torch.bincount(chosen.reshape(-1), minlength=router.num_experts))
             counts = torch.stack(rows)
         self.counts = counts if self.counts is None else self.counts + counts
-
 
     def save(self, out: Path, main_process: bool = True) -> None:
         """Write the files (main process only); in a launched run every process must call it (counts are summed)."""
