@@ -1612,10 +1612,20 @@ def check_collation(rows, max_length: int, batch: int):
 
 @st.composite
 def synthetic_samples(draw, max_length: int):
+    """Any labels, the first token's included: packing must refuse a sample whose first token is trained."""
     n = draw(st.integers(1, max_length))
     ids = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
     trained = draw(st.lists(st.booleans(), min_size=n, max_size=n))
-    return Sample(ids, [IGNORE] + [t if k else IGNORE for t, k in zip(ids[1:], trained[1:])])
+    return Sample(ids, [t if k else IGNORE for t, k in zip(ids, trained)])
+
+
+def refused_then_fixed(samples: list[Sample], *packers) -> list[Sample]:
+    """If a sample's first token is trained, each packer refuses the list; the samples with it untrained."""
+    if any(s.labels[0] != IGNORE for s in samples):
+        for packer in packers:
+            with pytest.raises(ValueError, match="first token is labelled"):
+                packer(samples)
+    return [Sample(s.input_ids, [IGNORE] + s.labels[1:]) for s in samples]
 
 
 @fuzz(60)
@@ -1627,6 +1637,7 @@ def test_packing_properties(data, max_length):
         assert [r.seq_lengths for r in pack(samples, 8)] == [[5, 3], [4, 2]]
         return
     samples = data.draw(st.lists(synthetic_samples(max_length), max_size=30))
+    samples = refused_then_fixed(samples, lambda s: pack(s, max_length), one_per_row)
     bins = best_fit_decreasing([len(s) for s in samples], max_length)
     assert sorted(i for b in bins for i in b) == list(range(len(samples)))
     assert bins == best_fit_decreasing([len(s) for s in samples], max_length)  # deterministic
@@ -1661,6 +1672,11 @@ def check_pair_rows(rows, pairs: list[Pair], max_length: int, packing: bool):
 def test_pair_packing_and_collation(data, max_length, packing):
     """Pairs stay whole; the packed and padded DPO collators score the same tokens, at the places logp_index says."""
     pairs = data.draw(st.lists(st.builds(Pair, synthetic_samples(max_length), synthetic_samples(max_length)), min_size=1, max_size=8))
+    sides = [refused_then_fixed([getattr(p, side) for p in pairs]) for side in ("chosen", "rejected")]
+    if any(s.labels[0] != IGNORE for p in pairs for s in (p.chosen, p.rejected)):
+        with pytest.raises(ValueError, match="first token is labelled"):
+            pack_pairs(pairs, max_length, packing)
+    pairs = [Pair(c, r) for c, r in zip(*sides)]
     rows = pack_pairs(pairs, max_length, packing)
     check_pair_rows(rows, pairs, max_length, packing)
     batch = data.draw(st.integers(1, len(rows)))

@@ -15,7 +15,7 @@ import bisect
 import heapq
 from dataclasses import dataclass
 
-from erniekit_lite.data.tokenize import Sample
+from erniekit_lite.data.tokenize import IGNORE, Sample
 
 
 @dataclass
@@ -62,7 +62,17 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+def check_first_untrained(samples: list[Sample], what: str = "sample") -> None:
+    """No sample's first token may be a target: nothing before it in the sample predicts it, and in a packed row
+    the position before it belongs to another sample, which must never be trained to predict it."""
+    for i, sample in enumerate(samples):
+        if sample.labels and sample.labels[0] != IGNORE:
+            raise ValueError(f"{what} {i}: its first token is labelled {sample.labels[0]}; the first label of a sample "
+                             f"must be {IGNORE} (nothing before it in the sample predicts it)")
+
+
 def pack(samples: list[Sample], max_length: int) -> list[Row]:
+    check_first_untrained(samples)
     rows = []
     for indices in best_fit_decreasing([len(s) for s in samples], max_length):
         ids: list[int] = []
@@ -76,6 +86,7 @@ def pack(samples: list[Sample], max_length: int) -> list[Row]:
 
 def one_per_row(samples: list[Sample]) -> list[Row]:
     """The unpacked layout: each sample is its own row (padded later by the collator)."""
+    check_first_untrained(samples)
     return [Row(s.input_ids, s.labels, [len(s)]) for s in samples]
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from erniekit_lite.data.formats import Conversation, Preference, Turn
-from erniekit_lite.data.packing import best_fit_decreasing
+from erniekit_lite.data.packing import best_fit_decreasing, check_first_untrained
 from erniekit_lite.data.tokenize import IGNORE, Sample, Tokenizer
 
 
@@ -87,6 +87,8 @@ class PairRow:
 
 
 def pack_pairs(pairs: list[Pair], max_length: int, packing: bool = True) -> list[PairRow]:
+    check_first_untrained([p.chosen for p in pairs], "pair (chosen)")
+    check_first_untrained([p.rejected for p in pairs], "pair (rejected)")
     groups = best_fit_decreasing([len(p) for p in pairs], 2 * max_length) if packing else [[i] for i in range(len(pairs))]
     rows = []
     for indices in groups:
