@@ -78,5 +78,5 @@ def stop_ids(model, tokenizer) -> list[int]:
 
 def _prompt_ids(tok: Tokenizer, prompt: Prompt) -> list[int]:
     pieces = tok.template.generation_prompt(prompt.system, prompt.history, prompt.user)
-    encoded = iter(tok.encode([p.text for p in pieces if p.text is not None]))
+    encoded = iter(tok.encode_pieces(pieces))
     return [t for p in pieces for t in (next(encoded) if p.text is not None else p.ids)]

@@ -205,12 +205,17 @@ ANSWER = "<think></think><response>\nIt is 20 degrees.\n</response>\n<|im_end|>\
     ids=["erniekit", "sharegpt"],
 )
 def test_thinking_template_pieces_ids_and_labels(thinking_tokenizer, thinking_tok, record, first_response):
-    assert isinstance(thinking_tok.template, ModelTemplate) and thinking_tok.parse_special
+    assert isinstance(thinking_tok.template, ModelTemplate)
     conv = _conv(record)
     pieces = thinking_tok.template.pieces(conv)
-    assert [[(p.text, p.trained) for p in turn] for turn in pieces] == [
-        [(SYSTEM_PROMPT_1, False), (first_response, True)],
-        [(RESULT_PROMPT, False), (ANSWER, True)],
+    # prompt pieces: the template's markup, cut where message text (tokenized as text) sits in it
+    assert [["".join(p.text for p in turn if p.response == r) for r in (False, True)] for turn in pieces] == [
+        [SYSTEM_PROMPT_1, first_response],
+        [RESULT_PROMPT, ANSWER],
+    ]
+    assert [[p.trained for p in turn if p.response] for turn in pieces] == [[True], [True]]
+    assert [p.text for turn in pieces for p in turn if not p.special] == [
+        t for t in (conv.system, *(turn.user for turn in conv.turns)) if t
     ]
     sample, stats = _one(thinking_tok, conv)
     texts = [SYSTEM_PROMPT_1, first_response, RESULT_PROMPT, ANSWER]
@@ -244,7 +249,8 @@ def test_thinking_template_system_prompt_and_masked_turn(thinking_tok):
     conv = _conv({**ERNIEKIT_RECORD, "messages": [{"role": "system", "content": "Be brief."}] + ERNIEKIT_RECORD["messages"]})
     conv.turns[0].train = False
     pieces = thinking_tok.template.pieces(conv)
-    assert pieces[0][0].text.startswith("<|im_start|>system\n<system_setting>\nBe brief.\n</system_setting>\n\n<global_setting>")
+    prompt = "".join(p.text for p in pieces[0] if not p.response)
+    assert prompt.startswith("<|im_start|>system\n<system_setting>\nBe brief.\n</system_setting>\n\n<global_setting>")
     sample, _ = _one(thinking_tok, conv)
     trained = thinking_tok.tokenizer.decode([t for t in sample.labels if t != X])
     assert trained == ANSWER  # the masked tool-calling turn is context only
@@ -394,10 +400,11 @@ def test_template_that_always_appends_the_prompt_is_repaired_for_training_only(t
     header = "<|im_start|>assistant\n<think>\n"
     turns = template.pieces(Conversation([Turn("q1", "a1"), Turn("q2", "a2")]))
     assert [[(p.text, p.trained) for p in turn] for turn in turns] == [
-        [("<|im_start|>system\n<global_setting>\nthink_mode=True\n</global_setting><|im_end|>\n\n<|im_start|>user\nq1<|im_end|>\n\n" + header, False),
-         ("</think>\n\n<response>\na1\n</response>\n<|im_end|>\n\n", True)],
-        [("<|im_start|>user\nq2<|im_end|>\n\n" + header, False), ("</think>\n\n<response>\na2\n</response>\n<|im_end|>\n\n", True)],
+        [("<|im_start|>system\n<global_setting>\nthink_mode=True\n</global_setting><|im_end|>\n\n<|im_start|>user\n", False),
+         ("q1", False), ("<|im_end|>\n\n" + header, False), ("</think>\n\n<response>\na1\n</response>\n<|im_end|>\n\n", True)],
+        [("<|im_start|>user\n", False), ("q2", False), ("<|im_end|>\n\n" + header, False),
+         ("</think>\n\n<response>\na2\n</response>\n<|im_end|>\n\n", True)],
     ]
     # and the prompt a tuned model is trained on is exactly what inference feeds it
     prompt = "".join(p.text for p in template.generation_prompt(None, [Turn("q1", "a1")], "q2"))
-    assert prompt == turns[0][0].text + turns[0][1].text + turns[1][0].text
+    assert prompt == "".join(p.text for p in turns[0]) + "".join(p.text for p in turns[1] if not p.response)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from erniekit_lite.data.tokenize import Sample
 
-FORMAT = 1  # bump when the entry layout changes
+FORMAT = 2  # bump when the entry layout or the tokenization changes (2: message text in a model's own template is text)
 # Inputs smaller than this tokenize in well under a second: not worth a disk entry (and test runs stay out of it)
 MIN_BYTES = 1 << 20
 KEEP_DAYS = 30  # entries unused this long are removed whenever a new one is written

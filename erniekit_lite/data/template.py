@@ -13,7 +13,9 @@ train on a sequence the model never sees. As in ERNIEKit, the label of each `<|e
 the eos of the released `generation_config.json`, so a tuned model stops where generation expects.
 
 User text is tokenized with special-token parsing off: a user who types `<|end_of_sentence|>` gets those
-characters, never the control token. Control tokens come only from the template, as ids.
+characters, never the control token. Control tokens come only from the template: as ids here, as the markup a
+model's own template renders around the messages (`ModelTemplate`), never from the text of a user, system or tool
+message, whichever template runs.
 
 Tool traffic: this template has no tool role, so the tool list follows the system prompt as JSON, an assistant's
 tool calls follow its text as a JSON list (trained with the rest of the response), and a tool result is the next
@@ -61,13 +63,15 @@ EOS = "</s>"
 
 @dataclass(slots=True)
 class Piece:
-    """A run of tokens: plain text (tokenized without special-token parsing) or fixed ids."""
+    """A run of tokens: text or fixed ids. Text is tokenized without special-token parsing unless `special`: a model
+    template's own markup, whose control tokens are spelled out in it."""
 
     text: str | None = None
     ids: tuple[int, ...] = ()
     trained: bool = False
     label_ids: tuple[int, ...] | None = None  # labels for `ids` when they differ from the ids (eot -> eos)
     response: bool = False  # part of the assistant's answer (trained unless the turn is masked)
+    special: bool = False  # parse control-token spellings in `text` (template markup only)
 
 
 class ErnieTemplate:
@@ -130,7 +134,9 @@ class ModelTemplate:
     response piece is what the template adds for the assistant message (text, tool calls, end of turn), trained.
     This needs a template that renders each conversation as a prefix of its continuation; one that rewrites earlier
     turns (e.g. drops their <think> reasoning) or always appends the generation prompt is refused with a UserError.
-    Control tokens come from the rendered text here, so special-token parsing stays on for every piece.
+    Control tokens come from the template's markup, parsed as control tokens. The text of user, system and tool
+    messages is found in the rendering by rendering placeholders in its place (`_segments`) and is tokenized as
+    plain text, as ERNIE's template does with it.
     """
 
     name = "model"
@@ -145,6 +151,62 @@ class ModelTemplate:
             chat_template=self.chat_template,
         )
 
+    def _segments(self, messages: list[dict], generation_prompt: bool, tools: list[dict]) -> tuple[str, list[tuple[int, int, bool]]]:
+        """The rendering, and its (start, end, is markup) spans: markup, or the text of a user/system/tool message.
+
+        The template renders once with each such text replaced by a placeholder; walking both renderings side by
+        side, each placeholder takes the text the real rendering has there: the message's text, or it trimmed (a
+        template may strip whitespace). A template that changes message text otherwise is refused."""
+        real = self._render(messages, generation_prompt, tools)
+        texts, masked = [], []
+        for m in messages:
+            if m["role"] in TEXT_ROLES and m.get("content"):
+                if "\ue000" in m["content"]:
+                    raise UserError(f"a {m['role']} message contains U+E000, the private-use character erniekit-lite "
+                                    "uses to find message text in the model's chat template")
+                texts.append(m["content"])
+                m = {**m, "content": f"\ue000{len(texts) - 1}\ue001"}
+            masked.append(m)
+        if not texts:
+            return real, [(0, len(real), True)] if real else []
+        parts = PLACEHOLDER.split(self._render(masked, generation_prompt, tools))  # markup, index, markup, ...
+        spans, pos = [], 0
+        for k in range(0, len(parts), 2):
+            markup = parts[k]
+            if not real.startswith(markup, pos):
+                raise UserError(f"the model's chat template renders {markup[:40]!r} differently when a message's text changes; "
+                                "erniekit-lite cannot tell its markup from message text")
+            if markup:
+                spans.append((pos, pos + len(markup), True))
+            pos += len(markup)
+            if k + 1 == len(parts):
+                break
+            text, following = texts[int(parts[k + 1])], parts[k + 2]
+            last = k + 3 == len(parts)
+            found = next(
+                (t for t in (text, text.strip(), text.rstrip(), text.lstrip())
+                 if real.startswith(t + following, pos) and (not last or pos + len(t) + len(following) == len(real))),
+                None,
+            )
+            if found is None:
+                raise UserError(f"the model's chat template changes the text of a message ({text[:40]!r}) beyond trimming "
+                                "whitespace; erniekit-lite needs message text inserted as written")
+            if found:
+                spans.append((pos, pos + len(found), False))
+            pos += len(found)
+        if pos != len(real):
+            raise UserError("the model's chat template renders differently when a message's text changes; "
+                            "erniekit-lite cannot tell its markup from message text")
+        return real, spans
+
+    def _pieces(self, spans, start: int, end: int, text: str, **kwargs) -> list[Piece]:
+        """Pieces for `text[start:end]`, cut where markup and message text meet."""
+        return [
+            Piece(text=text[max(a, start) : min(b, end)], special=markup, **kwargs)
+            for a, b, markup in spans
+            if min(b, end) > max(a, start)
+        ]
+
     def pieces(self, conv: Conversation) -> list[list[Piece]]:
         messages = [{"role": "system", "content": conv.system}] if conv.system else []
         done, turns = "", []
@@ -152,7 +214,7 @@ class ModelTemplate:
             prompt_message, answer = _chat_messages(turn)
             prompt = self._render(messages + [prompt_message], True, conv.tools)
             messages += [prompt_message, answer]
-            full = self._render(messages, False, conv.tools)
+            full, spans = self._segments(messages, False, conv.tools)
             for before, after in ((done, prompt), (prompt, full)):
                 if not after.startswith(before):
                     at = next(k for k, (a, b) in enumerate(zip(before + "\0", after + "\0")) if a != b)
@@ -162,7 +224,10 @@ class ModelTemplate:
                         "each rendering to extend the previous one; templates that rewrite earlier turns, e.g. drop their "
                         "<think> reasoning, or always append the generation prompt cannot be trained turn by turn)"
                     )
-            turns.append([Piece(text=prompt[len(done):]), Piece(text=full[len(prompt):], trained=turn.train, response=True)])
+            turns.append(
+                self._pieces(spans, len(done), len(prompt), full)
+                + self._pieces(spans, len(prompt), len(full), full, trained=turn.train, response=True)
+            )
             done = full
         return turns
 
@@ -171,7 +236,12 @@ class ModelTemplate:
         for t in history:
             messages += _chat_messages(t)
         messages.append({"role": "user", "content": user})
-        return [Piece(text=self._render(messages, True, []))]
+        text, spans = self._segments(messages, True, [])
+        return self._pieces(spans, 0, len(text), text)
+
+
+TEXT_ROLES = ("user", "system", "tool")  # messages whose text is text: control-token spellings in it stay characters
+PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")
 
 
 _TRAILING_OUTPUT = re.compile(r"(\{%-?\s*endfor\s*-?%\})(\s*)(\{\{-?.*?-?\}\})(\s*)$", re.S)

@@ -56,21 +56,33 @@ class Tokenizer:
     def __init__(self, tokenizer, template: ErnieTemplate | ModelTemplate):
         self.tokenizer = tokenizer
         self.template = template
-        # Only the model's own template puts control tokens in text; ERNIE's gives them as ids
-        self.parse_special = isinstance(template, ModelTemplate)
 
-    def encode(self, texts: list[str]) -> list[list[int]]:
+    def encode_pieces(self, pieces: list[Piece]) -> list[list[int]]:
+        """Token ids of the text pieces, in order: message text as text, template markup (`special`) with its control
+        tokens parsed."""
+        texts = [p for p in pieces if p.text is not None]
+        out: list[list[int] | None] = [None] * len(texts)
+        for special in (False, True):
+            where = [i for i, p in enumerate(texts) if p.special == special]
+            for i, ids in zip(where, self.encode([texts[i].text for i in where], special)):
+                out[i] = ids
+        return out
+
+    def encode(self, texts: list[str], special: bool = False) -> list[list[int]]:
+        """Token ids of each text; control-token spellings are control tokens only when `special`."""
+        if not texts:
+            return []
         backend = _direct_backend(self.tokenizer)
         if backend is None:
             out: list[list[int]] = []
             for i in range(0, len(texts), _BATCH):
                 chunk = texts[i : i + _BATCH]
-                out += self.tokenizer(chunk, add_special_tokens=False, split_special_tokens=not self.parse_special)["input_ids"]
+                out += self.tokenizer(chunk, add_special_tokens=False, split_special_tokens=not special)["input_ids"]
             return out
         # What transformers' __call__ does with these arguments, minus a BatchEncoding per text (a tenth of the
         # time); tests/test_tokenize.py checks the ids are the same
         before = backend.encode_special_tokens
-        backend.encode_special_tokens = not self.parse_special
+        backend.encode_special_tokens = not special
         try:
             encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # _fast (tokenizers >= 0.21): no offsets
             return [e.ids for i in range(0, len(texts), _BATCH) for e in encode(texts[i : i + _BATCH], add_special_tokens=False)]
@@ -84,8 +96,7 @@ class Tokenizer:
         if max_length < 1:
             raise ValueError(f"max_length must be positive, got {max_length}")
         per_conv = [self.template.pieces(c) for c in convs]
-        texts = [p.text for turns in per_conv for turn in turns for p in turn if p.text is not None]
-        encoded = iter(self.encode(texts))
+        encoded = iter(self.encode_pieces([p for turns in per_conv for turn in turns for p in turn]))
         stats = TokenStats()
         samples: list[Sample | None] = []
         for conv, turns in zip(convs, per_conv):
@@ -130,7 +141,7 @@ class Tokenizer:
     def _as_first_turn(self, conv: Conversation, index: int) -> tuple[list[int], list[int], int]:
         """Tokens of turn `index` rendered as the first turn, and the length of its prompt part."""
         pieces = self.template.pieces(replace(conv, turns=conv.turns[index : index + 1]))[0]
-        encoded = iter(self.encode([p.text for p in pieces if p.text is not None]))
+        encoded = iter(self.encode_pieces(pieces))
         ids: list[int] = []
         labels: list[int] = []
         prompt_length = None
