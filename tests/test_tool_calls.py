@@ -300,15 +300,54 @@ ALWAYS_PROMPTS = (  # the assistant header after the loop whatever add_generatio
 )
 
 
-@pytest.mark.parametrize("template", [DROPS_REASONING, ALWAYS_PROMPTS], ids=["drops-reasoning", "always-prompts"])
-def test_template_that_rewrites_earlier_turns_is_a_one_line_error(thinking_tokenizer, template):
+def test_template_that_always_prompts_is_a_one_line_error(thinking_tokenizer):
     tokenizer = copy.deepcopy(thinking_tokenizer)
-    tokenizer.chat_template = template
+    tokenizer.chat_template = ALWAYS_PROMPTS
     tok = Tokenizer(tokenizer, template_for(tokenizer))
     conv = Conversation([Turn("q1", "<think>r</think>a1"), Turn("q2", "a2")])
-    with pytest.raises(UserError, match=r"^the model's chat template cannot be split into trained turns: at turn [12] the rendering reads ") as e:
-        tok([conv], 4096)
-    assert "\n" not in str(e.value)  # one line: the snippets are repr()s
+    for part in tok.template.expand(conv):
+        with pytest.raises(UserError, match=r"^the model's chat template cannot be split into trained turns: at turn [12] the rendering reads ") as e:
+            tok([part], 4096)
+        assert "\n" not in str(e.value)  # one line: the snippets are repr()s
+
+
+def test_template_that_drops_earlier_reasoning_trains_each_turn_as_its_own_sample(tmp_path, thinking_tokenizer):
+    """Each assistant turn is a sample: its prompt is the conversation so far rendered for generation (earlier turns
+    as the template shows them then: reasoning dropped), its completion that turn with its reasoning."""
+    from erniekit_lite.data.prepare import prepare
+    from erniekit_lite.recipe import DataSection
+
+    tokenizer = copy.deepcopy(thinking_tokenizer)
+    tokenizer.chat_template = DROPS_REASONING
+    tok = Tokenizer(tokenizer, template_for(tokenizer))
+    conv = Conversation([Turn("q1", "<think>r1</think>a1"), Turn("q2", "<think>r2</think>a2"), Turn("q3", "a3", train=False)])
+    parts = tok.template.expand(conv)
+    assert [[(t.user, t.train) for t in p.turns] for p in parts] == [[("q1", True)], [("q1", False), ("q2", True)]]
+    samples, stats = tok(parts, 4096)
+    assert stats.kept == 2
+    texts = [(tokenizer.decode([i for i, l in zip(s.input_ids, s.labels) if l == X]),
+              tokenizer.decode([l for l in s.labels if l != X])) for s in samples]
+    assert texts == [
+        ("<|im_start|>user\nq1<|im_end|>\n<|im_start|>assistant\n", "<think>r1</think>a1<|im_end|>\n"),
+        ("<|im_start|>user\nq1<|im_end|>\n<|im_start|>assistant\na1<|im_end|>\n<|im_start|>user\nq2<|im_end|>\n<|im_start|>assistant\n",
+         "<think>r2</think>a2<|im_end|>\n"),
+    ]
+    # each prompt is exactly what inference feeds the model after that history
+    for sample, n in zip(samples, (1, 3)):
+        messages = [m for t in conv.turns for m in _chat_messages(t)][:n]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert sample.input_ids[: sample.labels.index(next(l for l in sample.labels if l != X))] == _encode(tokenizer, prompt, special=True)
+    # through prepare: one record, two samples, and the log says why
+    path = tmp_path / "multi.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "<think>r1</think>a1"},
+                                             {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]}) + "\n")
+    said = []
+    data = prepare(DataSection(train=[str(path)], packing=False), tokenizer, log=said.append)
+    assert data.train.sources[0].records == 1 and data.train.sources[0].samples == len(data.train.samples) == 2
+    assert any("each trained assistant turn of 1 multi-turn conversations is its own sample" in line for line in said)
+    # where nothing is rewritten (no reasoning to drop) the conversation stays one sample
+    one = Conversation([Turn("q1", "a1"), Turn("q2", "a2")])
+    assert tok.template.expand(one) == [one]
 
 
 def test_bad_function_call_records_name_file_and_line(tmp_path, thinking_tokenizer):

@@ -104,13 +104,22 @@ def _split(sources: list[Source], data: DataSection, tokenize: Tokenizer, store:
 def _tokenized_split(
     sources: list[Source], data: DataSection, tokenize: Tokenizer, log
 ) -> tuple[list[Sample], TokenStats, list[SourceReport]]:
-    convs, reports = [], []
+    convs, reports, counts = [], [], []
     for source in sources:
         records, fmt, detected = _read(source, detect_format, "format", log)
+        start = len(convs)
+        split = 0
         for record in records:
             check_format(record, fmt)
-            convs.append(to_conversation(record, fmt, data.system))
+            parts = tokenize.template.expand(to_conversation(record, fmt, data.system))
+            split += len(parts) > 1
+            convs += parts
         reports.append(SourceReport(source.path, fmt, detected, len(records)))
+        counts.append(len(convs) - start)
+        if split:
+            log(f"data: {source.path}: the model's chat template rewrites earlier turns (e.g. drops their reasoning), so "
+                f"each trained assistant turn of {split} multi-turn conversations is its own sample, with the "
+                "conversation so far as its prompt")
 
     def job(lo: int, hi: int) -> tuple[list[Sample | None], TokenStats]:
         return tokenize(convs[lo:hi], data.max_length, data.overlong)
@@ -120,9 +129,9 @@ def _tokenized_split(
         results += part
         stats.add(part_stats)
     start = 0
-    for report in reports:
-        report.samples = sum(r is not None for r in results[start : start + report.records])
-        start += report.records
+    for report, count in zip(reports, counts):
+        report.samples = sum(r is not None for r in results[start : start + count])
+        start += count
     return [s for s in results if s is not None], stats, reports
 
 

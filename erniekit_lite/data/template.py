@@ -27,7 +27,7 @@ ships its own template (ERNIE-4.5-21B-A3B-Thinking) gets tools, calls and result
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from erniekit_lite.data.formats import Conversation, Turn, with_calls, with_tools
 from erniekit_lite.errors import UserError
@@ -109,6 +109,10 @@ class ErnieTemplate:
             )
         return turns
 
+    def expand(self, conv: Conversation) -> list[Conversation]:
+        """ERNIE's template renders every conversation as a prefix of its continuation: one sample each."""
+        return [conv]
+
     def generation_prompt(self, system: str | None, history: list[Turn], user: str) -> list[Piece]:
         """What inference feeds the model: the same pieces as training, ending in `Assistant: `."""
         conv = Conversation(history + [Turn(user, "")], system)
@@ -132,8 +136,11 @@ class ModelTemplate:
 
     Turn i's prompt piece is what the template adds for its user (or tool) message plus the generation prompt; its
     response piece is what the template adds for the assistant message (text, tool calls, end of turn), trained.
-    This needs a template that renders each conversation as a prefix of its continuation; one that rewrites earlier
-    turns (e.g. drops their <think> reasoning) or always appends the generation prompt is refused with a UserError.
+    A template that rewrites earlier turns (the Thinking model's drops their reasoning once a later turn follows)
+    renders no conversation as a prefix of its continuation: `expand` then makes each trained assistant turn its own
+    sample, whose prompt is the conversation so far as the template renders it for generation (what the model sees
+    at inference) and whose completion is that turn. A template that cannot give even that (it always appends the
+    generation prompt, say) is refused with a UserError.
     Control tokens come from the template's markup, parsed as control tokens. The text of user, system and tool
     messages is found in the rendering by rendering placeholders in its place (`_segments`) and is tokenized as
     plain text, as ERNIE's template does with it.
@@ -207,7 +214,39 @@ class ModelTemplate:
             if min(b, end) > max(a, start)
         ]
 
+    def expand(self, conv: Conversation) -> list[Conversation]:
+        """The conversation as one sample, or, when the template rewrites its earlier turns, one per trained turn
+        (the turns before it as untrained context)."""
+        try:
+            self._turn_by_turn(conv)
+            return [conv]
+        except RewritesHistory:
+            return [
+                replace(conv, turns=[replace(t, train=False) for t in conv.turns[:i]] + [turn])
+                for i, turn in enumerate(conv.turns)
+                if turn.train
+            ] or [conv]
+
     def pieces(self, conv: Conversation) -> list[list[Piece]]:
+        """One list of pieces per turn; a conversation whose template rewrites its history and whose earlier turns are
+        context only (as `expand` makes them, and as preference pairs are) is one turn: all but the last answer
+        rendered as the generation prompt, then that answer."""
+        try:
+            return self._turn_by_turn(conv)
+        except RewritesHistory:
+            if len(conv.turns) == 1 or any(t.train for t in conv.turns[:-1]):
+                raise
+        messages = [{"role": "system", "content": conv.system}] if conv.system else []
+        for turn in conv.turns[:-1]:
+            messages += _chat_messages(turn)
+        prompt_message, answer = _chat_messages(conv.turns[-1])
+        prompt = self._render(messages + [prompt_message], True, conv.tools)
+        full, spans = self._segments(messages + [prompt_message, answer], False, conv.tools)
+        _check_extends(prompt, full, len(conv.turns))
+        last = conv.turns[-1]
+        return [self._pieces(spans, 0, len(prompt), full) + self._pieces(spans, len(prompt), len(full), full, trained=last.train, response=True)]
+
+    def _turn_by_turn(self, conv: Conversation) -> list[list[Piece]]:
         messages = [{"role": "system", "content": conv.system}] if conv.system else []
         done, turns = "", []
         for i, turn in enumerate(conv.turns):
@@ -215,15 +254,8 @@ class ModelTemplate:
             prompt = self._render(messages + [prompt_message], True, conv.tools)
             messages += [prompt_message, answer]
             full, spans = self._segments(messages, False, conv.tools)
-            for before, after in ((done, prompt), (prompt, full)):
-                if not after.startswith(before):
-                    at = next(k for k, (a, b) in enumerate(zip(before + "\0", after + "\0")) if a != b)
-                    raise UserError(
-                        f"the model's chat template cannot be split into trained turns: at turn {i + 1} the rendering "
-                        f"reads {after[at:at + 40]!r} where the previous one read {before[at:at + 40]!r} (training needs "
-                        "each rendering to extend the previous one; templates that rewrite earlier turns, e.g. drop their "
-                        "<think> reasoning, or always append the generation prompt cannot be trained turn by turn)"
-                    )
+            _check_extends(done, prompt, i + 1)
+            _check_extends(prompt, full, i + 1)
             turns.append(
                 self._pieces(spans, len(done), len(prompt), full)
                 + self._pieces(spans, len(prompt), len(full), full, trained=turn.train, response=True)
@@ -238,6 +270,20 @@ class ModelTemplate:
         messages.append({"role": "user", "content": user})
         text, spans = self._segments(messages, True, [])
         return self._pieces(spans, 0, len(text), text)
+
+
+class RewritesHistory(UserError):
+    """A rendering does not extend the previous one."""
+
+
+def _check_extends(before: str, after: str, turn: int) -> None:
+    if not after.startswith(before):
+        at = next(k for k, (a, b) in enumerate(zip(before + "\0", after + "\0")) if a != b)
+        raise RewritesHistory(
+            f"the model's chat template cannot be split into trained turns: at turn {turn} the rendering "
+            f"reads {after[at:at + 40]!r} where the previous one read {before[at:at + 40]!r} (a completion must extend "
+            "its prompt; a template that always appends the generation prompt cannot be trained)"
+        )
 
 
 TEXT_ROLES = ("user", "system", "tool")  # messages whose text is text: control-token spellings in it stay characters

@@ -126,8 +126,9 @@ class Tokenizer:
         """An overlong conversation (`ids`, `labels`, with turn i ending at `turn_ends[i]`) cut to max_length, or None."""
         if overlong == "drop":
             return None
-        # Drop the oldest turns first; the turn that becomes first carries BOS and the system line again
-        for start in range(1, len(conv.turns)):
+        # Drop the oldest turns first; the turn that becomes first carries BOS and the system line again. (A sample
+        # whose template rewrites history is one turn of pieces: its history goes at once)
+        for start in range(1, len(turn_ends)):
             first_ids, first_labels, _ = self._as_first_turn(conv, start)
             tail = turn_ends[start]
             if len(first_ids) + len(ids) - tail <= max_length:
