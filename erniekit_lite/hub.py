@@ -228,7 +228,7 @@ def model_card(run: Path, recipe: Recipe, repo_id: str | None = None, merged: bo
         f"# {name.split('/')[-1] if repo_id else run.name}",
         f"{summary}: {recipe.method.upper()} with erniekit-lite.",
         "## Use it",
-        _usage(name, base, revision, bool(adapter) and not merged),
+        _usage(name, base, revision, bool(adapter) and not merged, _ernie_template(run)),
         "## Training",
         _table(("setting", "value"), _setup_rows(run, recipe, adapter)),
         "## Results",
@@ -240,7 +240,45 @@ def model_card(run: Path, recipe: Recipe, repo_id: str | None = None, merged: bo
     return f"---\n{metadata.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
 
 
-def _usage(name: str, base: str, revision: str | None, adapter: bool) -> str:
+def _ernie_template(run: Path) -> bool:
+    """Whether the run's tokenizer renders ERNIE 4.5's chat format (a run without tokenizer files: the base's, ERNIE)."""
+    if not (run / "tokenizer_config.json").is_file():
+        return True
+    from erniekit_lite.data.template import ErnieTemplate, template_for
+    from erniekit_lite.model.load import load_tokenizer
+
+    try:
+        return isinstance(template_for(load_tokenizer(str(run))), ErnieTemplate)
+    except Exception:  # a tokenizer that cannot load is the loading snippet's problem, not the card's
+        return True
+
+
+# Training tokenizes each prompt and answer on its own (data/template.py); `apply_chat_template(tokenize=True)`
+# tokenizes one string, which fuses each earlier answer's first word with the space after `Assistant:` (measured in
+# benchmarks/results-serving_tokens.txt). A single-turn prompt is the same either way.
+MULTI_TURN = '''
+# Multi-turn chats: build the prompt as training did. Each prompt and answer is tokenized on its own;
+# apply_chat_template(tokenize=True) tokenizes one string, which changes the first token of every earlier answer.
+def prompt_ids(tokenizer, messages):
+    encode = lambda text: tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    system = "".join(m["content"] + "\\n" for m in messages if m["role"] == "system" and m["content"])
+    ids = [tokenizer.convert_tokens_to_ids("<|begin_of_sentence|>")]
+    for m in messages:
+        if m["role"] == "user":
+            ids += encode(system + "User: " + m["content"] + "\\nAssistant: ")
+            system = ""
+        elif m["role"] == "assistant":
+            ids += encode(m["content"]) + [tokenizer.convert_tokens_to_ids("<|end_of_sentence|>")]
+    return torch.tensor([ids])
+
+messages += [{"role": "assistant", "content": "I am a tuned ERNIE."}, {"role": "user", "content": "What can you do?"}]
+input_ids = prompt_ids(tokenizer, messages)
+output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=128)
+print(tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True))
+'''
+
+
+def _usage(name: str, base: str, revision: str | None, adapter: bool, ernie: bool = True) -> str:
     at = f', revision="{revision}"' if revision else ""
     if adapter:
         base = base if _is_hub_id(base) else f"path/to/{Path(base).name}"  # the machine's own paths stay on it
@@ -254,7 +292,9 @@ def _usage(name: str, base: str, revision: str | None, adapter: bool) -> str:
             'inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)\n'
             'output = model.generate(**inputs, max_new_tokens=128)\n'
             'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))\n')
-    text = f"```python\n{load}{chat}```"
+    if ernie:
+        chat += MULTI_TURN
+    text = f"```python\nimport torch\n{load}{chat}```"
     if adapter:
         text += ("\n\n**MoE:** an adapter of an ERNIE 4.5 MoE model (21B-A3B) must not be loaded this way: peft re-targets it and silently "
                  "drops the shared-expert and dense-layer adapters. Load it with erniekit-lite (`model.path:` a download of this "

@@ -280,3 +280,41 @@ def test_loss_plot_needs_a_logged_loss(tmp_path):
     assert write_loss_plot(tmp_path) is None and not (tmp_path / "loss.png").exists()
     state.write_text(json.dumps({"log_history": [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}, {"step": 2, "eval_loss": 1.7}]}))
     assert write_loss_plot(tmp_path).read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_cards_multi_turn_snippet_feeds_the_ids_training_used(tmp_path, ernie_tokenizer):
+    """The card's `prompt_ids` gives the training prefix of a later turn (history answers tokenized on their own),
+    where `apply_chat_template(tokenize=True)` does not (benchmarks/results-serving_tokens.txt counts how often)."""
+    import re
+
+    import torch
+
+    from erniekit_lite.data.formats import Conversation, Turn
+    from erniekit_lite.data.template import template_for
+    from erniekit_lite.data.tokenize import Tokenizer
+
+    ernie_tokenizer.save_pretrained(tmp_path)
+    recipe = Recipe.model_validate({"model": {"path": "baidu/ERNIE-4.5-0.3B-PT"}, "data": {"train": ["d.jsonl"]}, "output": {"dir": str(tmp_path)}})
+    card = model_card(tmp_path, recipe, "someone/ernie")
+    code = re.search(r"(def prompt_ids\(.*?return torch\.tensor\(\[ids\]\)\n)", card, re.S).group(1)
+    scope = {"torch": torch}
+    exec(code, scope)
+    tok = Tokenizer(ernie_tokenizer, template_for(ernie_tokenizer))
+    history = [Turn("Who are you?", "Hello, I am a tuned ERNIE."), Turn("2+2?", "4")]
+    for system in ("Be brief.", None):
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            m for t in history for m in ({"role": "user", "content": t.user}, {"role": "assistant", "content": t.assistant})
+        ] + [{"role": "user", "content": "What can you do?"}]
+        pieces = tok.template.generation_prompt(system, history, "What can you do?")
+        encoded = iter(tok.encode_pieces(pieces))
+        expected = [t for p in pieces for t in (next(encoded) if p.text is not None else p.ids)]
+        assert scope["prompt_ids"](ernie_tokenizer, messages)[0].tolist() == expected
+        one_string = ernie_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        assert list(one_string) != expected  # the difference the snippet is there for
+    assert "prompt_ids" in model_card(tmp_path / "missing", recipe, "someone/ernie")  # no tokenizer files: the base's (ERNIE)
+    import copy
+
+    own = copy.deepcopy(ernie_tokenizer)  # a model with its own template (the Thinking model's): no ERNIE snippet
+    own.chat_template = "{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}"
+    own.save_pretrained(tmp_path / "own")
+    assert "prompt_ids" not in model_card(tmp_path / "own", recipe, "someone/ernie")
