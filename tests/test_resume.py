@@ -118,7 +118,8 @@ def test_resume_without_checkpoint_starts_fresh(tmp_path, capsys, tiny_own_dir):
     assert f"resume: no complete checkpoint in {out}; starting from scratch" in stdout
     assert logged_steps(out) == [1, 2]
     code, _, err = train(capsys, path, "--resume")
-    assert code == 2 and err.strip() == f"error: output.dir: {out} already holds a finished run of this recipe: there is nothing to resume"
+    assert code == 2 and err.strip() == (f"error: output.dir: {out} already holds a finished run of this recipe: there is nothing "
+                                         "to resume (to train it longer, resume with a larger train.max_steps or train.num_train_epochs)")
     code, _, err = train(capsys, path, "train.resume_from_checkpoint=x", "--resume")
     assert code == 2 and "--resume and train.resume_from_checkpoint=... both given" in err
 
@@ -214,3 +215,29 @@ def test_save_total_limit_one_keeps_the_newest_checkpoint(tmp_path, capsys, monk
         assert checkpoints.complete(out) == [out / "checkpoint-8"]
     assert not list(out.glob("tmp-*"))
     assert math.isfinite(json.loads((out / "train_results.json").read_text())["train_loss"])
+
+
+def test_a_finished_run_extended_with_more_steps_keeps_its_first_steps(tmp_path, capsys, tiny_own_dir):
+    """`--resume train.max_steps=8` on a finished 4-step run: it ends at step 8, the first 4 steps' losses are those
+    of the first run, the schedule change is said, and the step-4 checkpoint stays. Any other change is refused."""
+    path, out = recipe_file(tmp_path, tiny_own_dir, "extend", max_steps=4, save_steps=4), tmp_path / "extend"
+    code, _, err = train(capsys, path)
+    assert code == 0, err
+    first = history(out)
+    assert [h["step"] for h in first] == [1, 2, 3, 4]
+
+    code, _, err = train(capsys, path, "--resume", "train.learning_rate=1e-3")
+    assert code == 2 and "train.learning_rate changed" in err and "may change only the schedule" in err
+    code, stdout, err = train(capsys, path, "train.max_steps=8", "--resume")
+    assert code == 0, err
+    assert "resume: train.max_steps: 4 -> 8" in stdout and "model and metrics will be replaced" in stdout
+    assert f"resuming from {out / 'checkpoint-4'}" in stdout
+    extended = history(out)
+    assert [h["step"] for h in extended] == list(range(1, 9))
+    assert extended[:4] == first  # restored from the checkpoint, unchanged
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 8
+    assert (out / "checkpoint-4").is_dir() and (out / "checkpoint-8").is_dir()
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["max_steps"] == 8
+
+    code, _, err = train(capsys, path, "train.max_steps=8", "--resume")  # finished again: nothing more to do
+    assert code == 2 and "nothing to resume" in err

@@ -12,7 +12,10 @@
 
 A non-empty directory is reused only for the same resolved recipe and only while unfinished, so a second run
 never silently overwrites the first; `output.overwrite: true` clears it first, except when resuming: the
-checkpoints to resume from are never deleted.
+checkpoints to resume from are never deleted. Resuming may change the schedule (`SCHEDULE_KEYS`: more steps or
+epochs, another logging/saving/eval cadence), which also extends a finished run: its final model and metrics are
+then replaced because the user asked with --resume, and its checkpoints stay. Anything else (model, data, method,
+LoRA, optimizer) must be what the run was started with.
 """
 
 from __future__ import annotations
@@ -20,8 +23,16 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import yaml
+
 from erniekit_lite.errors import UserError
 from erniekit_lite.recipe import Recipe
+
+# train: keys a resumed run may change: how long it trains and how often it logs, saves and evaluates
+SCHEDULE_KEYS = (
+    "max_steps", "num_train_epochs", "logging_steps", "logging_strategy", "save_steps", "save_strategy",
+    "save_total_limit", "eval_steps", "eval_strategy",
+)
 
 
 def check(recipe: Recipe) -> bool:
@@ -37,17 +48,42 @@ def check(recipe: Recipe) -> bool:
         if recipe.output.overwrite and not resuming:
             return True
         if not same and resuming:
-            raise UserError(f"output.dir: {out} holds a run of a different recipe; resuming needs the recipe it was started with")
+            if not previous.is_file():
+                raise UserError(f"output.dir: {out} holds no recipe.yaml: not a run this recipe can resume")
+            changed = schedule_changes(recipe, previous)  # raises when more than the schedule changed
+            if finished:
+                from erniekit_lite.train.checkpoints import complete
+
+                if not complete(out):
+                    raise UserError(f"output.dir: {out} holds a finished run without a checkpoint to continue from "
+                                    "(its train.save_steps never came); train it again with output.overwrite=true")
+            return False
         if not same:
             raise UserError(
                 f"output.dir: {out} is not empty and holds a different run; choose another output.dir "
                 "or set output.overwrite=true to replace it"
             )
         if finished and resuming:
-            raise UserError(f"output.dir: {out} already holds a finished run of this recipe: there is nothing to resume")
+            raise UserError(f"output.dir: {out} already holds a finished run of this recipe: there is nothing to resume "
+                            "(to train it longer, resume with a larger train.max_steps or train.num_train_epochs)")
         if finished:
             raise UserError(f"output.dir: {out} already holds a finished run of this recipe; set output.overwrite=true to train again")
     return False
+
+
+def schedule_changes(recipe: Recipe, previous: Path) -> list[str]:
+    """`key: old -> new` for each schedule key a resumed recipe changes; a UserError naming any other change."""
+    old = yaml.safe_load(previous.read_text(encoding="utf-8"))
+    new = yaml.safe_load(_identity(recipe))
+    old_train, new_train = old.pop("train", {}) or {}, new.pop("train", {}) or {}
+    others = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    others += sorted(f"train.{k}" for k in set(old_train) | set(new_train)
+                     if k not in SCHEDULE_KEYS and old_train.get(k) != new_train.get(k))
+    if others:
+        raise UserError(f"output.dir: {recipe.output.dir} holds a run of a different recipe ({', '.join(others)} changed); "
+                        f"resuming may change only the schedule (train.{', train.'.join(SCHEDULE_KEYS)})")
+    return [f"train.{k}: {old_train.get(k, 'default')} -> {new_train.get(k, 'default')}"
+            for k in SCHEDULE_KEYS if old_train.get(k) != new_train.get(k)]
 
 
 def claim(recipe: Recipe, log=print) -> Path:
@@ -62,6 +98,14 @@ def claim(recipe: Recipe, log=print) -> Path:
     out = Path(recipe.output.dir)
     state.wait_for_everyone()
     if state.is_main_process:
+        previous = out / "recipe.yaml"
+        if recipe.train.get("resume_from_checkpoint") not in (None, False) and previous.is_file():
+            changed = schedule_changes(recipe, previous)
+            if changed:
+                log(f"resume: {'; '.join(changed)}. The Trainer rebuilds the learning-rate schedule for the new length "
+                    "and goes on from the checkpoint's step in it (a decaying schedule rises again to where the longer "
+                    "run would be at that step)" + ("; the finished run's model and metrics will be replaced, its "
+                    "checkpoints stay" if (out / "train_results.json").is_file() else ""))
         if check(recipe):
             log(f"output.overwrite: clearing {out}")
             for child in out.iterdir():
