@@ -176,7 +176,9 @@ def architecture(path: str, recipe: Recipe) -> dict:
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise UserError(f"model.path: {path}: could not read the model config: {str(e).strip().splitlines()[0]}") from None
+        from erniekit_lite.model.load import missing_source
+
+        raise UserError(missing_source(path, e) or f"model.path: {path}: could not read the model config: {str(e).strip().splitlines()[0]}") from None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
     total = sum(p.numel() for p in model.parameters())

@@ -259,3 +259,21 @@ def test_options_and_overrides_in_any_order(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:  # argparse's own errors still come first
         main(["trian", "r.yaml"])
     assert e.value.code == 2 and "invalid choice: 'trian'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["train", "validate"])
+def test_quick_start_before_its_model_exists_says_so_in_one_line(tmp_path, capsys, monkeypatch, command):
+    """`train recipes/quickstart.yaml` before `erniekit-lite tiny runs/tiny-ernie` (here offline, as this machine is):
+    no such directory here, the Hub could not be reached, and the command that makes the model."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no minute of retries against no network
+    monkeypatch.chdir(tmp_path)  # runs/tiny-ernie does not exist here
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
+    code = main([command, str(recipe), f"output.dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1] == ("error: model.path: runs/tiny-ernie: no such directory here, and the Hugging Face Hub could not be reached "
+                       "to look for a repo of that name; the quick start's tiny model is made by "
+                       "`erniekit-lite tiny runs/tiny-ernie --arch dense`")
+    assert not (tmp_path / "out").exists()

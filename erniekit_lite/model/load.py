@@ -28,7 +28,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise UserError(f"{path}: could not load the tokenizer: {_first_line(e)}") from None
+        raise UserError(missing_source(path, e) or f"{path}: could not load the tokenizer: {_first_line(e)}") from None
 
 
 def resolve_attention(setting: str, packing: bool) -> str:
@@ -75,7 +75,7 @@ def load_model(
             **({"quantization_config": four_bit_config()} if load_in_4bit else {}),
         )
     except (OSError, ValueError) as e:
-        raise UserError(f"{base or path}: could not load the model: {_first_line(e)}") from None
+        raise UserError(missing_source(base or path, e) or f"{base or path}: could not load the model: {_first_line(e)}") from None
     if base:
         from erniekit_lite.model.lora import load_adapter
 
@@ -103,6 +103,29 @@ def four_bit_config():
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16
     )
+
+
+QUICKSTART_MODEL = "runs/tiny-ernie"  # recipes/quickstart*.yaml's model.path, written by `erniekit-lite tiny`
+
+
+def missing_source(path: str, error: Exception) -> str | None:
+    """One line for a model path that is neither a local directory nor a reachable Hub repo (None otherwise).
+
+    `runs/tiny-ernie` has a Hub id's shape, so a missing local dir is tried on the Hub first; the error from there
+    ("couldn't connect") alone would hide that the directory does not exist."""
+    if Path(path).expanduser().exists():
+        return None
+    text = str(error)
+    if "couldn't connect" in text or "offline" in text.lower():
+        hub = "the Hugging Face Hub could not be reached to look for a repo of that name"
+    elif "not a valid model identifier" in text or "404" in text or "Repository Not Found" in text:
+        hub = "the Hugging Face Hub has no such repo (a private one needs `hf auth login`)"
+    else:
+        return None
+    hint = ""
+    if Path(path) == Path(QUICKSTART_MODEL):
+        hint = f"; the quick start's tiny model is made by `erniekit-lite tiny {QUICKSTART_MODEL} --arch dense`"
+    return f"model.path: {path}: no such directory here, and {hub}{hint}"
 
 
 def _first_line(error: Exception) -> str:
