@@ -186,3 +186,47 @@ def test_sharded_estimate_divides_the_states():
     run = memory.Run(tokens=8192, scored=8192)
     allocated = 320 * GIB // 8 + 2 * GIB
     assert memory.sharded_total(est, params, run, 8) == allocated + memory.CONTEXT_BYTES + int(memory.FRAGMENTATION * allocated)
+
+
+def _readme_memory_table() -> dict[str, float]:
+    """The README's memory table as {recipe file: GiB}."""
+    import re
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = text[text.index("| recipe | estimate | fits |"):].split("\n\n")[0]
+    figures = {}
+    for row in table.splitlines()[2:]:
+        model, files, values = re.match(r"\| (\S+) (.+?) \| ([\d./ ]+) GiB \|", row).groups()
+        names = re.findall(r"`([^`]+)`", files)
+        for name, value in zip(names, values.split(" / ")):
+            folder = {"0.3B": "ernie-4.5-0.3b", "21B-A3B": "ernie-4.5-21b-a3b"}[model]
+            figures[f"{folder}/{name}"] = float(value)
+    return figures
+
+
+@pytest.mark.slow  # ~25 s: validate plans seven released recipes (their data prepared, the models built on meta)
+def test_readme_memory_table_is_what_validate_prints(tmp_path):
+    """Each figure of the README's memory table equals `validate`'s estimate for that shipped recipe (to 0.1 GiB),
+    with the released configs (../shared) and the real tokenizer."""
+    import shutil
+
+    from conftest import ERNIE_TOKENIZER_DIR, SHARED
+
+    from erniekit_lite import recipe as recipes
+    from erniekit_lite.plan import plan
+
+    moe_config = SHARED / "ernie45" / "ernie-4.5-21b-a3b-pt" / "config.json"
+    if not ERNIE_TOKENIZER_DIR.is_dir() or not moe_config.is_file():
+        pytest.skip("shared reference files not found")
+    moe = tmp_path / "21b"  # the released MoE config with the (shared) ERNIE 4.5 tokenizer: planning reads no weights
+    shutil.copytree(ERNIE_TOKENIZER_DIR, moe, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    shutil.copy(moe_config, moe / "config.json")
+    figures = _readme_memory_table()
+    assert len(figures) == 6
+    for name, stated in figures.items():
+        path = ERNIE_TOKENIZER_DIR if name.startswith("ernie-4.5-0.3b") else moe
+        recipe = recipes.load(str(ROOT / "recipes" / name), [f"model.path={path}", f"output.dir={tmp_path / 'out'}"])
+        lines = []
+        plan(recipe, log=lines.append)
+        printed = next(x for x in lines if x.startswith("memory per device (estimate): "))
+        assert printed.split(": ")[1].startswith(f"{stated} GiB for "), (name, printed)
