@@ -13,7 +13,8 @@ b = bytes of matmul outputs (2 under bf16/fp16 autocast, else r).
 
 - weights: each parameter in its dtype: model.dtype, the MoE router in fp32 (transformers keeps it there), LoRA
   adapters in fp32 (peft upcasts them) or bf16 under QLoRA (TRL casts them). model.load_in_4bit: bitsandbytes
-  NF4 stores each nn.Linear weight in 0.516 B (4 bits + double-quantized scales) but leaves the LM head / tied
+  NF4 stores each nn.Linear weight in 0.516 B (4 bits + double-quantized scales), plus 1,092 B of code tables per
+  quantized linear (checked against a loaded 4-bit model in tests/test_qlora.py), but leaves the LM head / tied
   embeddings, norms, the router and the MoE's fused routed-expert weights (3-D parameters, not nn.Linear) in
   model.dtype, so on the 21B-A3B most of the weights stay bf16.
 - gradients: one per trainable parameter, in its dtype (Trainer's bf16 is autocast: no fp32 master copy).
@@ -69,6 +70,7 @@ from dataclasses import dataclass, field
 GIB = 2**30
 GPUS_GB = (24, 48, 80, 141)  # the GPU memory sizes validate names (RTX 4090 / L40S / A100-H100 / H200)
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weight, 8-bit absmax per 64, fp32 scale per 256 absmax blocks
+NF4_MODULE_BYTES = 16 * 4 + 256 * 4 + 4  # per quantized linear: the NF4 code, the absmax's 8-bit code, its offset
 CONTEXT_BYTES = GIB // 2  # CUDA context + cuBLAS workspace: outside PyTorch's allocator
 FRAGMENTATION = 0.10  # the caching allocator reserves more than it hands out
 ADAM_LIKE = ("adamw", "adam", "ademamix", "lomo", "adalomo", "galore", "apollo", "grokadamw", "stable_adamw", "schedule_free_adamw")
@@ -138,6 +140,7 @@ class Params:
     largest_linear: int = 0  # numel of the largest quantizable linear (QLoRA dequantizes one at a time)
     layer_matmul_max: int = 0  # nn.Linear weights of the largest decoder layer
     layer_matmul_total: int = 0  # nn.Linear weights of all decoder layers
+    linear_modules: int = 0  # how many linears `linear` counts (each 4-bit one has its own quantization tables)
     layer_params_max: int = 0  # all parameters of the largest decoder layer (what FSDP / ZeRO-3 gathers at once)
 
 
@@ -255,6 +258,7 @@ def params_of(model, lora_dropout: float = 0.0) -> Params:
         if index.isdigit():
             per_layer[int(index)] = per_layer.get(int(index), 0) + p.numel()
     return Params(
+        linear_modules=len(linear_ids),
         linear=linear,
         fp32=fp32,
         other=other,
@@ -318,6 +322,8 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
 
     linear_bytes = NF4_BYTES if run.load_in_4bit else r
     weights = int(params.linear * linear_bytes + params.fp32 * 4 + params.other * r + params.trainable * train_bytes)
+    if run.load_in_4bit:
+        weights += params.linear_modules * NF4_MODULE_BYTES
     gradients = params.trainable * train_bytes
     states, state_bytes = _optimizer(run.optim, train_bytes)
     if states is None:

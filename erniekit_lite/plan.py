@@ -95,31 +95,22 @@ def plan(recipe: Recipe, log=print) -> dict:
 
 
 def gpu_only_settings(recipe: Recipe, cuda: bool) -> list[str]:
-    """Settings `train` refuses without a CUDA GPU, as notes (validate still plans the GPU run)."""
-    if cuda:
-        notes = []
-        if recipe.model.load_in_4bit:
-            import importlib.util
-
-            if importlib.util.find_spec("bitsandbytes") is None:
-                notes.append("model.load_in_4bit: bitsandbytes is not installed; pip install 'erniekit-lite[qlora]'")
-        return notes
+    """Settings `train` refuses on this machine, as notes (validate still plans the GPU run)."""
     notes = []
     if recipe.model.load_in_4bit:
-        notes.append(
-            "QLoRA (model.load_in_4bit) needs a CUDA GPU with bitsandbytes; this machine has none, so `train` would "
-            "stop. The plan and memory estimate above are for a GPU."
-        )
-    if recipe.train.get("fp16") is True and not recipe.model.load_in_4bit:
+        import importlib.util
+
+        if importlib.util.find_spec("bitsandbytes") is None:
+            notes.append("model.load_in_4bit: bitsandbytes is not installed; pip install 'erniekit-lite[qlora]'")
+    if not cuda and recipe.train.get("fp16") is True:
         notes.append("train.fp16: true needs a CUDA GPU; this machine has none, so `train` would stop (train.bf16=true runs on CPU)")
     return notes
 
 
 def without_gpu_settings(recipe: Recipe) -> Recipe:
-    """The recipe without fp16 and 4-bit loading, so the Trainer arguments can be built on this machine."""
+    """The recipe without fp16, so the Trainer arguments can be built on a machine without a GPU."""
     changed = recipe.model_copy(deep=True)
     changed.train = {**changed.train, **({"fp16": False} if changed.train.get("fp16") is True else {})}
-    changed.model.load_in_4bit = False
     return changed
 
 

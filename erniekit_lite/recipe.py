@@ -36,7 +36,7 @@ class ModelSection(_Section):
     )
     trust_remote_code: bool = Field(False, description="Run code shipped with the checkpoint. ERNIE 4.5 never needs it.")
     load_in_4bit: bool = Field(
-        False, description="QLoRA: load the frozen base in 4-bit NF4 through bitsandbytes (CUDA GPU only; needs lora:)."
+        False, description="QLoRA: load the frozen base in 4-bit NF4 through bitsandbytes (CUDA GPU or CPU; needs lora:)."
     )
 
 

@@ -206,19 +206,6 @@ def test_21b_lora_recipes_plan_every_expert(capsys, released_21b_dir, name):
     assert f"trainable by group: attention {attention:,}, dense MLP {dense:,}, shared experts {shared:,}, routed experts {routed:,}" in out
 
 
-def test_qlora_without_a_gpu_stops_with_one_line(tmp_path, capsys, tiny_moe_dir):
-    if torch.cuda.is_available():
-        pytest.skip("has a GPU")
-    code = main(["train", str(moe_recipe(tmp_path, tiny_moe_dir)), "model.load_in_4bit=true"])
-    out, err = capsys.readouterr()
-    assert code == 2
-    assert err.strip().splitlines() == [
-        "error: model.load_in_4bit: QLoRA needs a CUDA GPU (bitsandbytes 4-bit) and none was found; "
-        "set model.load_in_4bit=false to train LoRA on an unquantized base"
-    ]
-    assert not (tmp_path / "out").exists()
-
-
 def test_full_fine_tuning_trains_the_router_but_never_its_correction_bias(tmp_path, capsys, tiny_moe_dir):
     from safetensors.torch import load_file
 

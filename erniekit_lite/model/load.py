@@ -76,6 +76,8 @@ def load_model(
         )
     except (OSError, ValueError) as e:
         raise UserError(missing_source(base or path, e) or f"{base or path}: could not load the model: {_first_line(e)}") from None
+    if load_in_4bit:
+        keep_cpu_layout(model)
     if base:
         from erniekit_lite.model.lora import load_adapter
 
@@ -85,15 +87,30 @@ def load_model(
     return model
 
 
-QLORA_NEEDS_GPU = "model.load_in_4bit: QLoRA needs a CUDA GPU (bitsandbytes 4-bit) and none was found; set model.load_in_4bit=false to train LoRA on an unquantized base"
+def compute_dtype():
+    """bf16 wherever torch computes in it (CUDA GPUs from Ampere on, and CPUs), else fp32 (older GPUs)."""
+    import torch
+
+    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        return torch.float32
+    return torch.bfloat16
+
+
+def keep_cpu_layout(model) -> None:
+    """bitsandbytes 0.50 on a CPU with AVX512-BF16 repacks a 4-bit weight for its inference kernel at the first
+    forward in eval mode without gradients (an eval pass, a sample generation). The repacked weight has no autograd
+    (training through it afterwards gives no input gradient, silently) and is read wrongly by `dequantize_4bit`
+    (transformers' `dequantize()`, peft's merge). Every Linear4bit keeps the layout it was quantized in instead."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def four_bit_config():
-    """NF4 with double quantization and bf16 compute, the QLoRA paper's settings (as ERNIEKit's and TRL's recipes)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise UserError(QLORA_NEEDS_GPU)
+    """NF4 with double quantization, the QLoRA paper's settings (as ERNIEKit's and TRL's recipes); bitsandbytes runs
+    it on CUDA GPUs and on CPUs, computing in `compute_dtype()`."""
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
@@ -101,7 +118,7 @@ def four_bit_config():
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype()
     )
 
 

@@ -77,13 +77,44 @@ def targets_as_written():
 
 
 def apply_lora(model, lora: LoraSection):
+    """The model with new adapters, in the dtypes TRL gives them when it builds the PeftModel itself (as it does for
+    DPO here; `adapter_dtypes`)."""
     from peft import get_peft_model
 
     config = lora_config(model, lora)
     with targets_as_written():
-        peft_model = get_peft_model(model, config)
+        peft_model = get_peft_model(model, config, autocast_adapter_dtype=not zero3_unquantized(model))
+    adapter_dtypes(peft_model)
     check_adapters(peft_model, config)
     return peft_model
+
+
+def quantized(model) -> bool:
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
+def zero3_unquantized(model) -> bool:
+    """DeepSpeed ZeRO-3 on an unquantized base: adapters must keep the base's dtype. peft upcasts them to fp32 by
+    default (`autocast_adapter_dtype`), and ZeRO-3 gathers parameters into buffers of the first one's dtype, so
+    fp32 adapters on a bf16 base fail at the first optimizer step (TRL turns the upcast off there, trl#6089)."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled() and not quantized(model)
+
+
+def adapter_dtypes(peft_model, every: bool = False) -> None:
+    """QLoRA: trainable adapter weights in bf16 (the QLoRA paper's setting, as TRL casts them; peft cannot skip its
+    fp32 upcast for quantized bases), when the 4-bit base computes in bf16. Otherwise peft's choice stands: fp32
+    adapters (bf16 under ZeRO-3, `zero3_unquantized`)."""
+    import torch
+
+    base = peft_model.get_base_model()
+    compute = getattr(getattr(base, "hf_quantizer", None), "quantization_config", None)
+    if quantized(base) and getattr(compute, "bnb_4bit_compute_dtype", None) == torch.bfloat16:
+        for name, param in peft_model.named_parameters():
+            adapter = "lora_" in name and "lora_magnitude_vector" not in name  # DoRA's magnitudes stay fp32 (trl#7268)
+            if adapter and (param.requires_grad or every):  # `every`: frozen adapters loaded for inference too
+                param.data = param.data.to(torch.bfloat16)
 
 
 def load_adapter(model, path: str, trainable: bool = True):
@@ -95,7 +126,9 @@ def load_adapter(model, path: str, trainable: bool = True):
     # older per-expert adapters still need peft's rewrite.
     context = targets_as_written() if getattr(written, "target_parameters", None) else contextlib.nullcontext()
     with context:
-        return PeftModel.from_pretrained(model, path, is_trainable=trainable)
+        peft_model = PeftModel.from_pretrained(model, path, is_trainable=trainable)
+    adapter_dtypes(peft_model, every=True)  # a QLoRA adapter computes as it trained, for inference too
+    return peft_model
 
 
 def check_adapters(peft_model, config) -> None:

@@ -2,7 +2,9 @@
 
 The result loads with `AutoModelForCausalLM.from_pretrained` alone (no peft). transformers 5 saves the MoE's fused
 routed experts back in the released per-expert layout (`mlp.experts.N.gate_proj.weight`), which serving engines
-expect. Weights are saved in the base checkpoint's dtype.
+expect. Weights are saved in the base checkpoint's dtype. A QLoRA run's adapter is merged into the base it trained
+against: quantized to NF4 and dequantized again (exactly what the 4-bit layers computed with), its other weights in
+the run's `model.dtype`; merged into the original weights it would answer differently from the trained model.
 """
 
 from __future__ import annotations
@@ -26,6 +28,17 @@ def base_dtype(path: str) -> str:
     return dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
 
 
+def trained_in_4bit(run_dir: str) -> str | None:
+    """For a QLoRA run dir (its recipe.yaml has model.load_in_4bit: true), the dtype its unquantized weights had."""
+    import yaml
+
+    recipe = Path(run_dir) / "recipe.yaml"
+    if not recipe.is_file():
+        return None
+    model = (yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}).get("model") or {}
+    return model.get("dtype", "float32") if model.get("load_in_4bit") else None
+
+
 def merge(adapter_dir: str, out_dir: str, overwrite: bool = False) -> Path:
     base = adapter_base(adapter_dir)
     if base is None:
@@ -43,7 +56,17 @@ def merge(adapter_dir: str, out_dir: str, overwrite: bool = False) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.merging")
     shutil.rmtree(staging, ignore_errors=True)
-    model = load_model(adapter_dir, base_dtype(base), "sdpa", trainable_adapter=False)
+    qlora_dtype = trained_in_4bit(adapter_dir)
+    if qlora_dtype:
+        # QLoRA: the adapter learned against the 4-bit base, its other weights in the run's model.dtype. It is merged
+        # into that base dequantized (what the 4-bit model computes with), not into the original weights, so the
+        # merged model answers as the run did; saved in that dtype
+        from erniekit_lite.model.lora import load_adapter
+
+        four_bit = load_model(base, qlora_dtype, "sdpa", load_in_4bit=True)
+        model = load_adapter(four_bit.dequantize(), adapter_dir, trainable=False)
+    else:
+        model = load_model(adapter_dir, base_dtype(base), "sdpa", trainable_adapter=False)
     merged = model.merge_and_unload()
     merged.config.use_cache = True  # the loader turns the cache off for packed training; inference wants it
     merged.save_pretrained(staging, max_shard_size="5GB")
@@ -51,7 +74,7 @@ def merge(adapter_dir: str, out_dir: str, overwrite: bool = False) -> Path:
     load_tokenizer(tokenizer_dir).save_pretrained(staging)
     if merged.generation_config is not None:
         merged.generation_config.save_pretrained(staging)
-    (staging / MARKER).write_text(json.dumps({"adapter": str(adapter_dir), "base": base}) + "\n")
+    (staging / MARKER).write_text(json.dumps({"adapter": str(adapter_dir), "base": base, "dequantized_4bit": qlora_dtype is not None}) + "\n")
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
-from erniekit_lite.model.load import QLORA_NEEDS_GPU, adapter_base, load_model, resolve_attention
+from erniekit_lite.model.load import adapter_base, load_model, resolve_attention
 from erniekit_lite.model.lora import GROUPS, is_moe, trainable_groups
 from erniekit_lite.recipe import Recipe
 
@@ -38,8 +38,6 @@ def training_args(recipe: Recipe, out: Path, log=print):
         settings["max_length"] = recipe.data.max_length
         settings["packing"] = False  # we pack ourselves, exactly; TRL must not repack
         settings["dataset_kwargs"] = {"skip_prepare_dataset": True}
-    if recipe.model.load_in_4bit and not cuda:
-        raise UserError(QLORA_NEEDS_GPU)
     if settings.get("fp16") and not cuda:
         raise UserError("train.fp16: true needs a CUDA GPU and none was found; on CPU use train.bf16=true (bf16 autocast) or train.fp16=false")
     if settings.get("bf16") and not cuda:
