@@ -16,6 +16,8 @@ import math
 import os
 import re
 import shutil
+
+import torch
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
@@ -103,6 +105,17 @@ class CheckpointMixin:
             keep = {final} | ({Path(self.state.best_model_checkpoint)} if self.state.best_model_checkpoint else set())
             rotate(run_dir, self.args.save_total_limit, keep)
         self.accelerator.wait_for_everyone()
+
+    def _save(self, output_dir=None, state_dict=None):
+        """A gathered full state dict (FSDP, ZeRO-3) holds a tied LM head as its own tensor, which `save_pretrained`
+        then writes twice; the tie is restored, so the saved model has the layout (and size) of an unsharded run."""
+        if state_dict is not None and "lm_head.weight" in state_dict:
+            model = self.accelerator.unwrap_model(self.model)
+            config = getattr(model, "config", None)
+            embed = state_dict.get("model.embed_tokens.weight")
+            if getattr(config, "tie_word_embeddings", False) and embed is not None and torch.equal(embed, state_dict["lm_head.weight"]):
+                state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+        return super()._save(output_dir, state_dict=state_dict)
 
     def training_step(self, *args, **kwargs):
         self._last_loss = loss = super().training_step(*args, **kwargs)

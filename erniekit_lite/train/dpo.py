@@ -9,7 +9,7 @@ from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator
 from erniekit_lite.data.prepare import PreparedPairs, prepare_pairs
 from erniekit_lite.model.load import load_tokenizer
 from erniekit_lite.recipe import Recipe
-from erniekit_lite.train import callbacks, rundir
+from erniekit_lite.train import callbacks, distribution, rundir
 from erniekit_lite.train.common import describe_model, load_for_training, rows_dataset, tokenizer_path, plan_lm_head, training_args, watch_moe
 
 
@@ -27,11 +27,13 @@ def run(recipe: Recipe, log=print) -> Path:
     out = rundir.claim(recipe, log)
     trainer = build_trainer(model, tokenizer, args, data, recipe)
     plan_lm_head(trainer, recipe, log)
+    distribution.report(trainer, log)
     expert_load = watch_moe(trainer, recipe, log)
     if recipe.lora is not None:
         log(describe_model(trainer.model))
     result = callbacks.train(trainer, out, args.resume_from_checkpoint)
-    metrics = {**result.metrics, **trainer.throughput(result.metrics["train_runtime"]), **last_rewards(trainer), "train_samples": len(data.train.pairs)}
+    metrics = {**result.metrics, **trainer.throughput(result.metrics["train_runtime"]), **last_rewards(trainer), "train_samples": len(data.train.pairs),
+               "distributed": trainer.distribution}
     if data.eval is not None:
         metrics.update(trainer.evaluate())
     callbacks.save_final(trainer, out, metrics, expert_load)

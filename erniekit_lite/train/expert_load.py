@@ -27,7 +27,7 @@ class ExpertLoad:
         with torch.no_grad():
             for (_, router), logits in zip(self.routers, router_logits):
                 probs = torch.softmax(logits.detach().float(), dim=-1)
-                chosen = torch.topk(router.moe_statics(probs), router.top_k, dim=-1).indices
+                chosen = torch.topk(probs + _bias(router), router.top_k, dim=-1).indices
                 if keep is not None:
                     if keep.numel() != chosen.shape[0]:
                         raise ValueError(f"expert load: the attention mask covers {keep.numel()} tokens, the router "
@@ -59,6 +59,15 @@ class ExpertLoad:
         }
         (out / "expert_load.json").write_text(json.dumps(data) + "\n")
         _heatmap(data, out / "expert_load.png")
+
+
+def _bias(router) -> torch.Tensor:
+    """The router's `e_score_correction_bias`, whole: what `moe_statics` adds to the probabilities before top-k. Under
+    FSDP2 it is a shard outside the layer's forward, gathered here (every rank counts at the same step)."""
+    bias = router.moe_statics.e_score_correction_bias
+    if hasattr(bias, "full_tensor"):  # a DTensor
+        bias = bias.full_tensor()
+    return bias.detach().float().squeeze()
 
 
 def _heatmap(data: dict, path: Path) -> None:

@@ -10,7 +10,7 @@ from erniekit_lite.data.collate import PackedCollator, PaddedCollator
 from erniekit_lite.data.prepare import PreparedData, prepare
 from erniekit_lite.model.load import load_tokenizer
 from erniekit_lite.recipe import Recipe
-from erniekit_lite.train import callbacks, rundir
+from erniekit_lite.train import callbacks, distribution, rundir
 from erniekit_lite.train.common import load_for_training, rows_dataset, tokenizer_path, plan_lm_head, training_args, watch_moe
 
 
@@ -28,9 +28,11 @@ def run(recipe: Recipe, log=print) -> Path:
     out = rundir.claim(recipe, log)
     trainer = build_trainer(model, tokenizer, args, data, recipe)
     plan_lm_head(trainer, recipe, log)
+    distribution.report(trainer, log)
     expert_load = watch_moe(trainer, recipe, log)
     result = callbacks.train(trainer, out, args.resume_from_checkpoint)
-    metrics = {**result.metrics, **trainer.throughput(result.metrics["train_runtime"]), "train_samples": len(data.train.samples)}
+    metrics = {**result.metrics, **trainer.throughput(result.metrics["train_runtime"]), "train_samples": len(data.train.samples),
+               "distributed": trainer.distribution}
     if data.eval is not None:
         metrics.update(trainer.evaluate())
     callbacks.save_final(trainer, out, metrics, expert_load)

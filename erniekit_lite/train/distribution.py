@@ -1,0 +1,102 @@
+"""How a run is distributed, said and recorded: strategy, world size, what is sharded, the precision in effect.
+
+Read from what accelerate and the Trainer actually set up (the prepared model's parameters, the accelerator's
+state), not from the config file, so a config that a machine cannot honour shows as what ran instead.
+
+accelerate 1.15 runs FSDP only on accelerators: on CPU an FSDP config silently becomes plain data parallelism
+(`AcceleratorState` keeps `MULTI_CPU` and drops the plugin). `fsdp_on_cpu` restores the plugin there, so
+`fully_shard` shards over gloo exactly as it does over NCCL; this is what lets FSDP2 training be tested here.
+"""
+
+from __future__ import annotations
+
+import os
+
+FSDP_ON_CPU = "ERNIEKIT_FSDP_ON_CPU"  # set by `train --num-processes` when an FSDP config runs without a GPU
+
+
+def fsdp_on_cpu() -> None:
+    """Let accelerate's FSDP plugin take effect in a multi-process CPU run (see the module docstring)."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+    if getattr(init, "_erniekit", False):
+        return
+
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            self.fsdp_plugin = fsdp_plugin
+            PartialState._shared_state["distributed_type"] = self.distributed_type  # as accelerate's own init does
+
+    __init__._erniekit = True
+    AcceleratorState.__init__ = __init__
+
+
+def enabled() -> bool:
+    return os.environ.get(FSDP_ON_CPU) == "1"
+
+
+def describe(trainer) -> dict:
+    """How the prepared run is distributed: strategy, world size, what is sharded (counted on the model's own
+    parameters: DTensor shards under FSDP2), and the mixed precision accelerate applies."""
+    from accelerate.utils import DistributedType
+    from torch.distributed.tensor import DTensor
+
+    accelerator = trainer.accelerator
+    state = accelerator.state
+    world = accelerator.num_processes
+    params = list(trainer.model.parameters())
+    total = sum(p.numel() for p in params)
+    shards = sum(p.numel() for p in params if isinstance(p, DTensor))
+    info = {"world_size": world, "backend": str(getattr(state, "backend", None) or "none"), "parameters": total,
+            "sharded_parameters": shards}
+    if state.distributed_type == DistributedType.FSDP:
+        plugin = state.fsdp_plugin
+        info["strategy"] = f"FSDP{plugin.fsdp_version}"
+        full = plugin.reshard_after_forward if plugin.fsdp_version == 2 else "FULL_SHARD" in str(plugin.sharding_strategy)
+        info["sharded"] = ("parameters, gradients and optimizer state" if full else
+                           "gradients and optimizer state (parameters gathered from forward to backward)") if shards else "nothing"
+        policy = getattr(plugin, "mixed_precision_policy", None)
+        param_dtype = getattr(policy, "param_dtype", None)
+        info["mixed_precision"] = f"FSDP {str(param_dtype).removeprefix('torch.')} compute" if param_dtype else _autocast(accelerator)
+    elif state.distributed_type == DistributedType.DEEPSPEED:
+        stage = state.deepspeed_plugin.zero_stage
+        info["strategy"] = f"ZeRO-{stage}"
+        info["sharded"] = {3: "parameters, gradients and optimizer state", 2: "gradients and optimizer state",
+                           1: "optimizer state"}.get(stage, "nothing")
+        info["mixed_precision"] = _autocast(accelerator)
+    else:
+        info["strategy"] = "DDP" if world > 1 else "single"
+        info["sharded"] = "nothing (each process holds the whole model)" if world > 1 else "nothing"
+        info["mixed_precision"] = _autocast(accelerator)
+    return info
+
+
+def _autocast(accelerator) -> str:
+    precision = str(accelerator.mixed_precision)
+    return "none" if precision == "no" else f"{precision} autocast"
+
+
+def line(info: dict) -> str:
+    where = f" over {info['world_size']} processes ({info['backend']})" if info["world_size"] > 1 else ""
+    shards = f" ({info['sharded_parameters']:,} of {info['parameters']:,} parameters sharded)" if info["sharded_parameters"] else ""
+    return (f"distributed: {info['strategy']}{where}; sharded: {info['sharded']}{shards}; "
+            f"mixed precision: {info['mixed_precision']}")
+
+
+def report(trainer, log=print):
+    """A callback that says, when training starts (the model prepared), how the run is distributed, and keeps it
+    as `trainer.distribution` for train_results.json."""
+    from transformers import TrainerCallback
+
+    class Report(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            trainer.distribution = describe(trainer)
+            log(line(trainer.distribution))
+
+    trainer.add_callback(Report())
