@@ -67,6 +67,13 @@ def test_bf16_trains_on_cpu_and_the_loss_falls(tmp_path, capsys, tiny_own_dir, t
     history = [h["loss"] for h in json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"] if "loss" in h]
     assert all(x == x for x in history)  # no NaN
     assert history[-1] < 0.97 * history[0], history  # 30 steps: the loss falls, not converges
+    # the run says which precision was in effect: autocast over fp32 weights, or bf16 weights without autocast
+    distributed = json.loads((tmp_path / "out" / "train_results.json").read_text())["distributed"]
+    assert distributed["mixed_precision"] == ("bf16 autocast" if precision == "autocast" else "none")
+    assert (distributed["strategy"], distributed["world_size"], distributed["sharded_parameters"]) == ("single", 1, 0)
+    # fp32 weights under autocast; bf16 weights otherwise (beside fp32 LoRA adapters and the MoE router)
+    assert distributed["weights"] == "float32" if precision == "autocast" else "bfloat16" in distributed["weights"]
+    assert f"mixed precision: {distributed['mixed_precision']} ({distributed['weights']} weights)" in out
 
 
 def test_lm_head_log_probs_accumulate_in_fp32_from_bf16_logits():

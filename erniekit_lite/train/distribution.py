@@ -53,8 +53,9 @@ def describe(trainer) -> dict:
     params = list(trainer.model.parameters())
     total = sum(p.numel() for p in params)
     shards = sum(p.numel() for p in params if isinstance(p, DTensor))
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params}, key=lambda d: d != "float32")
     info = {"world_size": world, "backend": str(getattr(state, "backend", None) or "none"), "parameters": total,
-            "sharded_parameters": shards}
+            "sharded_parameters": shards, "weights": " and ".join(dtypes)}
     if state.distributed_type == DistributedType.FSDP:
         plugin = state.fsdp_plugin
         info["strategy"] = f"FSDP{plugin.fsdp_version}"
@@ -86,7 +87,7 @@ def line(info: dict) -> str:
     where = f" over {info['world_size']} processes ({info['backend']})" if info["world_size"] > 1 else ""
     shards = f" ({info['sharded_parameters']:,} of {info['parameters']:,} parameters sharded)" if info["sharded_parameters"] else ""
     return (f"distributed: {info['strategy']}{where}; sharded: {info['sharded']}{shards}; "
-            f"mixed precision: {info['mixed_precision']}")
+            f"mixed precision: {info['mixed_precision']} ({info['weights']} weights)")
 
 
 def report(trainer, log=print):
