@@ -104,15 +104,22 @@ def events(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def fsdp2_fp32(tmp_path: Path) -> Path:
-    """The shipped FSDP2 config with fp32 compute (its bf16 would make the comparison with fp32 DDP one of
-    precision); every other line as shipped."""
-    shipped = (CONFIGS / "fsdp2.yaml").read_text()
+def fp32_config(tmp_path: Path, name: str = "fsdp2.yaml") -> Path:
+    """A shipped config with fp32 compute (its bf16 would make the comparison with fp32 DDP one of precision);
+    every other line as shipped."""
+    shipped = (CONFIGS / name).read_text()
     lines = [line if not line.startswith("mixed_precision:") else 'mixed_precision: "no"' for line in shipped.splitlines()]
     assert sum(a != b for a, b in zip(shipped.splitlines(), lines)) == 1
-    path = tmp_path / "fsdp2-fp32.yaml"
+    path = tmp_path / f"fp32-{name}"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def fsdp2_fp32(tmp_path: Path) -> Path:
+    return fp32_config(tmp_path, "fsdp2.yaml")
+
+
+SHARDED = {"fsdp2": ("fsdp2.yaml", "FSDP2"), "zero3": ("deepspeed-zero3.yaml", "ZeRO-3")}
 
 
 def tiny_recipe(tmp_path: Path, model_dir: Path, lora: bool, **train) -> Path:
@@ -133,15 +140,20 @@ def tiny_recipe(tmp_path: Path, model_dir: Path, lora: bool, **train) -> Path:
 @pytest.mark.slow  # two launches of 2 processes per case: ~30 s each on 2 cores
 @pytest.mark.parametrize("arch, lora", [("dense", True), ("dense", False), ("moe", True), ("moe", False)],
                          ids=["dense-lora", "dense-full", "moe-lora", "moe-full"])
-def test_fsdp2_trains_like_ddp_and_saves_the_full_model(tmp_path, tiny_own_dir, tiny_moe_dir, arch, lora):
-    """FSDP2 (the shipped config, fp32) over 2 gloo processes really shards (every parameter a DTensor) and trains
-    like 2-process DDP: per-step losses within 1e-5; the saved model (FSDP2's gathered full state dict) loads with
-    plain transformers / peft files and equals DDP's within 1e-5. Both runs say how they were distributed."""
+@pytest.mark.parametrize("sharding", ["fsdp2", "zero3"])
+def test_sharded_training_equals_ddp_and_saves_the_full_model(tmp_path, tiny_own_dir, tiny_moe_dir, arch, lora, sharding):
+    """FSDP2 and DeepSpeed ZeRO-3 (the shipped configs, fp32) over 2 gloo processes really shard (every parameter a
+    DTensor shard, or a ZeRO-3 partition) and train like 2-process DDP: per-step losses within 1e-5; the saved
+    model (the gathered full state dict) loads with plain transformers / peft files and equals DDP's within 5e-5.
+    Both runs say how they were distributed."""
     from safetensors.torch import load_file
 
+    if sharding == "zero3":
+        pytest.importorskip("deepspeed")
+    config, strategy = SHARDED[sharding]
     path = tiny_recipe(tmp_path, tiny_own_dir if arch == "dense" else tiny_moe_dir, lora)
     runs = {}
-    for name, extra in (("ddp", []), ("fsdp2", ["--accelerate-config", str(fsdp2_fp32(tmp_path))])):
+    for name, extra in (("ddp", []), ("fsdp2", ["--accelerate-config", str(fp32_config(tmp_path, config))])):
         out = tmp_path / name
         done = train_cli(tmp_path, str(path), f"output.dir={out}", "--num-processes", "2", *extra)
         assert done.returncode == 0, done.stderr[-4000:]
@@ -150,17 +162,19 @@ def test_fsdp2_trains_like_ddp_and_saves_the_full_model(tmp_path, tiny_own_dir, 
     assert step_losses(fsdp) == pytest.approx(step_losses(ddp), abs=1e-5)
     assert len(step_losses(fsdp)) == 3
 
-    assert fsdp_info["strategy"] == "FSDP2" and fsdp_info["world_size"] == 2 and fsdp_info["backend"] == "gloo"
+    assert fsdp_info["strategy"] == strategy and fsdp_info["world_size"] == 2 and fsdp_info["backend"] == "gloo"
     assert fsdp_info["sharded"] == "parameters, gradients and optimizer state"
-    assert fsdp_info["sharded_parameters"] == fsdp_info["parameters"] > 0 and fsdp_info["mixed_precision"] == "none"
+    assert fsdp_info["sharded_parameters"] == fsdp_info["parameters"] == ddp_info["parameters"] > 0
+    assert fsdp_info["mixed_precision"] == "none"
     assert ddp_info["strategy"] == "DDP" and ddp_info["sharded_parameters"] == 0 and ddp_info["world_size"] == 2
-    assert fsdp_log.count("distributed: FSDP2 over 2 processes (gloo); sharded: parameters, gradients and optimizer state") == 1
+    assert fsdp_log.count(f"distributed: {strategy} over 2 processes (gloo); sharded: parameters, gradients and optimizer state") == 1
     assert ddp_log.count("distributed: DDP over 2 processes (gloo); sharded: nothing") == 1
 
     name = "adapter_model.safetensors" if lora else "model.safetensors"
     saved, reference = load_file(fsdp / name), load_file(ddp / name)
     assert saved.keys() == reference.keys()
-    assert max((saved[k].float() - reference[k].float()).abs().max().item() for k in saved) <= 1e-5
+    # weights after 3 AdamW steps: gradients reduced in another order differ in the last bits (measured up to 1.4e-5)
+    assert max((saved[k].float() - reference[k].float()).abs().max().item() for k in saved) <= 5e-5
     if not lora:
         from transformers import AutoModelForCausalLM
 
@@ -171,12 +185,12 @@ def test_fsdp2_trains_like_ddp_and_saves_the_full_model(tmp_path, tiny_own_dir, 
 
 
 @pytest.mark.slow  # three launches of 2 processes: ~2 min on 2 shared cores
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero3"])
 def test_stopped_two_process_run_resumes_like_an_uninterrupted_one(tmp_path, tiny_own_dir, strategy):
     """SIGTERM to `erniekit-lite train --num-processes 2` (as `kill` or the web UI sends it) reaches both workers
     once: each finishes the step, they save one checkpoint and exit, leaving no process behind; `--resume
     --num-processes 2` then trains the remaining steps exactly as the uninterrupted run did. The same under FSDP2
-    (sharded checkpoints: each rank's model and optimizer shards)."""
+    and ZeRO-3 (sharded checkpoints: each rank's model and optimizer shards)."""
     import psutil
 
     from erniekit_lite.train import checkpoints
@@ -191,7 +205,9 @@ def test_stopped_two_process_run_resumes_like_an_uninterrupted_one(tmp_path, tin
     }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    launch = ["--num-processes", "2"] + (["--accelerate-config", str(fsdp2_fp32(tmp_path))] if strategy == "fsdp2" else [])
+    if strategy == "zero3":
+        pytest.importorskip("deepspeed")
+    launch = ["--num-processes", "2"] + (["--accelerate-config", str(fp32_config(tmp_path, SHARDED[strategy][0]))] if strategy != "ddp" else [])
     reference, out = tmp_path / "reference", tmp_path / "stopped"
     done = train_cli(tmp_path, str(path), f"output.dir={reference}", *launch)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -204,7 +220,8 @@ def test_stopped_two_process_run_resumes_like_an_uninterrupted_one(tmp_path, tin
         assert time.time() < deadline, "no step 5 in time"
         time.sleep(0.05)
     tree = psutil.Process(proc.pid).children(recursive=True)
-    assert len(tree) == 3  # the launcher and both workers
+    # the launcher and both workers (DeepSpeed leaves a finished helper process beside them, a zombie)
+    assert len([p for p in tree if p.status() != psutil.STATUS_ZOMBIE]) == 3
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 143, stderr[-4000:]

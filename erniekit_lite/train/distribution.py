@@ -3,20 +3,22 @@
 Read from what accelerate and the Trainer actually set up (the prepared model's parameters, the accelerator's
 state), not from the config file, so a config that a machine cannot honour shows as what ran instead.
 
-accelerate 1.15 runs FSDP only on accelerators: on CPU an FSDP config silently becomes plain data parallelism
-(`AcceleratorState` keeps `MULTI_CPU` and drops the plugin). `fsdp_on_cpu` restores the plugin there, so
-`fully_shard` shards over gloo exactly as it does over NCCL; this is what lets FSDP2 training be tested here.
+accelerate 1.15 runs FSDP and DeepSpeed only on accelerators: on CPU an FSDP config silently becomes plain data
+parallelism (`AcceleratorState` keeps `MULTI_CPU` and drops the plugin), and a ZeRO-3 config breaks (transformers
+has already partitioned the weights, then DDP gets them). `fsdp_on_cpu` keeps the plugin there, so `fully_shard`
+shards over gloo as it does over NCCL and DeepSpeed runs on its CPU accelerator; this is what lets FSDP2 and ZeRO-3
+training be tested here.
 """
 
 from __future__ import annotations
 
 import os
 
-FSDP_ON_CPU = "ERNIEKIT_FSDP_ON_CPU"  # set by `train --num-processes` when an FSDP config runs without a GPU
+FSDP_ON_CPU = "ERNIEKIT_FSDP_ON_CPU"  # set by `train --num-processes` on a machine without a GPU
 
 
 def fsdp_on_cpu() -> None:
-    """Let accelerate's FSDP plugin take effect in a multi-process CPU run (see the module docstring)."""
+    """Let accelerate's FSDP or DeepSpeed plugin take effect in a multi-process CPU run (see the module docstring)."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
@@ -24,14 +26,24 @@ def fsdp_on_cpu() -> None:
     if getattr(init, "_erniekit", False):
         return
 
-    def __init__(self, *args, fsdp_plugin=None, **kwargs):
-        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+    def __init__(self, *args, fsdp_plugin=None, deepspeed_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, deepspeed_plugin=deepspeed_plugin, **kwargs)
+        if self.distributed_type != DistributedType.MULTI_CPU:
+            return
+        if fsdp_plugin is not None:
             self.distributed_type = DistributedType.FSDP
             if self._mixed_precision != "no":
                 fsdp_plugin.set_mixed_precision(self._mixed_precision)
             self.fsdp_plugin = fsdp_plugin
-            PartialState._shared_state["distributed_type"] = self.distributed_type  # as accelerate's own init does
+        elif deepspeed_plugin is not None and not isinstance(deepspeed_plugin, dict):
+            self.distributed_type = DistributedType.DEEPSPEED
+            deepspeed_plugin.set_mixed_precision(self._mixed_precision)
+            deepspeed_plugin.select(_from_accelerator_state=True)
+            self.deepspeed_plugins = deepspeed_plugin
+            self._mixed_precision = "no"  # DeepSpeed applies it from its own config, as accelerate's init has it
+        else:
+            return
+        PartialState._shared_state["distributed_type"] = self.distributed_type  # as accelerate's own init does
 
     __init__._erniekit = True
     AcceleratorState.__init__ = __init__
@@ -51,8 +63,9 @@ def describe(trainer) -> dict:
     state = accelerator.state
     world = accelerator.num_processes
     params = list(trainer.model.parameters())
-    total = sum(p.numel() for p in params)
-    shards = sum(p.numel() for p in params if isinstance(p, DTensor))
+    # ZeRO-3 leaves each process an empty tensor per parameter and its size in `ds_numel`
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+    shards = sum(getattr(p, "ds_numel", p.numel()) for p in params if isinstance(p, DTensor) or hasattr(p, "ds_id"))
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params}, key=lambda d: d != "float32")
     info = {"world_size": world, "backend": str(getattr(state, "backend", None) or "none"), "parameters": total,
             "sharded_parameters": shards, "weights": " and ".join(dtypes)}
