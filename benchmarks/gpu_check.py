@@ -1,0 +1,571 @@
+"""Every GPU claim in one command: packed attention exactness, throughput and MFU, peak memory next to the plan.
+
+    python benchmarks/gpu_check.py --prepare-assets gpu-assets        # here: tokenizer, configs, data (2.6 MB)
+    python benchmarks/gpu_check.py --assets gpu-assets                # on the GPU machine: <= 10 min on an H100
+    python benchmarks/gpu_check.py --smoke                            # the same code at tiny sizes, on CPU
+
+On the GPU machine (no network, torch 2.11, no trl/datasets/pydantic/bitsandbytes) the caller carries the assets
+and the wheels `benchmarks/gpu_wheels.sh` downloads into `.whl/` (59 MiB; with the repository and the 2.6 MB of
+assets about 63 MiB, under the 64 MiB a call carries); README "On a GPU" gives the exact command. Every training runs the product path
+(`erniekit_lite.train.sft.run` / `dpo.run` on the shipped recipes, random weights from the released configs, the
+real tokenizer), and writes `benchmarks/results-gpu-<device>.txt` (with --smoke: `results-gpu-smoke.txt`):
+
+1. attention: for each packed implementation this machine has (`flash_attention_2` when flash-attn is installed,
+   `packed_varlen` on CUDA, `packed_sdpa` always), packed logits vs each sample alone (plain sdpa), in bf16, on
+   the 0.3B and the 21B-A3B shapes cut to 2 layers: max |logit difference| and loss difference, against
+   BF16_LOGIT_TOLERANCE and BF16_LOSS_TOLERANCE; and the graph breaks of a compiled packed LoRA step.
+2. 0.3B full SFT and LoRA SFT (recipes/ernie-4.5-0.3b/sft*.yaml, packed 8k rows, bf16, activation checkpointing
+   left to the memory plan): real tokens/s and MFU, min / median / max over `--rounds` runs; peak memory next to
+   `validate`'s plan.
+3. 0.3B DPO LoRA (dpo-lora.yaml): tokens/s and peak memory vs plan.
+4. QLoRA at the 0.3B shape (sft-lora.yaml with model.load_in_4bit): load, `--qlora-steps` steps, peak memory vs plan.
+5. 21B-A3B LoRA SFT (recipes/ernie-4.5-21b-a3b/sft-lora.yaml) with the layers cut to `--moe-layers` (two cuts):
+   peak memory and tokens/s per cut, the per-layer slope, extrapolated to the released 28 layers next to the plan.
+6. FSDP2 with 1 process (`train --num-processes 1 --accelerate-config recipes/accelerate/fsdp2.yaml`): steps run,
+   the run reports FSDP2, the model saves and loads with plain transformers.
+
+MFU, one definition: model FLOPs per real token as erniekit-lite computes them (matmuls of the weights a token
+passes through: 6 per weight when it trains, 4 when frozen (forward and input gradient), 6 per adapter weight; for
+the MoE the dense layer, the shared experts and k of the routed experts; causal attention per sample, 6 x heads x
+head_dim x mean span per layer; the LM head at trained positions only, 6 x hidden x vocab when it trains, 4 when
+frozen), times real tokens/s, over the device's dense bf16 peak (PEAK_TFLOPS, from the device name, or
+--peak-tflops). `mfu_head_everywhere` counts the head at every position, as peers that compute full logits do.
+Timings: each round is one run; its rate is the median step's real tokens/s after `--warmup` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
+BF16_LOGIT_TOLERANCE = 0.125  # packed vs alone, max |logit| difference (2 layers, random weights, bf16)
+BF16_LOSS_TOLERANCE = 0.01  # packed vs alone, |mean token loss difference|
+MEMORY_TOLERANCE = 0.10  # measured peak vs the plan: the target, reported (not a failure)
+CONFIGS = {"0.3b": "ernie-4.5-0.3b-base-pt", "21b-a3b": "ernie-4.5-21b-a3b-pt"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--assets", help="folder made by --prepare-assets (default: made from --shared in a temp dir)")
+    p.add_argument("--prepare-assets", metavar="DIR", help="write the tokenizer, configs and data the check needs, then exit")
+    p.add_argument("--shared", default=os.environ.get("ERNIEKIT_SHARED", str(ROOT.parent / "shared")))
+    p.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for results-gpu-<device>.txt")
+    p.add_argument("--smoke", action="store_true", help="tiny models on CPU: the same code paths, no meaningful numbers")
+    p.add_argument("--only", help="comma-separated sections: attention,sft,dpo,qlora,moe,fsdp2 (default: all)")
+    p.add_argument("--rounds", type=int, default=None, help="runs per timed case (default 3; 1 with --smoke)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 15; 4 with --smoke)")
+    p.add_argument("--warmup", type=int, default=None, help="steps left out of the timing (default 5; 1 with --smoke)")
+    p.add_argument("--qlora-steps", type=int, default=20)
+    p.add_argument("--moe-layers", default="2,4", help="two layer counts the 21B-A3B shape is cut to")
+    p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the device (default: by name)")
+    args = p.parse_args(argv)
+    args.rounds = args.rounds or (1 if args.smoke else 3)
+    args.steps = args.steps or (4 if args.smoke else 15)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 5)
+    if args.smoke:
+        args.qlora_steps = min(args.qlora_steps, 3)
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Assets: what the GPU machine cannot read from ../shared
+
+
+def prepare_assets(dest: Path, shared: Path) -> Path:
+    """The real tokenizer (its released files: tokenizer.model, 1.6 MB, which sentencepiece on the GPU image
+    converts as here; the saved fast tokenizer.json would be 11 MB of the 64 MiB a call carries), the released
+    configs, and SFT and DPO demo data."""
+    dest.mkdir(parents=True, exist_ok=True)
+    source = shared / "ernie45" / CONFIGS["0.3b"]
+    (dest / "tokenizer").mkdir(exist_ok=True)
+    for path in source.iterdir():
+        if path.name != "LICENSE" and not path.name.endswith(".safetensors"):
+            shutil.copy(path, dest / "tokenizer" / path.name)
+    (dest / "configs").mkdir(exist_ok=True)
+    for name, folder in CONFIGS.items():
+        shutil.copy(shared / "ernie45" / folder / "config.json", dest / "configs" / f"{name}.json")
+    (dest / "data").mkdir(exist_ok=True)
+    alpaca = json.loads((shared / "data" / "llamafactory" / "alpaca_en_demo.json").read_text())
+    (dest / "data" / "sft.json").write_text(json.dumps(alpaca[:600], ensure_ascii=False))
+    pairs = json.loads((shared / "data" / "llamafactory" / "dpo_en_demo.json").read_text())
+    (dest / "data" / "dpo.json").write_text(json.dumps(pairs[:100], ensure_ascii=False))
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Models: random weights from the released configs
+
+
+def config_of(assets: Path, name: str, layers: int | None, smoke: bool):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(assets / "configs" / f"{name}.json")
+    if smoke:
+        config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads = 64, 128, 4, 2
+        config.head_dim = 16
+        if getattr(config, "moe_num_experts", 0):
+            config.moe_intermediate_size, config.moe_num_experts, config.moe_k = 32, 8, 2
+    if layers:
+        config.num_hidden_layers = layers
+    config.use_cache = False
+    return config
+
+
+def write_model(assets: Path, name: str, where: Path, layers: int | None = None, smoke: bool = False) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = where / f"{name}-{layers or 'all'}"
+    if out.is_dir():
+        return out
+    config = config_of(assets, name, layers, smoke)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(assets / "tokenizer").save_pretrained(out)
+    del model
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FLOPs per real token (the module docstring's definition)
+
+
+def flops_per_token(model, stats: dict) -> dict:
+    """`model` as it trains (its adapters in place). Returns body, attention, head (trained positions) and the head
+    counted at every position."""
+    config = model.config
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    head_id = id(head.weight)
+    k, experts = getattr(config, "moe_k", 0), getattr(config, "moe_num_experts", 0)
+    body = 0.0
+    for name, p in base.named_parameters():
+        if id(p) == head_id or "embed_tokens" in name or p.ndim < 2 or ".mlp.gate." in name:
+            continue
+        share = k / experts if ("mlp.experts." in name and "lora_" not in name and experts) else 1.0
+        per_weight = 6 if (p.requires_grad or "lora_" in name) else 4
+        body += per_weight * p.numel() * share
+    layers, heads, d = config.num_hidden_layers, config.num_attention_heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = 6 * heads * d * stats["causal_span"] * layers
+    per_position = (6 if head.weight.requires_grad else 4) * head.weight.numel()
+    return {"body": body, "attention": attention, "head": per_position * stats["trained_share"],
+            "head_everywhere": per_position, "total": body + attention + per_position * stats["trained_share"]}
+
+
+def data_stats(samples) -> dict:
+    lengths = [len(s) for s in samples]
+    trained = sum(sum(1 for t in s.labels[1:] if t != -100) for s in samples)
+    return {"causal_span": sum(n * n for n in lengths) / (2 * sum(lengths)), "trained_share": trained / sum(lengths)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The product path, timed
+
+
+def recipe_from(shipped: str, model_dir: Path, data: Path, out: Path, args, **changes):
+    """A shipped recipe with the check's model, data, steps and output; `changes` are dotted overrides."""
+    import yaml
+
+    from erniekit_lite import recipe as recipes
+
+    raw = yaml.safe_load((ROOT / "recipes" / shipped).read_text())
+    raw["model"]["path"] = str(model_dir)
+    raw["data"] = {**raw["data"], "train": [{"path": str(data), "format": "alpaca" if "sft" in data.name else "auto"}]}
+    raw["data"].pop("eval", None)
+    raw["output"] = {"dir": str(out), "sample_prompts": [], "expert_load": False}
+    raw["train"].update({"max_steps": args.steps, "gradient_accumulation_steps": 1, "logging_steps": 1,
+                         "save_strategy": "no", "warmup_steps": 0, "disable_tqdm": True})
+    raw["train"].pop("num_train_epochs", None)
+    if args.smoke:
+        raw["data"]["max_length"] = 256 if raw.get("method") != "dpo" else 128
+        raw["train"]["bf16"] = False
+    for key, value in changes.items():
+        node = raw
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return recipes.load(str(path), [])
+
+
+def planned(recipe) -> dict:
+    """`validate`'s memory plan for this recipe: the total and its allocated part (without context, fragmentation)."""
+    from erniekit_lite import memory
+    from erniekit_lite.plan import architecture, memory_estimate
+    from erniekit_lite.train.common import training_args
+
+    import torch
+
+    args = training_args(recipe, Path(recipe.output.dir), lambda *a: None)
+    est, _ = memory_estimate(recipe, args, architecture(recipe.model.path, recipe), cuda=torch.cuda.is_available())
+    return {"plan_total_gib": est.total / memory.GIB, "plan_allocated_gib": (est.total - est.overhead) / memory.GIB,
+            "checkpointing": bool(args.activation_checkpointing)}
+
+
+def run_once(recipe, warmup: int) -> dict:
+    import torch
+
+    from erniekit_lite.train import dpo, sft
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    shutil.rmtree(recipe.output.dir, ignore_errors=True)
+    lines: list[str] = []
+    started = time.perf_counter()
+    out = (dpo if recipe.method == "dpo" else sft).run(recipe, log=lines.append)
+    wall = time.perf_counter() - started
+    events = [json.loads(x) for x in (out / "progress.jsonl").read_text().splitlines()]
+    rates = [e["tokens_per_second"] for e in events if e["event"] == "log" and "tokens_per_second" in e]
+    results = json.loads((out / "train_results.json").read_text())
+    return {
+        "tokens_per_second": statistics.median(rates[warmup:] or rates),
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+        "wall_s": wall, "loss": results.get("train_loss"), "distributed": results.get("distributed"),
+        "lines": [x for x in lines if x.startswith(("activation checkpointing", "LM head", "distributed"))],
+    }
+
+
+def timed(recipe, args) -> dict:
+    runs = [run_once(recipe, args.warmup) for _ in range(args.rounds)]
+    rates = sorted(r["tokens_per_second"] for r in runs)
+    peaks = [r["peak_allocated_gib"] for r in runs if r["peak_allocated_gib"] is not None]
+    return {"tokens_per_second": {"min": rates[0], "median": statistics.median(rates), "max": rates[-1]},
+            "peak_allocated_gib": max(peaks) if peaks else None,
+            "peak_reserved_gib": max((r["peak_reserved_gib"] for r in runs if r["peak_reserved_gib"]), default=None),
+            "loss": runs[-1]["loss"], "lines": runs[-1]["lines"], "distributed": runs[-1]["distributed"]}
+
+
+def model_flops(recipe, model_dir: Path, tokenizer) -> dict:
+    """FLOPs per real token for this recipe's model as it trains, from the prepared data."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from erniekit_lite.data.prepare import prepare, prepare_pairs
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if recipe.lora is not None:
+        from erniekit_lite.model.lora import apply_lora
+
+        model = apply_lora(model, recipe.lora)
+    if recipe.method == "dpo":
+        data = prepare_pairs(recipe.data, tokenizer, log=lambda *a: None).train
+        samples = [s for p in data.pairs for s in (p.chosen, p.rejected)]
+    else:
+        samples = prepare(recipe.data, tokenizer, log=lambda *a: None).train.samples
+    return flops_per_token(model, data_stats(samples))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sections
+
+
+class Results:
+    def __init__(self, device: str, peak: float | None):
+        self.device, self.peak = device, peak
+        self.lines: list[str] = []
+        self.checks: list[tuple[str, bool, str]] = []
+        self.data: dict = {}
+
+    def check(self, name: str, ok: bool, detail: str) -> None:
+        self.checks.append((name, ok, detail))
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+
+    def section(self, title: str, *lines: str) -> None:
+        self.lines += ["", f"## {title}", *lines]
+        print("\n".join(["", f"## {title}", *lines]), flush=True)
+
+    def mfu(self, flops: dict, tokens_per_second: float) -> tuple[str, str]:
+        if not self.peak:
+            return "n/a", "n/a"
+        return (f"{100 * flops['total'] * tokens_per_second / (self.peak * 1e12):.1f}%",
+                f"{100 * (flops['total'] - flops['head'] + flops['head_everywhere']) * tokens_per_second / (self.peak * 1e12):.1f}%")
+
+
+def attention_section(results: Results, assets: Path, tmp: Path, args) -> None:
+    import torch
+
+    import erniekit_lite.model.attention as attention
+    from erniekit_lite.data.collate import PackedCollator
+    from erniekit_lite.data.formats import detect_format, to_conversation
+    from erniekit_lite.data.load import read_records
+    from erniekit_lite.data.packing import pack
+    from erniekit_lite.data.template import template_for
+    from erniekit_lite.data.tokenize import IGNORE, Tokenizer
+    from erniekit_lite.model.load import load_model, load_tokenizer
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    implementations = ["packed_sdpa"]
+    skipped = []
+    if cuda and attention.varlen_kernel() is not None:
+        implementations.append("packed_varlen")
+    else:
+        skipped.append("packed_varlen (" + ("torch has no varlen_attn" if cuda else "CUDA only") + ")")
+    try:
+        import flash_attn  # noqa: F401
+
+        implementations.append("flash_attention_2")
+    except ImportError:
+        skipped.append("flash_attention_2 (flash-attn not installed)")
+    tokenizer = load_tokenizer(str(assets / "tokenizer"))
+    tok = Tokenizer(tokenizer, template_for(tokenizer))
+    records = read_records(str(assets / "data" / "sft.json"))[:40]
+    convs = [to_conversation(r, detect_format(r)) for r in records]
+    samples = [s for s in tok(convs, 2048 if not args.smoke else 256)[0] if s is not None][:12]
+    capacity = sum(len(s) for s in samples)
+    rows = pack(samples, capacity)
+    batch = PackedCollator(capacity)([vars(r) for r in rows])
+    labels = batch.pop("labels").to(device)
+    batch.pop("token_slots")
+    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    starts = batch["cu_seq_lens_q"].tolist()
+    ids = batch["input_ids"][0].tolist()
+    packed_samples = [ids[a:b] for a, b in zip(starts, starts[1:])]  # in the row's order (best-fit decreasing)
+    table = ["| model | implementation | max \\|logit diff\\| | loss diff | samples | tokens |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for name in ("0.3b", "21b-a3b"):
+        model_dir = write_model(assets, name, tmp, layers=2, smoke=args.smoke)
+        reference = load_model(str(model_dir), "bfloat16", "sdpa").to(device).eval()
+        with torch.no_grad():
+            alone = [reference(input_ids=torch.tensor([s], device=device), use_cache=False).logits[0].float() for s in packed_samples]
+        alone = torch.cat(alone)
+        del reference
+        for impl in implementations:
+            model = load_model(str(model_dir), "bfloat16", impl).to(device).eval()
+            with torch.no_grad():
+                packed = model(**batch, use_cache=False).logits[0].float()
+            diff = (packed - alone).abs().max().item()
+            targets = labels[0, 1:]
+            keep = targets != IGNORE
+            ce = lambda logits: torch.nn.functional.cross_entropy(logits[:-1][keep], targets[keep]).item()  # noqa: E731
+            loss_diff = abs(ce(packed) - ce(alone))
+            ok = diff <= BF16_LOGIT_TOLERANCE and loss_diff <= BF16_LOSS_TOLERANCE
+            results.check(f"attention {name} {impl}", ok, f"max |logit diff| {diff:.4g} (<= {BF16_LOGIT_TOLERANCE}), loss diff {loss_diff:.2e} (<= {BF16_LOSS_TOLERANCE})")
+            table.append(f"| {name} (2 layers) | {impl} | {diff:.4g} | {loss_diff:.2e} | {len(packed_samples)} | {len(ids):,} |")
+            results.data.setdefault("attention", []).append({"model": name, "implementation": impl, "max_logit_diff": diff, "loss_diff": loss_diff})
+            del model
+    # graph breaks of a compiled packed LoRA step with the packed attention auto picks here
+    from erniekit_lite.model.load import resolve_attention
+    from erniekit_lite.model.lora import apply_lora
+    from erniekit_lite.recipe import LoraSection
+    from erniekit_lite.train.scoring import add_scoring_forward
+
+    impl = resolve_attention("auto", packing=True)
+    model = apply_lora(load_model(str(write_model(assets, "0.3b", tmp, layers=2, smoke=args.smoke)), "bfloat16", impl).to(device),
+                       LoraSection(r=8, dropout=0.0))
+    add_scoring_forward(model.get_base_model())
+
+    def step(batch, labels):
+        scores = model(**batch, score_labels=labels)
+        return -scores.log_probs.sum() / scores.log_probs.numel()
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(batch, labels)
+    reasons = sorted({b.reason.splitlines()[0] for b in explained.break_reasons})
+    results.data["graph_breaks"] = {"attention": impl, "count": explained.graph_break_count, "reasons": reasons}
+    results.section(
+        "1. Packed attention vs each sample alone (bf16)",
+        f"tolerance: max |logit difference| <= {BF16_LOGIT_TOLERANCE}, |loss difference| <= {BF16_LOSS_TOLERANCE}; "
+        f"not available here: {', '.join(skipped) or 'none'}", "", *table, "",
+        f"torch.compile of a packed LoRA step with `{impl}` (auto's choice here): {explained.graph_break_count} graph breaks; "
+        f"reasons: {'; '.join(reasons) or 'none'}",
+    )
+
+
+def training_section(results: Results, number: str, title: str, recipe, model_dir: Path, tokenizer, args, flops: bool = True) -> dict:
+    plan = planned(recipe)
+    measured = timed(recipe, args)
+    rate = measured["tokens_per_second"]
+    row = {"title": title, **measured, **plan}
+    lines = [f"recipe: {title}; activation checkpointing {'on' if plan['checkpointing'] else 'off'} (the plan's choice "
+             f"unless the recipe sets it); {args.rounds} rounds of {args.steps} steps, first {args.warmup} untimed", *measured["lines"]]
+    header = "| real tokens/s min / median / max | model GFLOPs per real token | MFU | MFU, head at every position | peak allocated GiB | plan (allocated part) GiB | plan total GiB | peak / plan |"
+    lines += ["", header, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    f = model_flops(recipe, model_dir, tokenizer) if flops else None
+    mfu, mfu_all = results.mfu(f, rate["median"]) if f else ("n/a", "n/a")
+    peak = measured["peak_allocated_gib"]
+    ratio = peak / plan["plan_allocated_gib"] if peak else None
+    lines.append(
+        f"| {rate['min']:.0f} / {rate['median']:.0f} / {rate['max']:.0f} | {f['total'] / 1e9:.2f} | {mfu} | {mfu_all} | "
+        f"{'%.2f' % peak if peak else 'n/a'} | {plan['plan_allocated_gib']:.2f} | {plan['plan_total_gib']:.2f} | "
+        f"{'%.2f' % ratio if ratio else 'n/a'} |" if f else
+        f"| {rate['min']:.0f} / {rate['median']:.0f} / {rate['max']:.0f} | n/a | n/a | n/a | {'%.2f' % peak if peak else 'n/a'} | "
+        f"{plan['plan_allocated_gib']:.2f} | {plan['plan_total_gib']:.2f} | {'%.2f' % ratio if ratio else 'n/a'} |"
+    )
+    results.section(f"{number}. {title}", *lines)
+    if f:
+        row.update(flops_per_token=f, mfu=mfu, mfu_head_everywhere=mfu_all)
+    if ratio is not None:
+        results.check(f"memory {title}", True, f"peak {peak:.2f} GiB vs plan {plan['plan_allocated_gib']:.2f} GiB "
+                      f"({100 * (ratio - 1):+.1f}%; target within {100 * MEMORY_TOLERANCE:.0f}%)")
+    results.check(f"trains {title}", measured["loss"] is not None and measured["loss"] == measured["loss"], f"train_loss {measured['loss']}")
+    results.data.setdefault("training", []).append(row)
+    return row
+
+
+def sft_sections(results: Results, assets: Path, tmp: Path, args, tokenizer, only) -> None:
+    model_dir = write_model(assets, "0.3b", tmp, smoke=args.smoke)
+    data = assets / "data" / "sft.json"
+    if "sft" in only:
+        training_section(results, "2a", "0.3B full SFT, packed 8k rows, bf16",
+                         recipe_from("ernie-4.5-0.3b/sft.yaml", model_dir, data, tmp / "sft-full", args, **{"train.activation_checkpointing": None}),
+                         model_dir, tokenizer, args)
+        training_section(results, "2b", "0.3B LoRA SFT (r 32), packed 8k rows, bf16",
+                         recipe_from("ernie-4.5-0.3b/sft-lora.yaml", model_dir, data, tmp / "sft-lora", args, **{"train.activation_checkpointing": None}),
+                         model_dir, tokenizer, args)
+    if "dpo" in only:
+        training_section(results, "3", "0.3B DPO LoRA (r 32), packed pairs of 4k",
+                         recipe_from("ernie-4.5-0.3b/dpo-lora.yaml", model_dir, assets / "data" / "dpo.json", tmp / "dpo-lora", args,
+                                     **{"train.activation_checkpointing": None}),
+                         model_dir, tokenizer, args)
+    if "qlora" in only:
+        steps = args.steps
+        args.steps = args.qlora_steps
+        try:
+            training_section(results, "4", f"0.3B QLoRA (NF4 base, r 32), {args.qlora_steps} steps",
+                             recipe_from("ernie-4.5-0.3b/sft-lora.yaml", model_dir, data, tmp / "qlora", args,
+                                         **{"model.load_in_4bit": True, "train.activation_checkpointing": None}),
+                             model_dir, tokenizer, args, flops=False)
+        finally:
+            args.steps = steps
+
+
+def moe_section(results: Results, assets: Path, tmp: Path, args, tokenizer) -> None:
+    from transformers import AutoConfig
+
+    cuts = [int(x) for x in args.moe_layers.split(",")]
+    rows = []
+    for layers in cuts:
+        model_dir = write_model(assets, "21b-a3b", tmp, layers=layers, smoke=args.smoke)
+        recipe = recipe_from("ernie-4.5-21b-a3b/sft-lora.yaml", model_dir, assets / "data" / "sft.json", tmp / f"moe-{layers}", args,
+                             **{"train.activation_checkpointing": None})
+        rows.append(training_section(results, f"5.{layers}", f"21B-A3B LoRA SFT (r 32) cut to {layers} layers", recipe, model_dir, tokenizer, args))
+        shutil.rmtree(model_dir, ignore_errors=True)  # gigabytes each
+    released = AutoConfig.from_pretrained(assets / "configs" / "21b-a3b.json").num_hidden_layers
+    (a, ra), (b, rb) = zip(cuts, rows)
+    seconds = lambda r: 1 / r["tokens_per_second"]["median"]  # noqa: E731  (time per token, linear in the layers)
+    full_rate = 1 / (seconds(ra) + (seconds(rb) - seconds(ra)) / (b - a) * (released - a))
+    config_dir = tmp / "21b-a3b-config"  # the released layer count: the plan reads the config, no weights
+    config_of(assets, "21b-a3b", None, args.smoke).save_pretrained(config_dir)
+    plan = planned(recipe_from("ernie-4.5-21b-a3b/sft-lora.yaml", config_dir, assets / "data" / "sft.json", tmp / "moe-plan", args,
+                               **{"train.activation_checkpointing": rb["checkpointing"]}))
+    extrapolated = {"layers": released, "tokens_per_second": full_rate, **plan}
+    line = f"{released} layers: {full_rate:.0f} real tokens/s extrapolated; the plan: {plan['plan_allocated_gib']:.1f} GiB allocated, {plan['plan_total_gib']:.1f} GiB total"
+    if ra["peak_allocated_gib"] is not None:
+        per_layer = (rb["peak_allocated_gib"] - ra["peak_allocated_gib"]) / (b - a)
+        full = ra["peak_allocated_gib"] + per_layer * (released - a)
+        ratio = full / plan["plan_allocated_gib"]
+        line += f"; measured {per_layer:.2f} GiB per layer, {full:.1f} GiB peak allocated extrapolated ({100 * (ratio - 1):+.1f}% vs the plan)"
+        extrapolated.update(per_layer_gib=per_layer, peak_allocated_gib=full)
+    results.data["moe_extrapolated"] = extrapolated
+    results.section(f"5. 21B-A3B extrapolated to {released} layers (from the {a}- and {b}-layer cuts)", line)
+
+
+def fsdp2_section(results: Results, assets: Path, tmp: Path, args) -> None:
+    import yaml
+
+    model_dir = write_model(assets, "0.3b", tmp, layers=2, smoke=args.smoke)
+    out = tmp / "fsdp2"
+    recipe = {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "data": {"train": [{"path": str(assets / "data" / "sft.json"), "format": "alpaca"}], "max_length": 256 if args.smoke else 4096},
+        "output": {"dir": str(out), "sample_prompts": []},
+        "train": {"max_steps": 3, "per_device_train_batch_size": 1, "logging_steps": 1, "save_steps": 100,
+                  "learning_rate": 1e-5, "bf16": not args.smoke, "activation_checkpointing": False, "disable_tqdm": True},
+    }
+    path = tmp / "fsdp2.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    command = [sys.executable, "-m", "erniekit_lite", "train", str(path), "--num-processes", "1",
+               "--accelerate-config", str(ROOT / "recipes" / "accelerate" / "fsdp2.yaml")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    report = next((x for x in done.stdout.splitlines() if x.startswith("distributed:")), "no distributed line")
+    ok = done.returncode == 0 and "distributed: FSDP2" in report
+    loaded = False
+    if ok:
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(out) is not None
+    results.check("fsdp2 1 process", ok and loaded, report if ok else (done.stderr.strip().splitlines() or ["no output"])[-1][:300])
+    results.section("6. FSDP2, 1 process", f"exit {done.returncode}; {report}; saved model loads with plain transformers: {loaded}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.prepare_assets:
+        print(f"assets written to {prepare_assets(Path(args.prepare_assets), Path(args.shared))}")
+        return 0
+    import torch
+    import transformers
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("no CUDA GPU here: --smoke runs the same code at tiny sizes on CPU", file=sys.stderr)
+        return 2
+    device = torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.processor() or platform.machine()})"
+    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
+    results = Results(device, peak if cuda else None)
+    only = set((args.only or "attention,sft,dpo,qlora,moe,fsdp2").split(","))
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="erniekit-gpu-check-") as tmp:
+        tmp = Path(tmp)
+        assets = Path(args.assets) if args.assets else prepare_assets(tmp / "assets", Path(args.shared))
+        from erniekit_lite.model.load import load_tokenizer
+
+        tokenizer = load_tokenizer(str(assets / "tokenizer"))
+        steps = [("attention", lambda: attention_section(results, assets, tmp, args)),
+                 ("sft,dpo,qlora", lambda: sft_sections(results, assets, tmp, args, tokenizer, only)),
+                 ("moe", lambda: moe_section(results, assets, tmp, args, tokenizer)),
+                 ("fsdp2", lambda: fsdp2_section(results, assets, tmp, args))]
+        for names, step in steps:
+            if not only & set(names.split(",")):
+                continue
+            try:
+                step()
+            except Exception as e:  # one failing section must not lose the others' figures
+                detail = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                results.check(f"section {names}", False, detail)
+                results.section(f"{names}: failed", detail, "```", *traceback.format_exc().splitlines()[-12:], "```")
+    elapsed = time.perf_counter() - started
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip() or "unknown"
+    failed = [c for c in results.checks if not c[1]]
+    head = [f"# gpu_check: {device}{' (smoke: tiny models on CPU, numbers meaningless)' if args.smoke else ''}",
+            f"git {rev}; torch {torch.__version__}; transformers {transformers.__version__}; dense bf16 peak {peak} TFLOP/s; "
+            f"{elapsed:.0f} s; command: python benchmarks/gpu_check.py {' '.join(argv if argv is not None else sys.argv[1:])}",
+            "", "checks:", *[f"- {'PASS' if ok else 'FAIL'} {name}: {detail}" for name, ok, detail in results.checks]]
+    slug = "smoke" if args.smoke else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    out = Path(args.out) / f"results-gpu-{slug}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(head + results.lines) + "\n\n" + json.dumps({"device": device, "checks": [
+        {"name": n, "ok": ok, "detail": d} for n, ok, d in results.checks], **results.data}, default=str) + "\n")
+    print(f"\n{len(results.checks) - len(failed)} of {len(results.checks)} checks passed; wrote {out} ({elapsed:.0f} s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
