@@ -110,7 +110,7 @@ def launch_command(recipe: str, overrides: list[str], num_processes: int | None,
         # The processes train on CPU over gloo. Not accelerate's `--cpu`: with it, `accelerate launch` starts a
         # single process (its multi-CPU mode needs mpirun); this variable makes each Trainer use the CPU instead.
         env["ACCELERATE_USE_CPU"] = "true"
-        env["ERNIEKIT_FSDP_ON_CPU"] = "1"  # accelerate alone would run an FSDP config as plain DDP here (train/distribution.py)
+        env["ERNIEKIT_SHARDING_ON_CPU"] = "1"  # accelerate alone would run an FSDP config as plain DDP here (train/distribution.py)
     return command, env
 
 

@@ -15,6 +15,7 @@ tokens of short samples), where `split`'s backward concatenates the pieces once.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 
@@ -95,9 +96,15 @@ def packed_varlen_forward(module, query, key, value, attention_mask, scaling=Non
     return out[None].to(query.dtype), None
 
 
+@functools.cache
+def _varlen_parameters(kernel) -> frozenset:
+    """The parameter names of this torch's `varlen_attn`, read once (not once per layer and step)."""
+    return frozenset(inspect.signature(kernel).parameters)
+
+
 def _call_varlen(q, k, v, cu, longest, scale):
     kernel = varlen_kernel()
-    params = inspect.signature(kernel).parameters
+    params = _varlen_parameters(kernel)
     if "window_size" in params:  # newer torch spells causal as a window and takes grouped-query heads
         return kernel(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
     # torch 2.9/2.10: is_causal, and as many key/value heads as query heads

@@ -18,7 +18,7 @@ def training_args(recipe: Recipe, out: Path, log=print):
     from erniekit_lite.train import distribution
 
     if distribution.enabled():
-        distribution.fsdp_on_cpu()
+        distribution.sharding_on_cpu()
     settings = {
         "report_to": "none",
         "bf16": cuda and torch.cuda.is_bf16_supported(),  # TRL defaults to bf16, which fails on CPU

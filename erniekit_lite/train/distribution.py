@@ -5,7 +5,7 @@ state), not from the config file, so a config that a machine cannot honour shows
 
 accelerate 1.15 runs FSDP and DeepSpeed only on accelerators: on CPU an FSDP config silently becomes plain data
 parallelism (`AcceleratorState` keeps `MULTI_CPU` and drops the plugin), and a ZeRO-3 config breaks (transformers
-has already partitioned the weights, then DDP gets them). `fsdp_on_cpu` keeps the plugin there, so `fully_shard`
+has already partitioned the weights, then DDP gets them). `sharding_on_cpu` keeps the plugin there, so `fully_shard`
 shards over gloo as it does over NCCL and DeepSpeed runs on its CPU accelerator; this is what lets FSDP2 and ZeRO-3
 training be tested here.
 """
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import os
 
-FSDP_ON_CPU = "ERNIEKIT_FSDP_ON_CPU"  # set by `train --num-processes` on a machine without a GPU
+SHARDING_ON_CPU = "ERNIEKIT_SHARDING_ON_CPU"  # set by `train --num-processes` on a machine without a GPU
 
 
-def fsdp_on_cpu() -> None:
+def sharding_on_cpu() -> None:
     """Let accelerate's FSDP or DeepSpeed plugin take effect in a multi-process CPU run (see the module docstring)."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
@@ -50,7 +50,7 @@ def fsdp_on_cpu() -> None:
 
 
 def enabled() -> bool:
-    return os.environ.get(FSDP_ON_CPU) == "1"
+    return os.environ.get(SHARDING_ON_CPU) == "1"
 
 
 def describe(trainer) -> dict:
