@@ -124,9 +124,10 @@ def _train(args) -> int:
     else:
         from erniekit_lite.train.sft import run
 
-    from erniekit_lite.launch import print_on_main
+    from erniekit_lite.launch import end_process_group, print_on_main
 
     run(r, log=print_on_main)
+    end_process_group()
     return 0
 
 

@@ -120,6 +120,19 @@ def print_on_main(*args, **kwargs) -> None:
         print(*args, **kwargs)
 
 
+def end_process_group() -> None:
+    """A launched worker that finished: every rank waits for the others, then the process group is torn down.
+
+    Left to interpreter exit, gloo's threads are sometimes still joinable when their objects are destroyed, and the
+    worker aborts with "terminate called without an active exception" (seen on a loaded 2-core machine, after a
+    run that had saved everything), which fails the launch."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _read_config(path: str) -> dict:
     if not Path(path).is_file():
         raise UserError(f"--accelerate-config: {path}: file not found")
