@@ -91,6 +91,7 @@ def launch_command(recipe: str, overrides: list[str], num_processes: int | None,
     if num_processes is not None and num_processes < 1:
         raise UserError(f"--num-processes: expected 1 or more (got {num_processes})")
     config = _read_config(config_file) if config_file is not None else {}
+    _check_deepspeed_precision(config, config_file, recipe, overrides, torch.cuda.is_available())
     command = [sys.executable, "-m", "accelerate.commands.launch"]
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]  # overrides the config file's
@@ -143,6 +144,31 @@ def _read_config(path: str) -> dict:
     if not isinstance(config, dict):
         raise UserError(f"--accelerate-config: {path}: expected an accelerate config (a YAML mapping)")
     return config
+
+
+def _check_deepspeed_precision(config: dict, path: str | None, recipe: str, overrides: list[str], cuda: bool) -> None:
+    """accelerate turns a DeepSpeed config's `mixed_precision` into DeepSpeed's bf16/fp16 switches, and transformers
+    then refuses to train when they differ from the recipe's `train.bf16` / `train.fp16` (a traceback from every
+    process). Said here once, before any process starts."""
+    from erniekit_lite import recipe as recipes
+
+    if config.get("distributed_type") != "DEEPSPEED" or (config.get("deepspeed_config") or {}).get("deepspeed_config_file"):
+        return  # a DeepSpeed JSON of its own may say "auto"
+    mixed = config.get("mixed_precision") or "no"  # YAML 1.1 reads a bare `no` as false
+    train = recipes.load(recipe, overrides).train
+    bf16 = train.get("bf16", cuda and _bf16_supported())  # training_args' default
+    wanted = "bf16" if bf16 else "fp16" if train.get("fp16") else "no"
+    if str(mixed) != wanted:
+        keys = {"bf16": "train.bf16: true", "fp16": "train.fp16: true", "no": "neither train.bf16 nor train.fp16"}
+        raise UserError(f"--accelerate-config: {path}: mixed_precision: {mixed} needs {keys.get(str(mixed), str(mixed))} "
+                        f"in the recipe, which has {keys[wanted]} (DeepSpeed takes its precision from both); "
+                        f"set mixed_precision: {wanted!r} there or change the recipe")
+
+
+def _bf16_supported() -> bool:
+    import torch
+
+    return torch.cuda.is_bf16_supported()
 
 
 def _free_port() -> int:

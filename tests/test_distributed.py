@@ -9,6 +9,7 @@ DeepSpeed (not installed); its config is checked as accelerate reads it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -40,11 +41,12 @@ def write_data(path: Path, n: int = 48) -> Path:
     return path
 
 
-def train_cli(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+def train_cli(tmp_path: Path, *argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "CUDA_VISIBLE_DEVICES": "",  # CPU and gloo even on a GPU machine: the comparison is of fp32 CPU arithmetic
         "HF_HOME": str(tmp_path / "hf"),  # no personal accelerate default_config.yaml
+        **(env or {}),
     }
     command = [sys.executable, "-m", "erniekit_lite", "train", *argv]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
@@ -121,6 +123,44 @@ def fsdp2_fp32(tmp_path: Path) -> Path:
 
 SHARDED = {"fsdp2": ("fsdp2.yaml", "FSDP2"), "zero3": ("deepspeed-zero3.yaml", "ZeRO-3")}
 
+# Put in front of the launched workers' imports (a sitecustomize.py on PYTHONPATH): LM-head chunks of 16 positions
+# (the tiny models' vocabulary is 640), so a row is scored in several chunks, as a long row of the real vocabulary
+# is; each worker's first step says which head path ran with several chunks. A frozen head (LoRA) takes each chunk's
+# gradient in forward through the head module; a trained one (full, more than one process) recomputes each chunk in
+# backward. Both run FSDP2's and ZeRO-3's module hooks in those places.
+HEAD_CHUNKS = """
+import os
+if os.environ.get("LOCAL_RANK") is not None:
+    from erniekit_lite.train import scoring
+
+    scoring.MAX_CHUNK_ELEMENTS = 16 * 640
+    said = set()
+
+    def say(what):
+        if what not in said and os.environ.get("RANK") == "0":
+            said.add(what)
+            print(f"head chunks: {what}", flush=True)
+
+    head_chunks, checkpoint = scoring._head_chunks, scoring.checkpoint
+
+    def _head_chunks(hidden, targets, head, extras, step, want_grad):
+        if want_grad and hidden.shape[0] > step:
+            say("gradient taken in forward")
+        return head_chunks(hidden, targets, head, extras, step, want_grad)
+
+    def recomputed(*args, **kwargs):
+        say("recomputed in backward")
+        return checkpoint(*args, **kwargs)
+
+    scoring._head_chunks, scoring.checkpoint = _head_chunks, recomputed
+"""
+
+
+def head_chunks_env(where: Path) -> dict:
+    where.mkdir(exist_ok=True)
+    (where / "sitecustomize.py").write_text(HEAD_CHUNKS)
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(where), os.environ.get("PYTHONPATH")) if p)}
+
 
 def tiny_recipe(tmp_path: Path, model_dir: Path, lora: bool, **train) -> Path:
     recipe = {
@@ -137,51 +177,95 @@ def tiny_recipe(tmp_path: Path, model_dir: Path, lora: bool, **train) -> Path:
     return path
 
 
-@pytest.mark.slow  # two launches of 2 processes per case: ~30 s each on 2 cores
+def two_processes(tmp_path: Path, model_dir: Path, lora: bool, name: str, *launch: str, train: tuple = ()):
+    """A 2-process run of `tiny_recipe` (3 steps, head in chunks of 16 positions): (run dir, stdout, its report)."""
+    path, out = tiny_recipe(tmp_path, model_dir, lora), tmp_path / name
+    done = train_cli(tmp_path, str(path), f"output.dir={out}", *train, "--num-processes", "2", *launch,
+                     env=head_chunks_env(tmp_path / "hook"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count(f"head chunks: {'gradient taken in forward' if lora else 'recomputed in backward'}") == 1
+    return out, done.stdout, json.loads((out / "train_results.json").read_text())["distributed"]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, tiny_own_dir, tiny_moe_dir):
+    """The 2-process DDP run each sharded run is compared with, made once per model and method."""
+    runs = {}
+
+    def run(arch: str, lora: bool):
+        if (arch, lora) not in runs:
+            where = tmp_path_factory.mktemp(f"ddp-{arch}-{'lora' if lora else 'full'}")
+            runs[arch, lora] = two_processes(where, tiny_own_dir if arch == "dense" else tiny_moe_dir, lora, "ddp")
+        return runs[arch, lora]
+
+    return run
+
+
+@pytest.mark.slow  # one launch of 2 processes per case (~12 s on 2 idle cores), and 4 DDP launches shared by all
 @pytest.mark.parametrize("arch, lora", [("dense", True), ("dense", False), ("moe", True), ("moe", False)],
                          ids=["dense-lora", "dense-full", "moe-lora", "moe-full"])
 @pytest.mark.parametrize("sharding", ["fsdp2", "zero3"])
-def test_sharded_training_equals_ddp_and_saves_the_full_model(tmp_path, tiny_own_dir, tiny_moe_dir, arch, lora, sharding):
+def test_sharded_training_equals_ddp_and_saves_the_full_model(tmp_path, tiny_own_dir, tiny_moe_dir, ddp_run, arch, lora, sharding):
     """FSDP2 and DeepSpeed ZeRO-3 (the shipped configs, fp32) over 2 gloo processes really shard (every parameter a
-    DTensor shard, or a ZeRO-3 partition) and train like 2-process DDP: per-step losses within 1e-5; the saved
-    model (the gathered full state dict) loads with plain transformers / peft files and equals DDP's within 5e-5.
-    Both runs say how they were distributed."""
+    DTensor shard, or a ZeRO-3 partition) and train like 2-process DDP, the LM head scored in several chunks
+    (frozen: gradient in forward; trained: recomputed in backward): per-step losses within 1e-5; the saved model
+    (the gathered full state dict) loads with plain transformers, or is a plain peft adapter file, and equals
+    DDP's within 5e-5. Both runs say how they were distributed."""
     from safetensors.torch import load_file
 
     if sharding == "zero3":
         pytest.importorskip("deepspeed")
     config, strategy = SHARDED[sharding]
-    path = tiny_recipe(tmp_path, tiny_own_dir if arch == "dense" else tiny_moe_dir, lora)
-    runs = {}
-    for name, extra in (("ddp", []), ("fsdp2", ["--accelerate-config", str(fp32_config(tmp_path, config))])):
-        out = tmp_path / name
-        done = train_cli(tmp_path, str(path), f"output.dir={out}", "--num-processes", "2", *extra)
-        assert done.returncode == 0, done.stderr[-4000:]
-        runs[name] = (out, done.stdout, json.loads((out / "train_results.json").read_text())["distributed"])
-    (ddp, ddp_log, ddp_info), (fsdp, fsdp_log, fsdp_info) = runs["ddp"], runs["fsdp2"]
-    assert step_losses(fsdp) == pytest.approx(step_losses(ddp), abs=1e-5)
-    assert len(step_losses(fsdp)) == 3
+    model_dir = tiny_own_dir if arch == "dense" else tiny_moe_dir
+    ddp, ddp_log, ddp_info = ddp_run(arch, lora)
+    sharded, log, info = two_processes(tmp_path, model_dir, lora, sharding, "--accelerate-config", str(fp32_config(tmp_path, config)))
+    assert step_losses(sharded) == pytest.approx(step_losses(ddp), abs=1e-5)
+    assert len(step_losses(sharded)) == 3
 
-    assert fsdp_info["strategy"] == strategy and fsdp_info["world_size"] == 2 and fsdp_info["backend"] == "gloo"
-    assert fsdp_info["sharded"] == "parameters, gradients and optimizer state"
-    assert fsdp_info["sharded_parameters"] == fsdp_info["parameters"] == ddp_info["parameters"] > 0
-    assert fsdp_info["mixed_precision"] == "none"
+    assert info["strategy"] == strategy and info["world_size"] == 2 and info["backend"] == "gloo"
+    assert info["sharded"] == "parameters, gradients and optimizer state"
+    assert info["sharded_parameters"] == info["parameters"] == ddp_info["parameters"] > 0
+    assert info["mixed_precision"] == "none" and info["weights"] == "float32"
     assert ddp_info["strategy"] == "DDP" and ddp_info["sharded_parameters"] == 0 and ddp_info["world_size"] == 2
-    assert fsdp_log.count(f"distributed: {strategy} over 2 processes (gloo); sharded: parameters, gradients and optimizer state") == 1
+    assert ddp_info["mixed_precision"] == "none"
+    assert log.count(f"distributed: {strategy} over 2 processes (gloo); sharded: parameters, gradients and optimizer state") == 1
     assert ddp_log.count("distributed: DDP over 2 processes (gloo); sharded: nothing") == 1
 
     name = "adapter_model.safetensors" if lora else "model.safetensors"
-    saved, reference = load_file(fsdp / name), load_file(ddp / name)
+    saved, reference = load_file(sharded / name), load_file(ddp / name)
     assert saved.keys() == reference.keys()
     # weights after 3 AdamW steps: gradients reduced in another order differ in the last bits (measured up to 1.4e-5)
     assert max((saved[k].float() - reference[k].float()).abs().max().item() for k in saved) <= 5e-5
     if not lora:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(fsdp)  # plain transformers, no FSDP
-        initial = AutoModelForCausalLM.from_pretrained(tiny_own_dir if arch == "dense" else tiny_moe_dir)
+        model = AutoModelForCausalLM.from_pretrained(sharded)  # plain transformers, no FSDP or DeepSpeed
+        trained, initial = AutoModelForCausalLM.from_pretrained(ddp), AutoModelForCausalLM.from_pretrained(model_dir)
+        assert model.lm_head.weight is model.get_input_embeddings().weight  # tied, as saved by an unsharded run
+        assert max((p - trained.get_parameter(n)).abs().max().item() for n, p in model.named_parameters()) <= 5e-5
         changed = [n for n, p in model.named_parameters() if not torch.equal(p, initial.get_parameter(n))]
         assert len(changed) > len(list(model.parameters())) // 2  # the trained weights, not the initial ones
+
+
+@pytest.mark.slow  # two launches of 2 processes: ~25 s on 2 idle cores
+def test_shipped_bf16_configs_run_on_cpu_and_say_what_precision_is_in_effect(tmp_path, tiny_own_dir, ddp_run):
+    """The shipped configs as they are (mixed_precision bf16) on CPU: FSDP2 casts the fp32 weights to bf16 for
+    compute and reduces gradients in bf16 (no autocast: accelerate's FSDP2 path does not wrap the forward); ZeRO-3
+    (with the recipe's train.bf16, which DeepSpeed needs to agree) keeps the weights themselves in bf16, with fp32
+    master weights in its optimizer. Losses differ from fp32 DDP's by bf16 rounding, so the precision is in effect."""
+    reference = step_losses(ddp_run("dense", True)[0])
+    runs = {"fsdp2": ("fsdp2.yaml", (), "FSDP bfloat16 compute, bfloat16 gradient reduce", "float32"),
+            "zero3": ("deepspeed-zero3.yaml", ("train.bf16=true",),
+                      "DeepSpeed bf16 (bfloat16 weights, float32 master weights in the optimizer)", "bfloat16")}
+    if importlib.util.find_spec("deepspeed") is None:
+        del runs["zero3"]
+    for name, (config, train, precision, weights) in runs.items():
+        out, log, info = two_processes(tmp_path, tiny_own_dir, True, name, "--accelerate-config", str(CONFIGS / config), train=train)
+        assert (info["mixed_precision"], info["weights"]) == (precision, weights), name
+        assert info["sharded_parameters"] == info["parameters"] > 0
+        assert log.count(f"mixed precision: {precision} ({weights} weights)") == 1
+        losses = step_losses(out)
+        assert losses == pytest.approx(reference, abs=0.05) and losses != pytest.approx(reference, abs=1e-4), name
 
 
 @pytest.mark.slow  # three launches of 2 processes: ~2 min on 2 shared cores
@@ -318,6 +402,27 @@ def test_missing_accelerate_config_is_one_line(tmp_path, capsys, tiny_own_dir):
     err = capsys.readouterr().err
     assert code == 2
     assert err == f"error: --accelerate-config: {tmp_path / 'nope.yaml'}: file not found\n"
+
+
+def test_deepspeed_precision_must_agree_with_the_recipe(tmp_path, capsys, tiny_own_dir):
+    """transformers refuses a DeepSpeed bf16 switch that differs from train.bf16 (a traceback from every process,
+    after loading the model); the launcher says so in one line first. FSDP casts by itself: no such rule."""
+    from erniekit_lite.launch import launch_command
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": str(tiny_own_dir)}, "data": {"train": ["x.jsonl"]},
+                                    "output": {"dir": str(tmp_path / "out")}, "train": {"bf16": False}}))
+    zero3 = str(CONFIGS / "deepspeed-zero3.yaml")
+    code = main(["train", str(path), "--num-processes", "2", "--accelerate-config", zero3])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: --accelerate-config: {zero3}: mixed_precision: bf16 needs train.bf16: true in the recipe, "
+                          "which has neither train.bf16 nor train.fp16")
+    assert "set mixed_precision: 'no' there" in err
+    command, _ = launch_command(str(path), ["train.bf16=true"], 2, zero3)  # agreeing: launched as asked
+    assert command[command.index("--config_file") + 1] == zero3
+    launch_command(str(path), [], 2, str(fp32_config(tmp_path, "deepspeed-zero3.yaml")))
+    launch_command(str(path), [], 2, str(CONFIGS / "fsdp2.yaml"))
 
 
 @pytest.mark.parametrize("name", ["fsdp2.yaml", "deepspeed-zero3.yaml"])

@@ -75,15 +75,13 @@ def describe(trainer) -> dict:
         full = plugin.reshard_after_forward if plugin.fsdp_version == 2 else "FULL_SHARD" in str(plugin.sharding_strategy)
         info["sharded"] = ("parameters, gradients and optimizer state" if full else
                            "gradients and optimizer state (parameters gathered from forward to backward)") if shards else "nothing"
-        policy = getattr(plugin, "mixed_precision_policy", None)
-        param_dtype = getattr(policy, "param_dtype", None)
-        info["mixed_precision"] = f"FSDP {str(param_dtype).removeprefix('torch.')} compute" if param_dtype else _autocast(accelerator)
+        info["mixed_precision"] = _fsdp_precision(trainer.model, plugin) or _autocast(accelerator)
     elif state.distributed_type == DistributedType.DEEPSPEED:
         stage = state.deepspeed_plugin.zero_stage
         info["strategy"] = f"ZeRO-{stage}"
         info["sharded"] = {3: "parameters, gradients and optimizer state", 2: "gradients and optimizer state",
                            1: "optimizer state"}.get(stage, "nothing")
-        info["mixed_precision"] = _autocast(accelerator)
+        info["mixed_precision"] = _deepspeed_precision(trainer.model_wrapped)
     else:
         info["strategy"] = "DDP" if world > 1 else "single"
         info["sharded"] = "nothing (each process holds the whole model)" if world > 1 else "nothing"
@@ -92,8 +90,41 @@ def describe(trainer) -> dict:
 
 
 def _autocast(accelerator) -> str:
-    precision = str(accelerator.mixed_precision)
-    return "none" if precision == "no" else f"{precision} autocast"
+    # `native_amp`: accelerate wraps the model's forward in autocast (single and DDP; FSDP2 and DeepSpeed cast
+    # by their own means, see the two functions below)
+    return f"{accelerator.mixed_precision} autocast" if accelerator.native_amp else "none"
+
+
+def _fsdp_precision(model, plugin) -> str | None:
+    """FSDP's own mixed precision: FSDP2's as `fully_shard` got it (the policy on the model's FSDP state), FSDP1's
+    from the plugin. Parameters are cast for compute and gradients reduced in these dtypes; the sharded weights
+    and the optimizer state keep the model's dtype."""
+    from torch.distributed.fsdp import FSDPModule
+
+    policy = next((m._get_fsdp_state()._mp_policy for m in model.modules() if isinstance(m, FSDPModule)), None)
+    if policy is None:
+        policy = getattr(plugin, "mixed_precision_policy", None)
+    compute, reduce = (getattr(policy, k, None) for k in ("param_dtype", "reduce_dtype"))
+    if compute is None:
+        return None
+    name = lambda dtype: str(dtype).removeprefix("torch.")
+    return f"FSDP {name(compute)} compute" + (f", {name(reduce)} gradient reduce" if reduce is not None else "")
+
+
+def _deepspeed_precision(engine) -> str:
+    """What the DeepSpeed engine runs: its bf16/fp16 modes hold the weights in that dtype, and the ZeRO optimizer a
+    master copy (float32 unless configured otherwise); accelerate adds no autocast."""
+    import torch
+
+    name = lambda dtype: str(dtype).removeprefix("torch.")
+    if getattr(engine, "torch_autocast_enabled", lambda: False)():
+        return f"{name(engine.torch_autocast_dtype())} autocast"
+    master = getattr(getattr(engine, "optimizer", None), "master_weights_and_grads_dtype", torch.float32)
+    if engine.bfloat16_enabled():
+        return f"DeepSpeed bf16 (bfloat16 weights, {name(master)} master weights in the optimizer)"
+    if engine.fp16_enabled():
+        return f"DeepSpeed fp16 (float16 weights, {name(master)} master weights, loss scaling)"
+    return "none"
 
 
 def line(info: dict) -> str:
