@@ -255,11 +255,11 @@ def planned(recipe) -> dict:
     """`validate`'s memory plan for this recipe: the total and its allocated part (without context, fragmentation)."""
     from erniekit_lite import memory
     from erniekit_lite.plan import architecture, memory_estimate
-    from erniekit_lite.train.common import training_args
+    from erniekit_lite.trainer_args import training_args
 
     import torch
 
-    args = training_args(recipe, Path(recipe.output.dir), lambda *a: None)
+    args = training_args(recipe, Path(recipe.output.dir))
     est, _ = memory_estimate(recipe, args, architecture(recipe.model.path, recipe), cuda=torch.cuda.is_available())
     return {"plan_total_gib": est.total / memory.GIB, "plan_allocated_gib": (est.total - est.overhead) / memory.GIB,
             "checkpointing": bool(args.activation_checkpointing)}

@@ -2,7 +2,7 @@
 recipes/quickstart.yaml`, as the README's first command runs them (installation excluded), each round in a fresh
 directory. Prints min / median / max over the rounds and writes benchmarks/results-quickstart.txt.
 
-    python benchmarks/quickstart.py [--rounds 3]
+    python benchmarks/quickstart.py [--rounds 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results-quickstart.txt"), help="results file")
     args = p.parse_args()
     times = []
     for _ in range(args.rounds):
@@ -42,7 +43,7 @@ def main() -> int:
         f"seconds: min {min(times):.1f} / median {statistics.median(times):.1f} / max {max(times):.1f}",
         "command: python benchmarks/quickstart.py",
     ]
-    (ROOT / "benchmarks" / "results-quickstart.txt").write_text("\n".join(lines) + "\n")
+    Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

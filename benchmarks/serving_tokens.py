@@ -37,6 +37,11 @@ def one_string(tokenizer, pieces) -> list[int]:
 
 
 def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results-serving_tokens.txt"), help="results file")
+    args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     from erniekit_lite.data.formats import detect_format, to_conversation
     from erniekit_lite.data.load import read_records
@@ -74,7 +79,7 @@ def main() -> None:
     lines += ["", f"machine: {platform.machine()} {platform.processor() or ''}".strip(),
               f"git {rev}; transformers {transformers.__version__}, tokenizers {tokenizers.__version__}",
               "command: python benchmarks/serving_tokens.py"]
-    out = ROOT / "benchmarks" / "results-serving_tokens.txt"
+    out = Path(args.out)
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -20,7 +20,7 @@ def load(path: str, adapter: str | None = None):
 
     from erniekit_lite.model.load import adapter_base, load_model, load_tokenizer
     from erniekit_lite.model.lora import load_adapter
-    from erniekit_lite.train.common import tokenizer_path
+    from erniekit_lite.model.load import tokenizer_path
 
     if adapter is not None and adapter_base(adapter) is None:
         raise UserError(f"--adapter: {adapter}: not a LoRA adapter dir (no adapter_config.json)")

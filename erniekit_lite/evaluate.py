@@ -40,7 +40,7 @@ def evaluate(
 
     from erniekit_lite.data.prepare import prepare
     from erniekit_lite.model.load import load_tokenizer
-    from erniekit_lite.train.common import tokenizer_path
+    from erniekit_lite.model.load import tokenizer_path
 
     tokenizer = load_tokenizer(tokenizer_path(model_section.path), model_section.trust_remote_code)
     prepared = prepare(data, tokenizer, log=log).train  # the eval file stands where prepare expects training data

@@ -1,4 +1,7 @@
-"""`validate`: check a recipe and its data without training, and describe the run it would make."""
+"""`validate`: check a recipe and its data without training, and describe the run it would make.
+
+Training asks the plan (activation checkpointing, keeping the LM head's chunks); the plan never imports
+`erniekit_lite.train` (tests/test_layout.py)."""
 
 from __future__ import annotations
 
@@ -10,18 +13,16 @@ from erniekit_lite.recipe import Recipe
 
 
 def plan(recipe: Recipe, log=print) -> dict:
-    from erniekit_lite.data.prepare import prepare, prepare_pairs
-    from erniekit_lite.model.load import adapter_base, load_tokenizer
-    from erniekit_lite.train.common import tokenizer_path, training_args
-    from erniekit_lite.train.dpo import describe_pairs
-    from erniekit_lite.train.sft import describe_data
+    from erniekit_lite.data.prepare import describe_data, describe_pairs, prepare, prepare_pairs
+    from erniekit_lite.model.load import adapter_base, load_tokenizer, tokenizer_path
+    from erniekit_lite.trainer_args import training_args
 
     import torch
 
     cuda = torch.cuda.is_available()
     gpu_notes = gpu_only_settings(recipe, cuda)
     # On a machine without a GPU, plan the GPU run anyway: what `train` would refuse here is a note, not an error
-    args = training_args(recipe if cuda else without_gpu_settings(recipe), Path(recipe.output.dir), log)
+    args = training_args(recipe if cuda else without_gpu_settings(recipe), Path(recipe.output.dir))
     tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
     if recipe.method == "dpo":
         data = prepare_pairs(recipe.data, tokenizer, seed=args.seed, log=log)
@@ -120,7 +121,6 @@ def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: boo
     `head_keep`: a trained LM head keeps its chunks' buffers instead of recomputing them (`head_keep_positions`).
     """
     from erniekit_lite.model.load import resolve_attention
-    from erniekit_lite.train.scoring import MAX_CHUNK_ELEMENTS
 
     capacity = recipe.data.max_length * (2 if recipe.method == "dpo" else 1)  # DPO rows hold whole pairs
     tokens = args.per_device_train_batch_size * capacity
@@ -151,7 +151,7 @@ def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: boo
         optim=str(getattr(args.optim, "value", args.optim)),
         method=recipe.method,
         reference=reference,
-        chunk_elements=MAX_CHUNK_ELEMENTS,
+        chunk_elements=memory.MAX_CHUNK_ELEMENTS,
         head_keep=head_keep,
     )
     return memory.estimate(arch["shape"], arch["memory"], run), run
@@ -179,7 +179,7 @@ def architecture(path: str, recipe: Recipe) -> dict:
 
         model = apply_lora(model, recipe.lora)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    from erniekit_lite.train.common import groups_line
+    from erniekit_lite.model.lora import groups_line
 
     return {
         "groups": groups_line(model),

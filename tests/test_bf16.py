@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from erniekit_lite.cli import main
+from helpers import write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 IDENTITY = ROOT / "recipes" / "data" / "identity.jsonl"
@@ -31,18 +31,8 @@ def _recipe(tmp_path: Path, model_dir: Path, method: str, lora: bool, precision:
         train["beta"] = 0.1
     if precision == "autocast":
         train["bf16"] = True
-    recipe = {
-        "model": {"path": str(model_dir), **({"dtype": "bfloat16"} if precision == "weights" else {"dtype": "float32"})},
-        "method": method,
-        "data": {"train": [str(PAIRS if method == "dpo" else IDENTITY)], "max_length": 128},
-        "output": {"dir": str(tmp_path / "out")},
-        "train": train,
-    }
-    if lora:
-        recipe["lora"] = {"r": 8, "alpha": 16, "dropout": 0.0}
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    return write_recipe(tmp_path / "recipe.yaml", model_dir, method=method, model={"dtype": "bfloat16" if precision == "weights" else "float32"},
+                        lora={"r": 8, "alpha": 16, "dropout": 0.0} if lora else None, train=train)
 
 
 CASES = [

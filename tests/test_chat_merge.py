@@ -15,6 +15,7 @@ from erniekit_lite.cli import main
 from erniekit_lite.data.formats import Turn
 from erniekit_lite.generate import answer
 from erniekit_lite.model.load import load_model, load_tokenizer
+from helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,12 +41,6 @@ def lora_run(tmp_path_factory, tiny_own_dir):
     return tmp / "run"
 
 
-def cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def greedy(path, prompt, history=None, tokens=12):
     model = load_model(str(path), "float32", "sdpa", trainable_adapter=False).eval()
     model.config.use_cache = True
@@ -53,18 +48,18 @@ def greedy(path, prompt, history=None, tokens=12):
 
 
 def test_one_shot_chat_streams_the_greedy_template_answer(capsys, lora_run, tiny_own_dir):
-    code, out, err = cli(capsys, "chat", lora_run, "--prompt", "Who are you?", "--max-new-tokens", "12")
+    code, out, err = run_cli(capsys, "chat", lora_run, "--prompt", "Who are you?", "--max-new-tokens", "12")
     assert code == 0, err
     expected = greedy(lora_run, "Who are you?")
     assert expected and out == expected + "\n"
     # the same adapter given explicitly on its base answers the same; the base alone answers differently
-    assert cli(capsys, "chat", tiny_own_dir, "--adapter", lora_run, "--prompt", "Who are you?", "--max-new-tokens", "12")[1] == out
-    assert cli(capsys, "chat", tiny_own_dir, "--prompt", "Who are you?", "--max-new-tokens", "12")[1] != out
+    assert run_cli(capsys, "chat", tiny_own_dir, "--adapter", lora_run, "--prompt", "Who are you?", "--max-new-tokens", "12")[1] == out
+    assert run_cli(capsys, "chat", tiny_own_dir, "--prompt", "Who are you?", "--max-new-tokens", "12")[1] != out
 
 
 def test_interactive_chat_keeps_history_until_reset(capsys, monkeypatch, lora_run):
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello!\nWho are you?\n/reset\nWho are you?\n"))
-    code, out, err = cli(capsys, "chat", lora_run, "--max-new-tokens", "8")
+    code, out, err = run_cli(capsys, "chat", lora_run, "--max-new-tokens", "8")
     assert code == 0, err
     first = greedy(lora_run, "Hello!", tokens=8)
     second = greedy(lora_run, "Who are you?", history=[Turn("Hello!", first)], tokens=8)
@@ -79,7 +74,7 @@ def test_chat_and_merge_errors_are_one_line(capsys, tmp_path, tiny_own_dir):
         (["chat", tiny_own_dir, "--prompt", "x", "--top-p", "0"], "--top-p"),
         (["merge", tiny_own_dir, "--out", tmp_path / "m"], "not a LoRA output dir"),
     ):
-        code, out, err = cli(capsys, *argv)
+        code, out, err = run_cli(capsys, *argv)
         assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "m").exists()
 
@@ -87,7 +82,7 @@ def test_chat_and_merge_errors_are_one_line(capsys, tmp_path, tiny_own_dir):
 def test_merged_checkpoint_loads_with_plain_transformers(capsys, tmp_path, lora_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    code, out, err = cli(capsys, "merge", lora_run, "--out", tmp_path / "merged")
+    code, out, err = run_cli(capsys, "merge", lora_run, "--out", tmp_path / "merged")
     assert code == 0, err
     merged_dir = tmp_path / "merged"
     names = {p.name for p in merged_dir.iterdir()}
@@ -102,13 +97,13 @@ def test_merged_checkpoint_loads_with_plain_transformers(capsys, tmp_path, lora_
         assert (merged(input_ids=ids).logits - expected).abs().max().item() <= 1e-5
 
     before = (merged_dir / "model.safetensors").read_bytes()
-    code, out, err = cli(capsys, "merge", lora_run, "--out", merged_dir)
+    code, out, err = run_cli(capsys, "merge", lora_run, "--out", merged_dir)
     assert code == 2 and "not empty" in err and (merged_dir / "model.safetensors").read_bytes() == before
-    assert cli(capsys, "merge", lora_run, "--out", merged_dir, "--overwrite")[0] == 0
+    assert run_cli(capsys, "merge", lora_run, "--out", merged_dir, "--overwrite")[0] == 0
     user_dir = tmp_path / "mine"
     user_dir.mkdir()
     (user_dir / "notes.txt").write_text("keep me")
-    code, out, err = cli(capsys, "merge", lora_run, "--out", user_dir, "--overwrite")
+    code, out, err = run_cli(capsys, "merge", lora_run, "--out", user_dir, "--overwrite")
     assert code == 2 and "not a previous merge" in err and (user_dir / "notes.txt").read_text() == "keep me"
 
 

@@ -10,7 +10,7 @@ import pytest
 from erniekit_lite import memory
 from erniekit_lite.plan import CHECKPOINTING_HEADROOM, architecture, choose_checkpointing, memory_estimate
 from erniekit_lite.recipe import from_dict
-from erniekit_lite.train.common import training_args
+from erniekit_lite.trainer_args import training_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

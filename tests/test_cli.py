@@ -12,42 +12,17 @@ import torch
 import yaml
 
 from erniekit_lite.cli import main
+from helpers import run_cli, write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 IDENTITY = ROOT / "recipes" / "data" / "identity.jsonl"
 
 
-def recipe_file(tmp_path: Path, model_dir: Path, **changes) -> Path:
-    recipe = {
-        "model": {"path": str(model_dir)},
-        "data": {"train": [{"path": str(IDENTITY)}], "max_length": 128},
-        "output": {"dir": str(tmp_path / "out"), "sample_prompts": ["Who are you?"]},
-        "train": {
-            "learning_rate": 3e-3,
-            "max_steps": 120,
-            "per_device_train_batch_size": 2,
-            "activation_checkpointing": False,
-            "logging_steps": 10,
-            "save_steps": 120,
-            "seed": 0,
-            "lr_scheduler_type": "cosine",
-        },
-    }
-    for dotted, value in changes.items():
-        node = recipe
-        *parents, last = dotted.split("__")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
-
-
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
+def recipe_file(tmp_path: Path, model_dir: Path, data: dict | None = None, **changes) -> Path:
+    train = {"learning_rate": 3e-3, "max_steps": 120, "per_device_train_batch_size": 2, "activation_checkpointing": False,
+             "logging_steps": 10, "save_steps": 120, "seed": 0, "lr_scheduler_type": "cosine"}
+    return write_recipe(tmp_path / "recipe.yaml", model_dir, data={"train": [{"path": str(IDENTITY)}], **(data or {})}, train=train,
+                        output={"sample_prompts": ["Who are you?"]}, **changes)
 
 
 def test_help_does_not_import_torch():

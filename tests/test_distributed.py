@@ -24,6 +24,7 @@ import torch
 import yaml
 
 from erniekit_lite.cli import main
+from helpers import write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "recipes" / "accelerate"
@@ -163,18 +164,11 @@ def head_chunks_env(where: Path) -> dict:
 
 
 def tiny_recipe(tmp_path: Path, model_dir: Path, lora: bool, **train) -> Path:
-    recipe = {
-        "model": {"path": str(model_dir)},
-        "data": {"train": [str(write_data(tmp_path / "data.jsonl"))], "max_length": 64},
-        "output": {"dir": str(tmp_path / "unused"), "sample_prompts": []},
-        "train": {"learning_rate": 2e-3, "max_steps": 3, "per_device_train_batch_size": 1, "logging_steps": 1,
-                  "save_steps": 100, "activation_checkpointing": False, "seed": 0, **train},
-    }
-    if lora:
-        recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    train = {"learning_rate": 2e-3, "max_steps": 3, "per_device_train_batch_size": 1, "logging_steps": 1,
+             "save_steps": 100, "activation_checkpointing": False, "seed": 0, **train}
+    return write_recipe(tmp_path / "recipe.yaml", model_dir, data={"train": [str(write_data(tmp_path / "data.jsonl"))], "max_length": 64},
+                        out=tmp_path / "unused", output={"sample_prompts": []}, lora={"r": 4, "alpha": 8, "dropout": 0.0} if lora else None,
+                        train=train)
 
 
 def two_processes(tmp_path: Path, model_dir: Path, lora: bool, name: str, *launch: str, train: tuple = ()):

@@ -8,36 +8,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from erniekit_lite.cli import main
+from helpers import run_cli, write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = ROOT / "recipes" / "data" / "identity_dpo.jsonl"
 
 
 def dpo_recipe(tmp_path: Path, model_dir, data=None, lora=True, **train) -> Path:
-    recipe = {
-        "model": {"path": str(model_dir)},
-        "method": "dpo",
-        "data": data or {"train": [str(PAIRS)], "eval": [str(PAIRS)], "max_length": 128},
-        "output": {"dir": str(tmp_path / "out")},
-        "train": {"beta": 0.1, "learning_rate": 5e-3, "max_steps": 30, "per_device_train_batch_size": 2, "activation_checkpointing": False,
-                  "logging_steps": 5, "save_steps": 30, "seed": 0, "lr_scheduler_type": "cosine", **train},
-    }
-    if lora:
-        recipe["lora"] = {"r": 8, "alpha": 16, "dropout": 0.0}
-    path = tmp_path / "dpo.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
-
-
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
+    train = {"beta": 0.1, "learning_rate": 5e-3, "max_steps": 30, "per_device_train_batch_size": 2, "activation_checkpointing": False,
+             "logging_steps": 5, "save_steps": 30, "seed": 0, "lr_scheduler_type": "cosine", **train}
+    return write_recipe(tmp_path / "dpo.yaml", model_dir, method="dpo", data=data or {"eval": [str(PAIRS)]}, train=train,
+                        lora={"r": 8, "alpha": 16, "dropout": 0.0} if lora else None)
 
 
 def test_lora_dpo_learns_the_preferences(tmp_path, capsys, tiny_own_dir):
-    code, out, err = run(capsys, "train", dpo_recipe(tmp_path, tiny_own_dir))
+    code, out, err = run_cli(capsys, "train", dpo_recipe(tmp_path, tiny_own_dir))
     assert code == 0, err
     results = json.loads((tmp_path / "out" / "train_results.json").read_text())
     # eval set = the training pairs: the tuned policy prefers the chosen answers
@@ -58,7 +43,7 @@ def test_full_dpo_with_frozen_reference_and_ipo(tmp_path, capsys, tiny_own_dir):
     beta = 0.1
     recipe = dpo_recipe(tmp_path, tiny_own_dir, lora=False, max_steps=4, learning_rate=1e-4, loss_type=["ipo"], beta=beta,
                         eval_on_start=True, eval_strategy="steps", eval_steps=4)
-    code, out, err = run(capsys, "train", recipe)
+    code, out, err = run_cli(capsys, "train", recipe)
     assert code == 0, err
     assert (tmp_path / "out" / "model.safetensors").is_file()
     history = json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"]
@@ -77,12 +62,12 @@ def test_dpo_continues_from_an_sft_lora_run(tmp_path, capsys, tiny_own_dir):
            "lora": {"r": 4}, "output": {"dir": str(tmp_path / "sft")},
            "train": {"max_steps": 3, "activation_checkpointing": False, "save_strategy": "no"}}
     (tmp_path / "sft.yaml").write_text(yaml.safe_dump(sft))
-    assert run(capsys, "train", tmp_path / "sft.yaml")[0] == 0
-    code, out, err = run(capsys, "train", dpo_recipe(tmp_path, tmp_path / "sft", lora=False, max_steps=3))
+    assert run_cli(capsys, "train", tmp_path / "sft.yaml")[0] == 0
+    code, out, err = run_cli(capsys, "train", dpo_recipe(tmp_path, tmp_path / "sft", lora=False, max_steps=3))
     assert code == 0, err
     adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert adapter["r"] == 4  # the SFT adapter kept training
-    code, _, err = run(capsys, "train", dpo_recipe(tmp_path, tmp_path / "sft", max_steps=1), "output.dir=" + str(tmp_path / "o2"))
+    code, _, err = run_cli(capsys, "train", dpo_recipe(tmp_path, tmp_path / "sft", max_steps=1), "output.dir=" + str(tmp_path / "o2"))
     assert code == 2 and "already a LoRA output dir" in err
 
 
@@ -100,7 +85,7 @@ def test_untrainable_pairs_are_skipped_and_counted(tmp_path, capsys, tiny_own_di
         {"src": ["q"], "tgt": [], "response": [[""], ["b"]], "sort": [1, 0]},
         {"src": ["word " * 200], "tgt": [], "response": [["a"], ["b"]], "sort": [1, 0]},
     ])
-    code, out, err = run(capsys, "validate", dpo_recipe(tmp_path, tiny_own_dir, data={"train": [str(data)], "max_length": 64}))
+    code, out, err = run_cli(capsys, "validate", dpo_recipe(tmp_path, tiny_own_dir, data={"train": [str(data)], "max_length": 64}))
     assert code == 0, err
     assert "5 records" in out and "1 pairs in 1 rows" in out
     for reason in ("1 empty response", "1 identical chosen and rejected", "1 prompt longer than max_length", "1 tied sort"):
@@ -109,10 +94,10 @@ def test_untrainable_pairs_are_skipped_and_counted(tmp_path, capsys, tiny_own_di
 
 def test_bad_preference_data_is_one_line_error(tmp_path, capsys, tiny_own_dir):
     bad = _write(tmp_path / "bad.jsonl", [{"src": ["q"], "tgt": [], "response": [["a"], ["b"]], "sort": [1, 0]}, {"src": ["q"], "tgt": [], "sort": [1, 0]}])
-    code, _, err = run(capsys, "train", dpo_recipe(tmp_path, tiny_own_dir, data={"train": [str(bad)], "max_length": 64}))
+    code, _, err = run_cli(capsys, "train", dpo_recipe(tmp_path, tiny_own_dir, data={"train": [str(bad)], "max_length": 64}))
     assert code == 2 and f"{bad}:2:" in err and "response" in err and len(err.strip().splitlines()) == 1
     none = _write(tmp_path / "none.jsonl", [{"src": ["q"], "tgt": [], "response": [["a"], ["a"]], "sort": [1, 0]}])
-    code, _, err = run(capsys, "train", dpo_recipe(tmp_path, tiny_own_dir, data={"train": [str(none)], "max_length": 64}))
+    code, _, err = run_cli(capsys, "train", dpo_recipe(tmp_path, tiny_own_dir, data={"train": [str(none)], "max_length": 64}))
     assert code == 2 and "no trainable preference pairs left after filtering (1 identical chosen and rejected)" in err
     assert not (tmp_path / "out").exists()
 
@@ -123,7 +108,7 @@ def test_first_step_loss_is_log2_with_live_or_precomputed_reference(tmp_path, ca
     log-probs line up with the policy's pair by pair (a misordered precompute would not give log 2)."""
     recipe = dpo_recipe(tmp_path, tiny_own_dir, lora=False, max_steps=2, logging_steps=1, learning_rate=1e-5,
                         precompute_ref_log_probs=precompute)
-    code, out, err = run(capsys, "train", recipe)
+    code, out, err = run_cli(capsys, "train", recipe)
     assert code == 0, err
     history = json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"]
     first = next(h for h in history if "loss" in h)

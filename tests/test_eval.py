@@ -7,32 +7,19 @@ import math
 from pathlib import Path
 
 import pytest
-import yaml
 
 from erniekit_lite.cli import main
+from helpers import run_cli, write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 IDENTITY = ROOT / "recipes" / "data" / "identity.jsonl"
 RECORDS = [json.loads(line) for line in IDENTITY.read_text().splitlines()]
 
 
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def write_recipe(path: Path, model_dir: Path, out_dir: Path, lora: dict | None = None, train: dict | None = None, **data) -> Path:
-    recipe = {
-        "lora": lora,
-        "model": {"path": str(model_dir)},
-        "data": {"train": [str(IDENTITY)], "max_length": 128, **data},
-        "output": {"dir": str(out_dir)},
-        "train": {"learning_rate": 2e-2, "max_steps": 20, "per_device_train_batch_size": 1, "activation_checkpointing": False,
-                  "logging_steps": 5, "save_steps": 100, "seed": 0, **(train or {})},
-    }
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+def eval_recipe(path: Path, model_dir: Path, out_dir: Path, lora: dict | None = None, train: dict | None = None, **data) -> Path:
+    train = {"learning_rate": 2e-2, "max_steps": 20, "per_device_train_batch_size": 1, "activation_checkpointing": False,
+             "logging_steps": 5, "save_steps": 100, "seed": 0, **(train or {})}
+    return write_recipe(path, model_dir, data=data, train=train, out=out_dir, lora=lora)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +30,7 @@ def lora_run(tmp_path_factory, tiny_own_dir) -> Path:
     whole set, which is what `eval` computes.
     """
     tmp = tmp_path_factory.mktemp("eval-run")
-    recipe = write_recipe(tmp / "recipe.yaml", tiny_own_dir, tmp / "out", lora={"r": 8, "alpha": 16}, eval=[str(IDENTITY)],
+    recipe = eval_recipe(tmp / "recipe.yaml", tiny_own_dir, tmp / "out", lora={"r": 8, "alpha": 16}, eval=[str(IDENTITY)],
                           train={"per_device_eval_batch_size": 1})
     assert main(["train", str(recipe)]) == 0
     return tmp / "out"
@@ -78,7 +65,7 @@ def test_loss_equals_training_eval_loss(tmp_path, capsys, lora_run, tiny_own_dir
 
 
 def test_recipe_gives_model_and_data_settings(tmp_path, capsys, tiny_own_dir):
-    recipe = write_recipe(tmp_path / "r.yaml", tiny_own_dir, tmp_path / "never", system="Be brief.", max_length=32)
+    recipe = eval_recipe(tmp_path / "r.yaml", tiny_own_dir, tmp_path / "never", system="Be brief.", max_length=32)
     code, out, err = run_cli(capsys, "eval", recipe, "--data", IDENTITY, "--out", tmp_path / "r.json", "--max-samples", 5)
     assert code == 0, err
     results = json.loads((tmp_path / "r.json").read_text())
@@ -154,7 +141,7 @@ def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch, tiny_own_dir):
     (tmp_path / "empty").mkdir()
     assert "not a model dir (no config.json" in bad(tmp_path / "empty", "--data", IDENTITY)
     assert "is a file" in bad(IDENTITY, "--data", IDENTITY)
-    recipe = write_recipe(tmp_path / "r.yaml", tiny_own_dir, tmp_path / "out", max_lenght=64)
+    recipe = eval_recipe(tmp_path / "r.yaml", tiny_own_dir, tmp_path / "out", max_lenght=64)
     assert "unknown key 'max_lenght' in data; did you mean 'max_length'?" in bad(recipe, "--data", IDENTITY)
     assert "recipe file not found" in bad(tmp_path / "nope.yaml", "--data", IDENTITY)
     assert "--batch-size must be at least 1" in bad(tiny_own_dir, "--data", IDENTITY, "--batch-size", 0)

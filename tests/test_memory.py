@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from erniekit_lite import memory
 from erniekit_lite.cli import main
+from helpers import write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 IDENTITY = ROOT / "recipes" / "data" / "identity.jsonl"
@@ -117,16 +117,8 @@ def test_smallest_gpu():
 
 
 def _recipe(tmp_path: Path, model_dir: Path, lora: bool = True, **model) -> Path:
-    recipe = {
-        "model": {"path": str(model_dir), **model},
-        "data": {"train": [str(IDENTITY)], "max_length": 128},
-        **({"lora": {"r": 4}} if lora else {}),
-        "output": {"dir": str(tmp_path / "out")},
-        "train": {"max_steps": 1, "per_device_train_batch_size": 2},
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    return write_recipe(tmp_path / "recipe.yaml", model_dir, model=model, lora={"r": 4} if lora else None,
+                        train={"max_steps": 1, "per_device_train_batch_size": 2})
 
 
 def test_validate_prints_memory_and_returns_it(tmp_path, capsys, tiny_own_dir):

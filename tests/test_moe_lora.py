@@ -17,6 +17,7 @@ from erniekit_lite.errors import UserError
 from erniekit_lite.model.load import load_model
 from erniekit_lite.model.lora import apply_lora, group_of, trainable_groups
 from erniekit_lite.recipe import DEFAULT_LORA_TARGETS, LoraSection
+from helpers import write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 EVERY_GROUP = ("attention", "dense MLP", "shared experts", "routed experts")
@@ -120,19 +121,10 @@ def test_adapter_reloads_in_a_fresh_process_and_merges_to_a_plain_checkpoint(tmp
 
 
 def moe_recipe(tmp_path: Path, model_dir, method="sft", **train) -> Path:
-    data = ROOT / "recipes" / "data" / ("identity_dpo.jsonl" if method == "dpo" else "identity.jsonl")
-    recipe = {
-        "model": {"path": str(model_dir)},
-        "method": method,
-        "data": {"train": [str(data)], "max_length": 256},
-        "lora": {"r": 4, "alpha": 8},
-        "output": {"dir": str(tmp_path / "out")},
-        "train": {"learning_rate": 1e-2, "max_steps": 3, "per_device_train_batch_size": 2, "logging_steps": 1,
-                  "save_steps": 2, "activation_checkpointing": False, "seed": 0, **train},
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    train = {"learning_rate": 1e-2, "max_steps": 3, "per_device_train_batch_size": 2, "logging_steps": 1,
+             "save_steps": 2, "activation_checkpointing": False, "seed": 0, **train}
+    return write_recipe(tmp_path / "recipe.yaml", model_dir, method=method, data={"max_length": 256}, lora={"r": 4, "alpha": 8},
+                        train=train)
 
 
 def test_moe_lora_sft_moves_every_group_logs_aux_loss_and_writes_expert_load(tmp_path, capsys, tiny_moe_dir):

@@ -11,7 +11,7 @@ from erniekit_lite.data.packing import best_fit_decreasing, efficiency, one_per_
 from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import IGNORE, Tokenizer
 from erniekit_lite.model.load import load_model
-from erniekit_lite.train.scoring import add_scoring_forward, labelled_positions
+from erniekit_lite.train.scoring import add_scoring_forward
 
 CONVS = [
     Conversation([Turn("Who are you?", "I am a tiny ERNIE.")], "You are helpful."),

@@ -289,7 +289,7 @@ def test_the_cards_multi_turn_snippet_feeds_the_ids_training_used(tmp_path, erni
 
     import torch
 
-    from erniekit_lite.data.formats import Conversation, Turn
+    from erniekit_lite.data.formats import Turn
     from erniekit_lite.data.template import template_for
     from erniekit_lite.data.tokenize import Tokenizer
 

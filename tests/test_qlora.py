@@ -20,6 +20,7 @@ from erniekit_lite.cli import main
 from erniekit_lite.model.load import load_model
 from erniekit_lite.model.lora import apply_lora
 from erniekit_lite.recipe import LoraSection
+from helpers import write_recipe
 
 bnb = pytest.importorskip("bitsandbytes")  # the test extra installs it; `pip install 'erniekit-lite[qlora]'`
 
@@ -89,17 +90,10 @@ def test_an_eval_pass_does_not_break_training_through_the_4bit_weights(tiny_own_
 
 
 def qlora_recipe(tmp_path: Path, model_dir, **train) -> Path:
-    recipe = {
-        "model": {"path": str(model_dir), "dtype": "bfloat16", "load_in_4bit": True},
-        "data": {"train": [str(ROOT / "recipes" / "data" / "identity.jsonl")], "max_length": 128},
-        "lora": {"r": 8, "alpha": 16, "dropout": 0.0},
-        "output": {"dir": str(tmp_path / "out"), "sample_prompts": ["Who are you?"]},
-        "train": {"learning_rate": 1e-2, "max_steps": 40, "per_device_train_batch_size": 2, "logging_steps": 2,
-                  "save_steps": 40, "activation_checkpointing": False, "seed": 0, "bf16": True, **train},
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    train = {"learning_rate": 1e-2, "max_steps": 40, "per_device_train_batch_size": 2, "logging_steps": 2,
+             "save_steps": 40, "activation_checkpointing": False, "seed": 0, "bf16": True, **train}
+    return write_recipe(tmp_path / "recipe.yaml", model_dir, model={"dtype": "bfloat16", "load_in_4bit": True},
+                        lora={"r": 8, "alpha": 16, "dropout": 0.0}, output={"sample_prompts": ["Who are you?"]}, train=train)
 
 
 @pytest.mark.slow  # ~30 s per architecture on 2 cores
@@ -178,10 +172,10 @@ def test_validate_plans_the_4bit_weights_loaded(tmp_path, capsys, tiny_own_dir):
     bytes, the rest in model.dtype, bf16 adapters) plus the quantization states (absmax, codes). Within 1%."""
     from erniekit_lite import recipe as recipes
     from erniekit_lite.plan import architecture, memory_estimate
-    from erniekit_lite.train.common import training_args
+    from erniekit_lite.trainer_args import training_args
 
     recipe = recipes.load(str(qlora_recipe(tmp_path, tiny_own_dir)), [])
-    args = training_args(recipe, tmp_path / "out", lambda *a: None)
+    args = training_args(recipe, tmp_path / "out")
     est, _ = memory_estimate(recipe, args, architecture(str(tiny_own_dir), recipe), cuda=True)
     model = apply_lora(four_bit(tiny_own_dir), recipe.lora)  # the adapters count too (bf16)
     loaded = sum(p.numel() * p.element_size() for p in model.parameters())

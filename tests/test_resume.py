@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from erniekit_lite.cli import main
 from erniekit_lite.train import callbacks, checkpoints
+from helpers import write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 IDENTITY = str(ROOT / "recipes" / "data" / "identity.jsonl")
@@ -33,19 +34,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def recipe_file(tmp_path: Path, model_dir: Path, name: str, lora: bool = True, **train) -> Path:
-    recipe = {
-        "model": {"path": str(model_dir)},
-        "data": {"train": [IDENTITY], "max_length": 128},  # 18 records in 6 packed rows: 12 steps are 2 epochs
-        "output": {"dir": str(tmp_path / name)},
-        "train": {"learning_rate": 2e-3, "max_steps": 12, "per_device_train_batch_size": 1, "logging_steps": 1,
-                  "save_steps": 4, "activation_checkpointing": False, "seed": 0, "lr_scheduler_type": "cosine",
-                  "warmup_steps": 3, **train},
-    }
-    if lora:
-        recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.1}  # dropout: the resumed RNG state matters
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    # 18 records in 6 packed rows: 12 steps are 2 epochs; LoRA dropout, so the resumed RNG state matters
+    train = {"learning_rate": 2e-3, "max_steps": 12, "per_device_train_batch_size": 1, "logging_steps": 1,
+             "save_steps": 4, "activation_checkpointing": False, "seed": 0, "lr_scheduler_type": "cosine",
+             "warmup_steps": 3, **train}
+    return write_recipe(tmp_path / f"{name}.yaml", model_dir, train=train, out=tmp_path / name,
+                        lora={"r": 4, "alpha": 8, "dropout": 0.1} if lora else None)
 
 
 def history(out: Path) -> list[dict]:

@@ -12,23 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
+from helpers import write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def recipe(tmp_path: Path, model_dir: Path, steps: int) -> Path:
-    data = {
-        "model": {"path": str(model_dir)},
-        "data": {"train": [str(ROOT / "recipes" / "data" / "identity.jsonl")], "max_length": 256},
-        "lora": {"r": 4, "alpha": 8},
-        "output": {"dir": str(tmp_path / "out")},
-        "train": {"learning_rate": 1e-3, "max_steps": steps, "per_device_train_batch_size": 1, "logging_steps": 1,
-                  "save_steps": 10_000, "activation_checkpointing": False, "seed": 0},
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    train = {"learning_rate": 1e-3, "max_steps": steps, "per_device_train_batch_size": 1, "logging_steps": 1,
+             "save_steps": 10_000, "activation_checkpointing": False, "seed": 0}
+    return write_recipe(tmp_path / "recipe.yaml", model_dir, data={"max_length": 256}, lora={"r": 4, "alpha": 8}, train=train)
 
 
 def events(out: Path) -> list[dict]:

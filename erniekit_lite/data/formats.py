@@ -457,7 +457,6 @@ def _sharegpt_response(record: Record, key: str) -> str:
 
 
 def _trl_pref(record: Record) -> Preference:
-    d = record.data
     prompt = _require(record, "prompt")
     system = _opt_str(record, "system")
     if isinstance(prompt, str):

@@ -399,3 +399,33 @@ def _progress(records: int):
 
     # disable=None: shown only on a terminal, so logs and captured output stay clean
     return tqdm(total=records, desc="tokenizing", unit=" records", disable=True if records < PROGRESS_MIN else None, leave=False)
+
+
+def describe_data(data: PreparedData) -> str:
+    s = data.train.stats
+    lines = [f"data: template {data.template}"]
+    for src in data.train.sources:
+        lines.append(f"  {src.path} [{src.format}{' (auto)' if src.detected else ''}]: {src.records} records -> {src.samples} samples")
+    lines.append(
+        f"  train: {len(data.train.samples)} samples in {len(data.train.rows)} rows, "
+        f"packing efficiency {data.train.packing_efficiency:.1%}; truncated {s.truncated}, "
+        f"dropped {s.dropped_overlong} overlong and {s.dropped_untrained} without trained tokens"
+    )
+    if data.eval is not None:
+        lines.append(f"  eval: {len(data.eval.samples)} samples in {len(data.eval.rows)} rows")
+    return "\n".join(lines)
+
+
+def describe_pairs(data: PreparedPairs) -> str:
+    s = data.train.stats
+    lines = [f"data: template {data.template}, preference pairs"]
+    for src in data.train.sources:
+        lines.append(f"  {src.path} [{src.format}{' (auto)' if src.detected else ''}]: {src.records} records -> {src.samples} pairs")
+    skipped = ", ".join(f"{n} {why}" for why, n in sorted(s.skipped.items())) or "none"
+    lines.append(
+        f"  train: {len(data.train.pairs)} pairs in {len(data.train.rows)} rows, packing efficiency "
+        f"{data.train.packing_efficiency:.1%}; truncated {s.truncated}; skipped: {skipped}"
+    )
+    if data.eval is not None:
+        lines.append(f"  eval: {len(data.eval.pairs)} pairs in {len(data.eval.rows)} rows")
+    return "\n".join(lines)

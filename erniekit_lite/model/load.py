@@ -22,6 +22,13 @@ def adapter_base(path: str) -> str | None:
     return json.loads(config.read_text())["base_model_name_or_path"]
 
 
+def tokenizer_path(model_path: str) -> str:
+    # An adapter dir saved by us carries the tokenizer; a bare adapter falls back to its base
+    if adapter_base(model_path) and not (Path(model_path) / "tokenizer_config.json").is_file():
+        return adapter_base(model_path)
+    return model_path
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 

@@ -173,3 +173,10 @@ def _linear_names(model) -> set[str]:
     import torch
 
     return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def groups_line(model) -> str:
+    groups, moe = trainable_groups(model), is_moe(model)
+    # Zeros are shown for every group the architecture has, so a group left without adapters is visible
+    shown = [g for g in GROUPS if groups[g] or g in ("attention", "dense MLP") or (moe and g != "other")]
+    return "  trainable by group: " + ", ".join(f"{g} {groups[g]:,}" for g in shown)

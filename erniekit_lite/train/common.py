@@ -1,58 +1,28 @@
-"""What SFT and DPO runs share: Trainer arguments from the recipe, and the model to train."""
+"""What SFT and DPO runs share: the run's Trainer arguments, the model to train, the LM-head and MoE set-up."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
-from erniekit_lite.model.load import adapter_base, load_model, resolve_attention
-from erniekit_lite.model.lora import GROUPS, is_moe, trainable_groups
+from erniekit_lite.model.load import load_model, resolve_attention
+from erniekit_lite.model.lora import groups_line, is_moe
+from erniekit_lite.plan import choose_checkpointing, head_keep_positions
 from erniekit_lite.recipe import Recipe
+from erniekit_lite.trainer_args import training_args
 
 
-def training_args(recipe: Recipe, out: Path, log=print):
+def run_arguments(recipe: Recipe, out: Path, log=print):
+    """The recipe's Trainer arguments for this run: sharding kept on a multi-process CPU run, and on a GPU activation
+    checkpointing chosen by what the plan needs against the memory free now."""
     import torch
-    from trl import DPOConfig, SFTConfig
 
-    cuda = torch.cuda.is_available()
     from erniekit_lite.train import distribution
 
     if distribution.enabled():
-        distribution.sharding_on_cpu()
-    settings = {
-        "report_to": "none",
-        "bf16": cuda and torch.cuda.is_bf16_supported(),  # TRL defaults to bf16, which fails on CPU
-        "logging_steps": 10,
-        "save_strategy": "steps",
-        "save_total_limit": 2,
-        "dataloader_pin_memory": cuda,
-        **recipe.train,
-        # owned by the recipe's own sections (see recipe.OWNED_TRAIN_KEYS)
-        "output_dir": str(out),
-        "padding_free": False,  # our collators are padding-free; TRL's flag would reject a custom collator
-        "remove_unused_columns": False,
-        "prediction_loss_only": True,
-    }
-    for key in ("save_strategy", "eval_strategy", "logging_strategy"):
-        if settings.get(key) is False:  # YAML 1.1 reads `save_strategy: no` as false
-            settings[key] = "no"
-    if recipe.method == "dpo":
-        settings["max_length"] = None  # pairs are already cut to data.max_length per sequence
-    else:
-        settings["max_length"] = recipe.data.max_length
-        settings["packing"] = False  # we pack ourselves, exactly; TRL must not repack
-        settings["dataset_kwargs"] = {"skip_prepare_dataset": True}
-    if settings.get("fp16") and not cuda:
-        raise UserError("train.fp16: true needs a CUDA GPU and none was found; on CPU use train.bf16=true (bf16 autocast) or train.fp16=false")
-    if settings.get("bf16") and not cuda:
-        settings["use_cpu"] = True  # transformers accepts bf16 without a GPU only so; accelerate then autocasts on CPU
-    try:
-        args = (DPOConfig if recipe.method == "dpo" else SFTConfig)(**settings)
-    except (ValueError, TypeError) as e:
-        raise UserError(f"train: {str(e).strip().splitlines()[0]}") from None
-    if cuda:
-        from erniekit_lite.plan import choose_checkpointing
-
+        distribution.sharding_on_cpu()  # before the arguments make accelerate's state
+    args = training_args(recipe, out)
+    if torch.cuda.is_available():
         choose_checkpointing(recipe, args, free_memory(), log)
     return args
 
@@ -91,7 +61,6 @@ def load_for_training(recipe: Recipe, log=print, apply_lora: bool = True):
 def plan_lm_head(trainer, recipe: Recipe, log=print) -> None:
     """A trained LM head (full fine-tuning): keep or recompute its chunks, as the memory plan allows (scoring.py).
     A frozen head (LoRA) needs no choice: its gradient is taken in forward."""
-    from erniekit_lite.plan import head_keep_positions
     from erniekit_lite.train.scoring import head_trains
 
     model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
@@ -127,20 +96,6 @@ def describe_model(model) -> str:
     if getattr(config, "output_router_logits", False):
         lines.append(f"  router aux loss coefficient {config.router_aux_loss_coef} (logged as aux_loss)")
     return "\n".join(lines)
-
-
-def groups_line(model) -> str:
-    groups, moe = trainable_groups(model), is_moe(model)
-    # Zeros are shown for every group the architecture has, so a group left without adapters is visible
-    shown = [g for g in GROUPS if groups[g] or g in ("attention", "dense MLP") or (moe and g != "other")]
-    return "  trainable by group: " + ", ".join(f"{g} {groups[g]:,}" for g in shown)
-
-
-def tokenizer_path(model_path: str) -> str:
-    # An adapter dir saved by us carries the tokenizer; a bare adapter falls back to its base
-    if adapter_base(model_path) and not (Path(model_path) / "tokenizer_config.json").is_file():
-        return adapter_base(model_path)
-    return model_path
 
 
 def rows_dataset(rows):

@@ -1,50 +1,21 @@
-"""Preference tuning (DPO and TRL's other pairwise losses), read top to bottom like `sft.py`."""
+"""Preference tuning (DPO and TRL's other pairwise losses): what it adds to the shared run (run.py).
+
+A new adapter is handed to TRL as a config: its reference is then the base with the adapter disabled (no copy). A
+LoRA run dir given as model.path keeps its adapter, and TRL copies it as the reference."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from erniekit_lite import hub
 from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator
-from erniekit_lite.data.prepare import PreparedPairs, prepare_pairs
-from erniekit_lite.model.load import load_tokenizer
+from erniekit_lite.data.prepare import PreparedPairs, describe_pairs, prepare_pairs
 from erniekit_lite.recipe import Recipe
-from erniekit_lite.train import callbacks, distribution, rundir
-from erniekit_lite.train.common import describe_model, load_for_training, rows_dataset, tokenizer_path, plan_lm_head, training_args, watch_moe
+from erniekit_lite.train import run as runner
+from erniekit_lite.train.common import rows_dataset
 
 
 def run(recipe: Recipe, log=print) -> Path:
-    args = training_args(recipe, Path(recipe.output.dir), log)
-    rundir.check(recipe)
-    hub.check(recipe)
-    tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
-    data = prepare_pairs(recipe.data, tokenizer, seed=args.seed, log=log)
-    log(describe_pairs(data))
-    # A new adapter is handed to TRL as a config: its reference is then the base with the adapter disabled
-    # (no copy). A LoRA run dir given as model.path keeps its adapter, and TRL copies it as the reference.
-    model = load_for_training(recipe, log, apply_lora=False)
-
-    out = rundir.claim(recipe, log)
-    trainer = build_trainer(model, tokenizer, args, data, recipe)
-    plan_lm_head(trainer, recipe, log)
-    distribution.report(trainer, log)
-    expert_load = watch_moe(trainer, recipe, log)
-    if recipe.lora is not None:
-        log(describe_model(trainer.model))
-    result = callbacks.train(trainer, out, args.resume_from_checkpoint)
-    metrics = {**result.metrics, **trainer.throughput(result.metrics["train_runtime"]), **last_rewards(trainer), "train_samples": len(data.train.pairs),
-               "distributed": trainer.distribution}
-    if data.eval is not None:
-        metrics.update(trainer.evaluate())
-    callbacks.save_final(trainer, out, metrics, expert_load)
-    log(
-        f"done: loss {metrics['train_loss']:.4f}, reward accuracy {metrics.get('rewards/accuracies', float('nan')):.2f}, "
-        f"{metrics['train_tokens_per_second']:.0f} real tokens/s, packing efficiency {metrics['packing_efficiency']:.1%}; saved to {out}"
-    )
-    if trainer.is_world_process_zero():
-        hub.after_training(out, recipe, log)  # loss.png and model card; the push when the recipe has hub:
-    callbacks.finished(out, trainer.state)
-    return out
+    return runner.run(recipe, METHOD, log)
 
 
 def build_trainer(model, tokenizer, args, data: PreparedPairs, recipe: Recipe):
@@ -76,16 +47,8 @@ def last_rewards(trainer) -> dict:
     return {k: logged[-1][k] for k in keys if logged and k in logged[-1]}
 
 
-def describe_pairs(data: PreparedPairs) -> str:
-    s = data.train.stats
-    lines = [f"data: template {data.template}, preference pairs"]
-    for src in data.train.sources:
-        lines.append(f"  {src.path} [{src.format}{' (auto)' if src.detected else ''}]: {src.records} records -> {src.samples} pairs")
-    skipped = ", ".join(f"{n} {why}" for why, n in sorted(s.skipped.items())) or "none"
-    lines.append(
-        f"  train: {len(data.train.pairs)} pairs in {len(data.train.rows)} rows, packing efficiency "
-        f"{data.train.packing_efficiency:.1%}; truncated {s.truncated}; skipped: {skipped}"
-    )
-    if data.eval is not None:
-        lines.append(f"  eval: {len(data.eval.pairs)} pairs in {len(data.eval.rows)} rows")
-    return "\n".join(lines)
+METHOD = runner.Method(
+    prepare=prepare_pairs, describe=describe_pairs, build_trainer=build_trainer, trained=lambda data: len(data.train.pairs),
+    adapter_by_trainer=True, metrics=last_rewards,
+    summary=lambda metrics: f"reward accuracy {metrics.get('rewards/accuracies', float('nan')):.2f}, ",
+)

@@ -50,7 +50,7 @@ def check(recipe: Recipe) -> bool:
         if not same and resuming:
             if not previous.is_file():
                 raise UserError(f"output.dir: {out} holds no recipe.yaml: not a run this recipe can resume")
-            changed = schedule_changes(recipe, previous)  # raises when more than the schedule changed
+            schedule_changes(recipe, previous)  # raises when more than the schedule changed
             if finished:
                 from erniekit_lite.train.checkpoints import complete
 

@@ -1,0 +1,62 @@
+"""A training run, read top to bottom: check the run dir, tokenize and pack, load the model, train, save.
+
+SFT and preference tuning run the same steps; a `Method` (sft.py, dpo.py) names the few that differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from erniekit_lite import hub
+from erniekit_lite.model.load import load_tokenizer, tokenizer_path
+from erniekit_lite.recipe import Recipe
+from erniekit_lite.train import callbacks, distribution, rundir
+from erniekit_lite.train.common import describe_model, load_for_training, plan_lm_head, run_arguments, watch_moe
+
+
+@dataclass(frozen=True)
+class Method:
+    prepare: Callable  # (DataSection, tokenizer, seed=, log=) -> the tokenized, packed data
+    describe: Callable  # that data -> the lines `train` and `validate` print about it
+    build_trainer: Callable  # (model, tokenizer, args, data, recipe) -> the Trainer
+    trained: Callable  # that data -> samples or pairs trained (train_results.json's train_samples)
+    adapter_by_trainer: bool = False  # TRL adds a new adapter itself (the DPO reference is the base without it)
+    metrics: Callable = lambda trainer: {}  # what the method adds to train_results.json
+    summary: Callable = lambda metrics: ""  # what it adds to the final `done:` line
+    finish: Callable | None = None  # (trainer, tokenizer, recipe, out or None, log): after the final save
+
+
+def run(recipe: Recipe, method: Method, log=print) -> Path:
+    args = run_arguments(recipe, Path(recipe.output.dir), log)
+    rundir.check(recipe)  # fail before any slow step
+    hub.check(recipe)
+    tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
+    data = method.prepare(recipe.data, tokenizer, seed=args.seed, log=log)
+    log(method.describe(data))
+    model = load_for_training(recipe, log, apply_lora=not method.adapter_by_trainer)
+
+    # Claimed only now, so a recipe or data mistake never leaves a half-made run dir behind
+    out = rundir.claim(recipe, log)
+    trainer = method.build_trainer(model, tokenizer, args, data, recipe)
+    plan_lm_head(trainer, recipe, log)
+    distribution.report(trainer, log)
+    expert_load = watch_moe(trainer, recipe, log)
+    if method.adapter_by_trainer and recipe.lora is not None:
+        log(describe_model(trainer.model))  # the adapter exists only now
+    result = callbacks.train(trainer, out, args.resume_from_checkpoint)
+    metrics = {**result.metrics, **trainer.throughput(result.metrics["train_runtime"]), **method.metrics(trainer),
+               "train_samples": method.trained(data), "distributed": trainer.distribution}
+    if data.eval is not None:
+        metrics.update(trainer.evaluate())
+    callbacks.save_final(trainer, out, metrics, expert_load)
+    log(f"done: loss {metrics['train_loss']:.4f}, {method.summary(metrics)}{metrics['train_tokens_per_second']:.0f} "
+        f"real tokens/s, packing efficiency {metrics['packing_efficiency']:.1%}; saved to {out}")
+    if method.finish is not None:
+        # Every process takes part (a sharded model's forward is collective); only the main one writes
+        method.finish(trainer, tokenizer, recipe, out if trainer.is_world_process_zero() else None, log)
+    if trainer.is_world_process_zero():
+        hub.after_training(out, recipe, log)  # loss.png and model card; the push when the recipe has hub:
+    callbacks.finished(out, trainer.state)
+    return out

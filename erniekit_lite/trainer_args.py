@@ -1,0 +1,52 @@
+"""The Trainer arguments a recipe makes (TRL's SFTConfig / DPOConfig): read by `validate`'s plan and by training.
+
+Knows nothing about the plan or the training loop; `train/common.py` adds what only a run decides (CPU sharding,
+activation checkpointing by the memory free on the device).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from erniekit_lite.errors import UserError
+from erniekit_lite.recipe import Recipe
+
+
+def training_args(recipe: Recipe, out: Path):
+    """TRL's `SFTConfig` or `DPOConfig` for the recipe, its `train:` keys over erniekit-lite's defaults."""
+    import torch
+    from trl import DPOConfig, SFTConfig
+
+    cuda = torch.cuda.is_available()
+    settings = {
+        "report_to": "none",
+        "bf16": cuda and torch.cuda.is_bf16_supported(),  # TRL defaults to bf16, which fails on CPU
+        "logging_steps": 10,
+        "save_strategy": "steps",
+        "save_total_limit": 2,
+        "dataloader_pin_memory": cuda,
+        **recipe.train,
+        # owned by the recipe's own sections (see recipe.OWNED_TRAIN_KEYS)
+        "output_dir": str(out),
+        "padding_free": False,  # our collators are padding-free; TRL's flag would reject a custom collator
+        "remove_unused_columns": False,
+        "prediction_loss_only": True,
+    }
+    for key in ("save_strategy", "eval_strategy", "logging_strategy"):
+        if settings.get(key) is False:  # YAML 1.1 reads `save_strategy: no` as false
+            settings[key] = "no"
+    if recipe.method == "dpo":
+        settings["max_length"] = None  # pairs are already cut to data.max_length per sequence
+    else:
+        settings["max_length"] = recipe.data.max_length
+        settings["packing"] = False  # we pack ourselves, exactly; TRL must not repack
+        settings["dataset_kwargs"] = {"skip_prepare_dataset": True}
+    if settings.get("fp16") and not cuda:
+        raise UserError("train.fp16: true needs a CUDA GPU and none was found; on CPU use train.bf16=true (bf16 autocast) or train.fp16=false")
+    if settings.get("bf16") and not cuda:
+        settings["use_cpu"] = True  # transformers accepts bf16 without a GPU only so; accelerate then autocasts on CPU
+    try:
+        args = (DPOConfig if recipe.method == "dpo" else SFTConfig)(**settings)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"train: {str(e).strip().splitlines()[0]}") from None
+    return args
