@@ -86,15 +86,13 @@ def revision() -> str:
     return rev + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def run(bench: Bench, quick: bool, out: Path, no_peers: bool) -> int:
+def run(bench: Bench, quick: bool, out: Path) -> int:
     argv = list(bench.quick if quick else bench.full)
     target = out / bench.results
+    shown = " ".join(["python", f"benchmarks/{argv[0]}", *(a if a else '""' for a in argv[1:])])  # as a user types it
     if bench.writes_own:
         argv += ["--out", str(target)]
-    if quick and no_peers and bench.name == "row_length-tiny":
-        argv += ["--lf-shapes", ""]
     command = [sys.executable, str(BENCH / argv[0]), *argv[1:]]
-    shown = " ".join(["python", f"benchmarks/{argv[0]}", *(a if a else '""' for a in argv[1:])])
     print(f"\n=== {bench.name}: {shown}", flush=True)
     load, started = os.getloadavg()[0], time.perf_counter()
     with tempfile.TemporaryFile("w+") as captured:
@@ -102,7 +100,7 @@ def run(bench: Bench, quick: bool, out: Path, no_peers: bool) -> int:
         captured.seek(0)
         printed = captured.read()
     seconds = time.perf_counter() - started
-    footer = (f"\ncommand: {shown}\ngit: {revision()}\nmachine: {machine()}; python {platform.python_version()}\n"
+    footer = (f"\ncommand: {shown} (python -m benchmarks all{' --quick' if quick else ''} --only {bench.name})\ngit: {revision()}\nmachine: {machine()}; python {platform.python_version()}\n"
               f"load average (1 min) before / after: {load:.2f} / {os.getloadavg()[0]:.2f}; wall {seconds:.0f} s; "
               f"exit status {done.returncode}\n")
     if bench.writes_own and done.returncode == 0:
@@ -143,7 +141,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="erniekit-bench-")) if args.quick else BENCH
     out.mkdir(parents=True, exist_ok=True)
     print(f"{len(chosen)} benchmarks, results in {out}; machine: {machine()}; git {revision()}", flush=True)
-    failed = [b.name for b in chosen if run(b, args.quick, out, no_peers) != 0]
+    failed = [b.name for b in chosen if run(b, args.quick, out) != 0]
     print(f"\n{len(chosen) - len(failed)} of {len(chosen)} finished; results in {out}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 

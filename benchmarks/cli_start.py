@@ -4,7 +4,7 @@
 
 What it measures
 - Each command runs `--runs` times in a fresh process (after one untimed warm-up, so the OS file cache holds the
-  interpreter and packages, as it does for a user's second command). Reported: median and best wall seconds.
+  interpreter and packages, as it does for a user's second command). Reported: min / median / max wall seconds.
 - Commands: `erniekit-lite --help` (the installed console script, if on PATH beside this Python), the same through
   `python -m erniekit_lite --help`, `erniekit-lite validate --help`, and bare `python -c pass` as the floor an
   interpreter start costs on this machine.
@@ -73,16 +73,17 @@ def main(argv=None) -> int:
     results = {}
     for name, cmd in commands.items():
         times = time_command(cmd, args.runs)
-        results[name] = {"median_seconds": round(statistics.median(times), 4), "best_seconds": round(min(times), 4)}
+        results[name] = {"min_seconds": round(min(times), 4), "median_seconds": round(statistics.median(times), 4),
+                         "max_seconds": round(max(times), 4)}
     heavy = heavy_imports()
     load_end = os.getloadavg()[0]
 
-    print(f"# CLI start, {args.runs} runs each after a warm-up; Python {sys.version.split()[0]}")
+    print(f"# CLI start, {args.runs} runs each after a warm-up (min / median / max); Python {sys.version.split()[0]}")
     print()
-    print("| command | median s | best s |")
-    print("| --- | ---: | ---: |")
+    print("| command | seconds, min / median / max |")
+    print("| --- | ---: |")
     for name, r in results.items():
-        print(f"| `{name}` | {r['median_seconds']:.3f} | {r['best_seconds']:.3f} |")
+        print(f"| `{name}` | {r['min_seconds']:.3f} / **{r['median_seconds']:.3f}** / {r['max_seconds']:.3f} |")
     print()
     headline = results.get("erniekit-lite --help", results["python -m erniekit_lite --help"])["median_seconds"]
     print(f"--help median {headline:.3f} s (target < 0.5 s: {'met' if headline < 0.5 else 'NOT met'}); "

@@ -1,6 +1,6 @@
 """Data preprocessing speed: records/s to read, tokenize and pack, by process count, and `validate` on 100k records.
 
-    python benchmarks/preprocess.py [--rounds 5] [--num-proc 1,2] [--large 100000] [--skip-validate]
+    python benchmarks/preprocess.py [--rounds 5] [--num-proc 1,2] [--large 100000] [--large-rounds 3] [--skip-validate]
 
 What it measures
 - Small: the alpaca demo (999 records, `../shared/data/llamafactory/alpaca_en_demo.json`) through
@@ -45,6 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per process count on the alpaca demo")
     p.add_argument("--num-proc", default="1,2", help="comma-separated data.num_proc values to compare")
     p.add_argument("--large", type=int, default=100_000, help="records in the large run (0: skip it)")
+    p.add_argument("--large-rounds", type=int, default=3, help="rounds of the large run and of validate, each with an empty cache")
     p.add_argument("--skip-validate", action="store_true", help="do not time the `erniekit-lite validate` CLI")
     return p.parse_args(argv)
 
@@ -115,22 +116,14 @@ def main(argv=None) -> int:
                   f"({len(prepared.train.samples) / wall:.0f} records/s, {cpu:.2f} CPU-s)", flush=True)
     records = len(prepared.train.samples)
 
-    large = {}
+    large, timings = {}, {"miss": [], "hit": [], "validate_first": [], "validate_second": []}
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         if args.large:
             path = tmp / "alpaca-large.json"
             write_large(demo, args.large, path)
-            os.environ["ERNIEKIT_CACHE"] = str(tmp / "cache")
             big = DataSection(train=[{"path": str(path), "format": "alpaca"}], max_length=2048, packing=True)
-            for phase in ("miss", "hit"):
-                wall, cpu, prepared = timed_prepare(big, tokenizer)
-                large[phase] = {"seconds": round(wall, 2), "cpu_seconds": round(cpu, 2),
-                                "records_per_second": round(args.large / wall, 1)}
-                print(f"large {phase}: {args.large} records in {wall:.2f} s ({args.large / wall:.0f} records/s, "
-                      f"{cpu:.1f} CPU-s), {len(prepared.train.rows)} rows", flush=True)
-            entry = next((tmp / "cache" / "data").glob("*.npz"))
-            large["cache_entry_mb"] = round(entry.stat().st_size / 2**20, 1)
+            recipe = None
             if not args.skip_validate:
                 from erniekit_lite.tiny import write_tiny
 
@@ -141,46 +134,72 @@ def main(argv=None) -> int:
                     "data": {"train": [{"path": str(path), "format": "alpaca"}], "max_length": 2048},
                     "output": {"dir": str(tmp / "run")}, "train": {"max_steps": 10},
                 }))
-                for phase in ("first", "second"):  # a cache folder of its own: the first run misses
-                    wall, out = run_validate(recipe, tmp / "validate-cache")
-                    reused = "data cache:" in out and "reused" in out
-                    large[f"validate_{phase}_run_seconds"] = round(wall, 2)
-                    large[f"validate_{phase}_run_cache_hit"] = reused
-                    print(f"validate, {phase} run (cache {'hit' if reused else 'miss'}): {wall:.2f} s", flush=True)
+            for rnd in range(args.large_rounds):
+                os.environ["ERNIEKIT_CACHE"] = str(tmp / f"cache-{rnd}")  # empty: the first prepare misses
+                for phase in ("miss", "hit"):
+                    wall, cpu, prepared = timed_prepare(big, tokenizer)
+                    timings[phase].append((wall, cpu))
+                    print(f"round {rnd + 1} large {phase}: {args.large} records in {wall:.2f} s ({args.large / wall:.0f} "
+                          f"records/s, {cpu:.1f} CPU-s), {len(prepared.train.rows)} rows", flush=True)
+                if rnd == 0:
+                    entry = next((tmp / "cache-0" / "data").glob("*.npz"))
+                    large["cache_entry_mb"] = round(entry.stat().st_size / 2**20, 1)
+                if recipe is not None:
+                    for phase in ("first", "second"):  # a cache folder of its own: the first run misses
+                        wall, out = run_validate(recipe, tmp / f"validate-cache-{rnd}")
+                        reused = "data cache:" in out and "reused" in out
+                        if reused != (phase == "second"):
+                            raise SystemExit(f"validate, {phase} run: expected a cache {'hit' if phase == 'second' else 'miss'}")
+                        timings[f"validate_{phase}"].append((wall, 0.0))
+                        print(f"round {rnd + 1} validate, {phase} run (cache {'hit' if reused else 'miss'}): {wall:.2f} s", flush=True)
+    for key, runs in timings.items():
+        if runs:
+            walls = sorted(w for w, _ in runs)
+            large[key] = {"seconds": [round(min(walls), 2), round(statistics.median(walls), 2), round(max(walls), 2)],
+                          "cpu_seconds_median": round(statistics.median(c for _, c in runs), 2)}
+            if not key.startswith("validate"):
+                large[key]["records_per_second_median"] = round(args.large / statistics.median(walls), 1)
 
     summary = {}
     for n, runs in small.items():
         walls = [w for w, _ in runs]
         summary[n] = {
             "median_seconds": round(statistics.median(walls), 3),
-            "median_records_per_second": round(records / statistics.median(walls), 1),
-            "best_records_per_second": round(records / min(walls), 1),
+            "records_per_second": [round(records / max(walls), 1), round(records / statistics.median(walls), 1),
+                                   round(records / min(walls), 1)],  # min / median / max
             "median_cpu_seconds": round(statistics.median(c for _, c in runs), 3),
         }
     load_end = os.getloadavg()[0]
     wall = time.perf_counter() - t_start
 
     print()
-    print("| input | num_proc | seconds (median) | records/s (median) | records/s (best) | CPU-s (median) |")
+    print("| input | num_proc | rounds | seconds (median) | records/s, min / median / max | CPU-s (median) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for n, s in summary.items():
-        print(f"| alpaca demo ({records}) | {n} | {s['median_seconds']:.3f} | {s['median_records_per_second']:.0f} | "
-              f"{s['best_records_per_second']:.0f} | {s['median_cpu_seconds']:.2f} |")
+        lo, mid, hi = s["records_per_second"]
+        print(f"| alpaca demo ({records}) | {n} | {args.rounds} | {s['median_seconds']:.3f} | {lo:.0f} / **{mid:.0f}** / {hi:.0f} | "
+              f"{s['median_cpu_seconds']:.2f} |")
     for phase in ("miss", "hit"):
         if phase in large:
             s = large[phase]
+            lo, mid, hi = (args.large / w for w in reversed(s["seconds"]))
             label = "first run (cache empty)" if phase == "miss" else "second run (cache hit)"
-            print(f"| {args.large} unique, {label} | auto | {s['seconds']:.2f} | {s['records_per_second']:.0f} | | {s['cpu_seconds']:.1f} |")
-    if "validate_first_run_seconds" in large:
-        print(f"\n`erniekit-lite validate` on {args.large} records: first run {large['validate_first_run_seconds']:.1f} s, "
-              f"second run {large['validate_second_run_seconds']:.1f} s (cache entry {large['cache_entry_mb']} MB)")
-    best = max(s["median_records_per_second"] for s in summary.values())
+            print(f"| {args.large} unique, {label} | auto | {args.large_rounds} | {s['seconds'][1]:.2f} | "
+                  f"{lo:.0f} / **{mid:.0f}** / {hi:.0f} | {s['cpu_seconds_median']:.1f} |")
+    for phase in ("first", "second"):
+        if f"validate_{phase}" in large:
+            lo, mid, hi = large[f"validate_{phase}"]["seconds"]
+            print(f"\n`erniekit-lite validate` on {args.large} records, {phase} run: {lo:.1f} / **{mid:.1f}** / {hi:.1f} s "
+                  f"(min / median / max of {args.large_rounds})", end="")
+    if "validate_first" in large:
+        print(f"; cache entry {large['cache_entry_mb']} MB")
+    best = max(s["records_per_second"][1] for s in summary.values())
     print(f"target >= 2,000 records/s on the alpaca demo: {'met' if best >= 2000 else 'NOT met'} ({best:.0f})")
     print(f"wall time: {wall:.1f} s; 1-min load average {load_start:.2f} at start, {load_end:.2f} at end"
           + (" (above 1: other processes may have competed; timings may be noisy)" if load_start > 1.0 else ""))
     print(json.dumps({
         "benchmark": "preprocess",
-        "config": {"records": records, "rounds": args.rounds, "num_proc": counts, "large": args.large, "cores": cores,
+        "config": {"records": records, "rounds": args.rounds, "large_rounds": args.large_rounds, "num_proc": counts, "large": args.large, "cores": cores,
                    "erniekit_lite": erniekit_lite.__version__, "python": sys.version.split()[0]},
         "alpaca_demo": {str(n): s for n, s in summary.items()},
         "large": large,
