@@ -7,7 +7,7 @@
 Each benchmark runs as its own command (the one the README names beside its figures), one after another, so no
 two compete for the cores. What it prints goes to `DIR/results-<file>.txt` (default `benchmarks/`, where the
 README's figures come from; `--quick` defaults to a temporary folder and never touches those files), followed by
-a footer: the exact command, the git revision (with `+changes` when the work tree differs from it), the machine
+a footer: the exact command, the git revision (with `+dirty` when the measured code differs from it: `_common.MEASURED_PATHS`), the machine
 (CPU model, cores, memory), the 1-minute load average before and after, and the wall time.
 
 Peers: the `*-peers` benchmarks and `row_length-tiny` run LLaMA-Factory in its own venv
@@ -26,6 +26,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks._common import git_revision
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -80,12 +82,6 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores{memory}"
 
 
-def revision() -> str:
-    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    rev = git("rev-parse", "--short", "HEAD") or "unknown"
-    return rev + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
 def run(bench: Bench, quick: bool, out: Path) -> int:
     argv = list(bench.quick if quick else bench.full)
     target = out / bench.results
@@ -94,13 +90,13 @@ def run(bench: Bench, quick: bool, out: Path) -> int:
         argv += ["--out", str(target)]
     command = [sys.executable, str(BENCH / argv[0]), *argv[1:]]
     print(f"\n=== {bench.name}: {shown}", flush=True)
-    load, started = os.getloadavg()[0], time.perf_counter()
+    revision, load, started = git_revision() or "unknown", os.getloadavg()[0], time.perf_counter()
     with tempfile.TemporaryFile("w+") as captured:
         done = subprocess.run(command, cwd=ROOT, stdout=captured, stderr=subprocess.STDOUT, text=True)
         captured.seek(0)
         printed = captured.read()
     seconds = time.perf_counter() - started
-    footer = (f"\ncommand: {shown} (python -m benchmarks all{' --quick' if quick else ''} --only {bench.name})\ngit: {revision()}\nmachine: {machine()}; python {platform.python_version()}\n"
+    footer = (f"\ncommand: {shown} (python -m benchmarks all{' --quick' if quick else ''} --only {bench.name})\ngit: {revision}\nmachine: {machine()}; python {platform.python_version()}\n"
               f"load average (1 min) before / after: {load:.2f} / {os.getloadavg()[0]:.2f}; wall {seconds:.0f} s; "
               f"exit status {done.returncode}\n")
     if bench.writes_own and done.returncode == 0:
@@ -140,7 +136,7 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="erniekit-bench-")) if args.quick else BENCH
     out.mkdir(parents=True, exist_ok=True)
-    print(f"{len(chosen)} benchmarks, results in {out}; machine: {machine()}; git {revision()}", flush=True)
+    print(f"{len(chosen)} benchmarks, results in {out}; machine: {machine()}; git {git_revision()}", flush=True)
     failed = [b.name for b in chosen if run(b, args.quick, out) != 0]
     print(f"\n{len(chosen) - len(failed)} of {len(chosen)} finished; results in {out}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

@@ -139,11 +139,17 @@ def write_records(src: Path, dst: Path, samples: int | None) -> list[dict]:
     return records
 
 
+# What a result measured: the package, the recipes and the benchmark code. Results files and docs are left out,
+# so regenerating one result (or editing the README) does not mark the next one's code as changed.
+MEASURED_PATHS = ("erniekit_lite", "webui", "recipes", "pyproject.toml", "benchmarks/*.py", "benchmarks/runners")
+
+
 def git_revision() -> str | None:
-    """HEAD plus '+dirty' for a modified tree, so a result says which code it measured."""
+    """HEAD plus '+dirty' when the measured code (MEASURED_PATHS) differs from it."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *MEASURED_PATHS],
+                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return None

@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _common  # benchmarks/ is the script's own directory, first on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,7 +37,7 @@ def main() -> int:
                 subprocess.run([sys.executable, "-m", "erniekit_lite", *command], cwd=tmp, check=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "TQDM_DISABLE": "1"})
             times.append(time.perf_counter() - started)
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    rev = _common.git_revision()
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.machine())
     lines = [
         "# quick start wall time: `erniekit-lite tiny runs/tiny-ernie --arch dense && erniekit-lite train recipes/quickstart.yaml`",

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
+
+import _common  # benchmarks/ is the script's own directory, first on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("ERNIEKIT_SHARED", ROOT.parent / "shared"))
@@ -72,7 +73,7 @@ def main() -> None:
             prompts[len(conv.turns) > 1] += ids_of(tok, prompt) != one_string(tokenizer, prompt)
         lines.append(f"| {path.relative_to(SHARED)} | {len(convs)} | {multi} | {whole} | {prompts[True]} of {multi} | "
                      f"{prompts[False]} of {len(convs) - multi} |")
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    rev = _common.git_revision()
     import tokenizers
     import transformers
 
