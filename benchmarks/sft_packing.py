@@ -15,7 +15,6 @@ How "the same work" is defined
 - Headline metric: real (non-pad) tokens per second: the benchmark's own count of the tokens the training steps
   consumed over the wall clock of `Trainer.train()` (erniekit-lite's own `train_tokens_per_second`, its count over
   `train_runtime`, is shown beside it; the counts agree, the clocks differ by the Trainer's setup, well under 1 s).
-  Results recorded before this harness (benchmarks/results-sft_packing-*.txt) used erniekit-lite's own figure.
 - Padded mode: `--batch` samples per step (each padded to the longest in its batch) for `--steps` steps.
 - Packed mode: rows = max(1, round(batch * mean_sample_len / mean_packed_row_len)) (about as many samples per step
   as padded), steps = max(1, round(steps * batch * mean_sample_len / (rows * mean_packed_row_len))) (about the same
