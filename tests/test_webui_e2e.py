@@ -1,7 +1,7 @@
 """The web UI end to end in a real headless Chromium (Debian's, driven by Playwright): `erniekit-lite webui` in a
 directory holding the recipes and a tiny model; pick the quick-start recipe, shorten it in the form, preview and
 validate, train with live progress (a second page reattaches), chat with the result beside its base, and push it
-to a local stand-in of the Hub with a token typed in the page. Screenshots of each tab go to the test's temp dir.
+to a local stand-in of the Hub with a token typed in the page, and evaluate it beside its base on a local lm-eval task. Screenshots of each tab go to the test's temp dir.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import pytest
 
 from erniekit_lite.cli import main
 from fake_hub import FakeHub
+from helpers import write_lm_eval_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -48,6 +49,7 @@ def workdir(tmp_path) -> Path:
     work = tmp_path / "work"
     shutil.copytree(ROOT / "recipes", work / "recipes")
     assert main(["tiny", str(work / "runs" / "tiny-ernie"), "--arch", "dense"]) == 0
+    write_lm_eval_tasks(work / "eval_tasks")
     return work
 
 
@@ -161,6 +163,17 @@ def test_configure_train_chat_export_in_a_browser(server, workdir, tmp_path):
         expect(page.locator("#export-status textarea")).to_have_value(
             re.compile(rf"pushed to {re.escape(hub.url)}/someone/webui-identity"), timeout=120_000)
         expect(page.locator("#export-token input")).to_have_value("")
+
+        # Evaluate: lm-eval on a local task, the run beside its base, the table shown
+        page.locator("#eval-tasks textarea").fill("tiny_who")
+        page.locator("#eval-tasks-path textarea").fill("eval_tasks")
+        page.locator("#eval-compare textarea").fill("runs/tiny-ernie")
+        page.locator("#eval-limit input[type=number]").fill("3")
+        page.locator("#eval-chat input").check()
+        page.locator("#eval-run").click()
+        expect(page.locator("#eval-table")).to_contain_text("tiny_who", timeout=180_000)
+        expect(page.locator("#eval-table")).to_contain_text("exact_match,none")
+        expect(page.locator("#eval-status textarea")).to_have_value(re.compile(r"eval: wrote eval_results\.json"))
         page.screenshot(path=shots / "webui-export.png", full_page=True)
         assert TOKEN not in page.content()
         browser.close()
