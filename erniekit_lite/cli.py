@@ -70,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-samples", type=int, metavar="N", help="only the first N records (--data) or examples per task (--tasks, as --limit)")
     p.set_defaults(handler=_eval)
 
+    p = sub.add_parser("serve", help="an OpenAI-compatible server for a run (vLLM or `transformers serve`); LoRA runs merged once")
+    p.add_argument("run", help="a run output dir (LoRA: merged once into RUN.merged), a model dir or a Hub id")
+    p.add_argument("--engine", choices=["auto", "vllm", "transformers"], default="auto", help="auto: vLLM when its executable is found, else transformers")
+    p.add_argument("--vllm", metavar="PATH", help="the `vllm` executable (or its venv dir): vLLM pins an older transformers, so it lives in its own environment")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every network interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(handler=_serve)
+
     p = sub.add_parser("tiny", help="write a small random ERNIE 4.5 checkpoint (offline demos and tests)")
     p.add_argument("out_dir")
     p.add_argument("--arch", choices=["dense", "moe"], default="dense")
@@ -202,6 +210,14 @@ def _eval(args) -> int:
     from erniekit_lite.evaluate import evaluate
 
     evaluate(args.target, args.data, args.out, args.generate, args.max_new_tokens, args.batch_size, args.max_samples)
+    return 0
+
+
+def _serve(args) -> int:
+    _quiet_libraries()
+    from erniekit_lite.serve import serve
+
+    serve(args.run, args.engine, args.host, args.port, args.vllm)
     return 0
 
 
