@@ -70,6 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-samples", type=int, metavar="N", help="only the first N records (--data) or examples per task (--tasks, as --limit)")
     p.set_defaults(handler=_eval)
 
+    p = sub.add_parser("export", help="a GGUF for llama.cpp / Ollama, made by llama.cpp's own converter and quantizer (LoRA runs merged first)")
+    p.add_argument("run", help="a finished run's output dir (LoRA or full) or a model dir")
+    p.add_argument("--to", default="gguf", help="gguf (the only format)")
+    p.add_argument("--outtype", default="f16", help="f32, f16, bf16, q8_0 (the converter) or q4_k_m, q5_k_m, q6_k, ... (llama.cpp's quantizer)")
+    p.add_argument("--out", required=True, help="new directory for the GGUF (and the Modelfile)")
+    p.add_argument("--ollama", action="store_true", help="also write an Ollama Modelfile: the ERNIE template, stop tokens, system prompt")
+    p.add_argument("--llama-cpp", metavar="DIR", help="a llama.cpp checkout or an unpacked llama-cpp-python sdist (default: $LLAMA_CPP_DIR)")
+    p.add_argument("--overwrite", action="store_true", help="allow replacing a previous export in --out")
+    p.set_defaults(handler=_export)
+
     p = sub.add_parser("serve", help="an OpenAI-compatible server for a run (vLLM or `transformers serve`); LoRA runs merged once")
     p.add_argument("run", help="a run output dir (LoRA: merged once into RUN.merged), a model dir or a Hub id")
     p.add_argument("--engine", choices=["auto", "vllm", "transformers"], default="auto", help="auto: vLLM when its executable is found, else transformers")
@@ -210,6 +220,14 @@ def _eval(args) -> int:
     from erniekit_lite.evaluate import evaluate
 
     evaluate(args.target, args.data, args.out, args.generate, args.max_new_tokens, args.batch_size, args.max_samples)
+    return 0
+
+
+def _export(args) -> int:
+    _quiet_libraries()
+    from erniekit_lite.export import export
+
+    export(args.run, args.to, args.out, args.outtype, args.ollama, args.llama_cpp, args.overwrite)
     return 0
 
 

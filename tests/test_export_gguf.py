@@ -1,0 +1,229 @@
+"""`erniekit-lite export --to gguf` through llama.cpp's own converter and loaded by llama.cpp itself
+(`llama-cpp-python`): greedy answers from the same prompt ids equal transformers', token for token; ERNIE's chat
+markers are control tokens in the GGUF; the Ollama Modelfile's template renders conversations as erniekit-lite
+does. Needs `llama-cpp-python` (built from its source distribution) and `LLAMA_CPP_DIR` pointing at llama.cpp's
+converter (the unpacked sdist: `.ci/run` sets both up)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ERNIE_TOKENIZER_DIR
+from erniekit_lite.data.formats import Turn
+from erniekit_lite.data.template import template_for
+from erniekit_lite.data.tokenize import Tokenizer
+from erniekit_lite.export import OLLAMA_TEMPLATE, STOP
+from erniekit_lite.generate import Prompt, _prompt_ids, stop_ids
+from helpers import run_cli, write_recipe
+
+llama_cpp = pytest.importorskip("llama_cpp")
+CONVERTER = os.environ.get("LLAMA_CPP_DIR")
+pytestmark = pytest.mark.skipif(not CONVERTER, reason="LLAMA_CPP_DIR (llama.cpp's converter) not set")
+PROMPTS = ["Who are you?", "What is 2 + 2?", "Write a haiku about rain.", "你好，请介绍一下你自己。", "List three colours."]
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def dense_lora_run(tmp_path_factory) -> Path:
+    """A LoRA run on a tiny dense model with the real tokenizer (its tokenizer.model included), adapter made visible."""
+    from erniekit_lite.cli import main
+    from erniekit_lite.model.load import load_model
+    from erniekit_lite.tiny import write_tiny
+
+    tmp = tmp_path_factory.mktemp("gguf-dense")
+    base = write_tiny(str(tmp / "base"), "dense", str(ERNIE_TOKENIZER_DIR), hidden_size=64, layers=2)
+    recipe = write_recipe(tmp / "r.yaml", base, lora={"r": 4, "alpha": 8}, out=tmp / "run",
+                          train={"learning_rate": 1e-2, "max_steps": 2, "per_device_train_batch_size": 2, "activation_checkpointing": False})
+    assert main(["train", str(recipe)]) == 0
+    with torch.no_grad():
+        model = load_model(str(tmp / "run"), "float32", "sdpa")
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+        model.save_pretrained(tmp / "run")
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    from erniekit_lite.tiny import write_tiny
+
+    return write_tiny(str(tmp_path_factory.mktemp("gguf-moe") / "moe"), "moe", str(ERNIE_TOKENIZER_DIR), hidden_size=64, layers=3)
+
+
+def transformers_greedy(model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids as training builds them, greedy continuation ids) for PROMPTS, with transformers."""
+    from erniekit_lite.chat import load
+
+    model, tokenizer = load(str(model_dir))
+    tok = Tokenizer(tokenizer, template_for(tokenizer))
+    stop = stop_ids(model, tokenizer)
+    prompts, answers = [], []
+    for text in PROMPTS:
+        ids = _prompt_ids(tok, Prompt(text))
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False, eos_token_id=stop,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+        end = next((k for k, t in enumerate(out) if t in stop), len(out))
+        prompts.append(ids)
+        answers.append(out[:end])
+    return prompts, answers
+
+
+def llama_greedy(gguf: Path, prompts: list[list[int]], stop: set[int]) -> list[list[int]]:
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=256, n_threads=2, verbose=False)
+    answers = []
+    for ids in prompts:
+        llm.reset()
+        out = []
+        for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
+            if token in stop or len(out) == TOKENS:
+                break
+            out.append(token)
+        answers.append(out)
+    return answers
+
+
+def export_to(capsys, run: Path, out: Path, outtype: str, *extra) -> Path:
+    code, printed, err = run_cli(capsys, "export", run, "--outtype", outtype, "--out", out, "--llama-cpp", CONVERTER, *extra)
+    assert code == 0, err
+    marker = json.loads((out / "erniekit_export.json").read_text())
+    assert f"export: {out / marker['gguf']}" in printed
+    return out / marker["gguf"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["dense_lora_run", "moe_dir"])
+def test_llama_cpp_greedy_equals_transformers(tmp_path, capsys, request, model):
+    run = request.getfixturevalue(model)
+    gguf = export_to(capsys, run, tmp_path / "f32", "f32")
+    merged = tmp_path / "merged"
+    if model == "dense_lora_run":
+        assert run_cli(capsys, "merge", run, "--out", merged)[0] == 0
+    reference = merged if model == "dense_lora_run" else run
+    prompts, expected = transformers_greedy(reference)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(reference)
+    stop = {tokenizer.convert_tokens_to_ids(t) for t in STOP}
+    got = llama_greedy(gguf, prompts, stop)
+    assert got == expected
+    assert sum(map(len, expected)) >= 3 * len(PROMPTS)  # answers long enough for the comparison to mean something
+
+    # the chat markers are control tokens: llama.cpp reads a rendered prompt as training built its ids
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=64, verbose=False, vocab_only=True)
+    assert llm.tokenize("<|begin_of_sentence|>".encode(), add_bos=False, special=True) == [tokenizer.convert_tokens_to_ids("<|begin_of_sentence|>")]
+    assert llm.tokenize("<|end_of_sentence|>".encode(), add_bos=False, special=True) == [tokenizer.convert_tokens_to_ids("<|end_of_sentence|>")]
+    assert len(llm.tokenize("<|begin_of_sentence|>".encode(), add_bos=False, special=False)) > 1  # typed text stays text
+    marked = json.loads((tmp_path / "f32" / "erniekit_export.json").read_text())["control_tokens_marked"]
+    print(f"{model}: control tokens the converter left as text, marked: {marked}")
+
+
+@pytest.mark.slow
+def test_f16_and_q8_0_agreement_is_reported(tmp_path, capsys, dense_lora_run):
+    """f16 and q8_0 round the weights: the share of greedy tokens equal to transformers' is printed, not asserted."""
+    merged = tmp_path / "merged"
+    assert run_cli(capsys, "merge", dense_lora_run, "--out", merged)[0] == 0
+    prompts, expected = transformers_greedy(merged)
+    stop = {1, 2}
+    for outtype in ("f16", "q8_0"):
+        got = llama_greedy(export_to(capsys, dense_lora_run, tmp_path / outtype, outtype), prompts, stop)
+        same = sum(a == b for e, g in zip(expected, got) for a, b in zip(e, g))
+        total = sum(len(e) for e in expected)
+        print(f"{outtype}: {same} of {total} greedy tokens equal transformers' (prefix-wise: "
+              f"{sum(e == g for e, g in zip(expected, got))} of {len(PROMPTS)} answers identical)")
+        assert (tmp_path / outtype / f"model-{outtype}.gguf").stat().st_size > 0
+
+
+def render_go_template(template: str, messages: list[dict]) -> str:
+    """The subset of Go's text/template the Modelfile uses: {{ range .Messages }}, {{ if eq .Role "x" }},
+    {{ else if eq .Role "x" }}, {{ end }}, {{ .Content }}."""
+    tokens = re.split(r"({{.*?}})", template)
+
+    def run(i: int, message: dict | None, out: list[str], emit: bool) -> int:
+        while i < len(tokens):
+            t = tokens[i]
+            if not t.startswith("{{"):
+                if emit:
+                    out.append(t)
+                i += 1
+                continue
+            action = t[2:-2].strip()
+            if action == "end" or action.startswith("else"):
+                return i
+            if action == ".Content":
+                if emit:
+                    out.append(message["content"])
+                i += 1
+            elif action == "range .Messages":
+                start, end = i + 1, None
+                for m in messages:
+                    end = run(start, m, out, emit)
+                if end is None:  # no messages: skip the body
+                    end = run(start, None, [], False)
+                i = end + 1
+            elif action.startswith("if "):
+                taken = False
+                while True:
+                    cond = re.fullmatch(r'(?:if|else if) eq \.Role "(\w+)"', action)
+                    hit = not taken and (cond is None or message["role"] == cond.group(1))
+                    i = run(i + 1, message, out, emit and hit)
+                    taken = taken or hit
+                    action = tokens[i][2:-2].strip()
+                    if action == "end":
+                        break
+                i += 1
+            else:
+                raise ValueError(f"unsupported action {action!r}")
+        return i
+
+    out: list[str] = []
+    run(0, None, out, True)
+    return "".join(out)
+
+
+def test_modelfile_renders_as_erniekit_lite(tmp_path, capsys, ernie_tokenizer):
+    from erniekit_lite.export import modelfile
+
+    text = modelfile("model-q8_0.gguf", "You are concise.")
+    template = re.search(r'TEMPLATE """(.*?)"""', text, re.S).group(1)
+    assert template == OLLAMA_TEMPLATE
+    assert 'PARAMETER stop "</s>"' in text and 'PARAMETER stop "<|end_of_sentence|>"' in text
+    assert 'SYSTEM """You are concise."""' in text and text.startswith("FROM ./model-q8_0.gguf\n")
+
+    tok = Tokenizer(ernie_tokenizer, template_for(ernie_tokenizer))
+    for system, history, user in ((None, [], "Who are you?"), ("You are concise.", [], "Hi"),
+                                  ("Be brief.", [Turn("1 + 1?", "2"), Turn("And 2 + 2?", "4")], "And 3 + 3?")):
+        messages = ([{"role": "system", "content": system}] if system else []) + \
+            [m for t in history for m in ({"role": "user", "content": t.user}, {"role": "assistant", "content": t.assistant})] + \
+            [{"role": "user", "content": user}]
+        pieces = tok.template.generation_prompt(system, history, user)
+        expected = "".join(p.text if p.text is not None else ernie_tokenizer.decode(list(p.ids)) for p in pieces)
+        assert render_go_template(OLLAMA_TEMPLATE, messages) == expected
+
+
+def test_bad_input_is_one_line(tmp_path, capsys, tiny_own_dir):
+    def error(*argv) -> str:
+        code, out, err = run_cli(capsys, "export", *argv)
+        assert code == 2 and err.count("\n") == 1, err
+        return err
+
+    out = tmp_path / "out"
+    assert "--outtype: 'q3'" in error(tiny_own_dir, "--out", out, "--outtype", "q3", "--llama-cpp", CONVERTER)
+    assert "no convert_hf_to_gguf.py" in error(tiny_own_dir, "--out", out, "--llama-cpp", tmp_path)
+    unfinished = tmp_path / "run"
+    unfinished.mkdir()
+    (unfinished / "recipe.yaml").write_text("model: {path: x}\n")
+    assert "has not finished" in error(unfinished, "--out", out, "--llama-cpp", CONVERTER)
+    assert "no sentencepiece tokenizer.model" in error(tiny_own_dir, "--out", out, "--llama-cpp", CONVERTER)
+    assert not out.exists() and not list(tmp_path.glob(".out.exporting"))  # nothing half-written
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    assert "not empty" in error(tiny_own_dir, "--out", out, "--llama-cpp", CONVERTER)
+    assert (out / "mine.txt").read_text() == "keep"
