@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm", metavar="PATH", help="the `vllm` executable (or its venv dir): vLLM pins an older transformers, so it lives in its own environment")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every network interface)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("engine_args", nargs="*", metavar="-- ENGINE ARGS",
+                   help="passed to the engine as they are, after `--` (vLLM: -- --max-model-len 4096 --dtype bfloat16)")
     p.set_defaults(handler=_serve)
 
     p = sub.add_parser("tiny", help="write a small random ERNIE 4.5 checkpoint (offline demos and tests)")
@@ -235,7 +237,7 @@ def _serve(args) -> int:
     _quiet_libraries()
     from erniekit_lite.serve import serve
 
-    serve(args.run, args.engine, args.host, args.port, args.vllm)
+    serve(args.run, args.engine, args.host, args.port, args.vllm, args.engine_args)
     return 0
 
 

@@ -126,6 +126,7 @@ def hf_model(source: Path, merged_dir: Path, log) -> Path:
 
         log(f"export: merging the LoRA run {source} into its base first")
         model_dir = merge(str(source), str(merged_dir), log=log)
+    llama_cpp_reads(model_dir)
     if not (model_dir / "tokenizer.model").is_file():
         spm = next((Path(d) / "tokenizer.model" for d in (source, base) if d and (Path(d) / "tokenizer.model").is_file()), None)
         if spm is None:
@@ -140,6 +141,21 @@ def hf_model(source: Path, merged_dir: Path, log) -> Path:
             model_dir = copy
         shutil.copy(spm, model_dir / "tokenizer.model")
     return model_dir
+
+
+def llama_cpp_reads(model_dir: Path) -> None:
+    """Refuse an MoE shape that llama.cpp would not load: its converter writes the shared experts' width as
+    intermediate_size // num_key_value_heads (true of the released 21B-A3B: 12288 // 4 = 1536 x 2 shared)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    shared = config.get("moe_num_shared_experts") or 0
+    if config.get("model_type") != "ernie4_5_moe" or not shared:
+        return
+    width = config["moe_intermediate_size"] * shared
+    derived = config["intermediate_size"] // config["num_key_value_heads"]
+    if width != derived:
+        raise UserError(f"{model_dir / 'config.json'}: shared experts {width} wide (moe_intermediate_size x moe_num_shared_experts), "
+                        f"but llama.cpp's converter writes intermediate_size // num_key_value_heads = {derived}, and llama.cpp "
+                        "would refuse the GGUF; the released ERNIE 4.5 MoE shapes satisfy this (nothing was written)")
 
 
 def convert(converter: Path, model_dir: Path, gguf: Path, outtype: str, log) -> None:

@@ -23,8 +23,9 @@ from erniekit_lite.errors import UserError
 ENGINES = ("auto", "vllm", "transformers")
 
 
-def serve(run: str, engine: str = "auto", host: str = "127.0.0.1", port: int = 8000, vllm: str | None = None, log=print) -> None:
-    command = serve_command(run, engine, host, port, vllm, log)
+def serve(run: str, engine: str = "auto", host: str = "127.0.0.1", port: int = 8000, vllm: str | None = None,
+          engine_args: list[str] | None = None, log=print) -> None:
+    command = serve_command(run, engine, host, port, vllm, log) + list(engine_args or [])
     model = command[command.index("serve") + 1]
     log(f"serve: http://{host}:{port}/v1 (OpenAI-compatible), requests name the model {model!r}: {shlex.join(command)}")
     sys.stdout.flush()

@@ -6,6 +6,7 @@ converter (the unpacked sdist: `.ci/run` sets both up)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -19,14 +20,24 @@ from erniekit_lite.data.formats import Turn
 from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import Tokenizer
 from erniekit_lite.export import OLLAMA_TEMPLATE, STOP
-from erniekit_lite.generate import Prompt, _prompt_ids, stop_ids
 from helpers import run_cli, write_recipe
 
 llama_cpp = pytest.importorskip("llama_cpp")
 CONVERTER = os.environ.get("LLAMA_CPP_DIR")
 pytestmark = pytest.mark.skipif(not CONVERTER, reason="LLAMA_CPP_DIR (llama.cpp's converter) not set")
-PROMPTS = ["Who are you?", "What is 2 + 2?", "Write a haiku about rain.", "你好，请介绍一下你自己。", "List three colours."]
 TOKENS = 12
+
+
+def _agreement():
+    """benchmarks/gguf_agreement.py: the greedy helpers the benchmark measures with, so both compare alike."""
+    spec = importlib.util.spec_from_file_location("gguf_agreement", Path(__file__).resolve().parents[1] / "benchmarks" / "gguf_agreement.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+AGREEMENT = _agreement()
+PROMPTS = AGREEMENT.PROMPTS[:5]
 
 
 @pytest.fixture(scope="module")
@@ -58,36 +69,11 @@ def moe_dir(tmp_path_factory) -> Path:
 
 
 def transformers_greedy(model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompt ids as training builds them, greedy continuation ids) for PROMPTS, with transformers."""
-    from erniekit_lite.chat import load
-
-    model, tokenizer = load(str(model_dir))
-    tok = Tokenizer(tokenizer, template_for(tokenizer))
-    stop = stop_ids(model, tokenizer)
-    prompts, answers = [], []
-    for text in PROMPTS:
-        ids = _prompt_ids(tok, Prompt(text))
-        with torch.no_grad():
-            out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False, eos_token_id=stop,
-                                 pad_token_id=0)[0, len(ids):].tolist()
-        end = next((k for k, t in enumerate(out) if t in stop), len(out))
-        prompts.append(ids)
-        answers.append(out[:end])
-    return prompts, answers
+    return AGREEMENT.transformers_greedy(model_dir, PROMPTS, TOKENS)
 
 
 def llama_greedy(gguf: Path, prompts: list[list[int]], stop: set[int]) -> list[list[int]]:
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=256, n_threads=2, verbose=False)
-    answers = []
-    for ids in prompts:
-        llm.reset()
-        out = []
-        for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
-            if token in stop or len(out) == TOKENS:
-                break
-            out.append(token)
-        answers.append(out)
-    return answers
+    return AGREEMENT.llama_greedy(gguf, prompts, stop, TOKENS)
 
 
 def export_to(capsys, run: Path, out: Path, outtype: str, *extra) -> Path:
@@ -223,6 +209,12 @@ def test_bad_input_is_one_line(tmp_path, capsys, tiny_own_dir):
     assert "has not finished" in error(unfinished, "--out", out, "--llama-cpp", CONVERTER)
     assert "no sentencepiece tokenizer.model" in error(tiny_own_dir, "--out", out, "--llama-cpp", CONVERTER)
     assert not out.exists() and not list(tmp_path.glob(".out.exporting"))  # nothing half-written
+    odd = tmp_path / "odd-moe"  # shared experts narrower than llama.cpp's converter assumes: refused before converting
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "ernie4_5_moe", "moe_num_shared_experts": 2, "moe_intermediate_size": 32,
+                                                  "intermediate_size": 192, "num_key_value_heads": 1}))
+    assert "shared experts 64 wide" in error(odd, "--out", out, "--llama-cpp", CONVERTER)
+    assert not out.exists() and not list(tmp_path.glob(".out.exporting"))
     out.mkdir()
     (out / "mine.txt").write_text("keep")
     assert "not empty" in error(tiny_own_dir, "--out", out, "--llama-cpp", CONVERTER)

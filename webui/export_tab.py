@@ -1,5 +1,9 @@
-"""Export tab: merge a LoRA run into a full model, push a run to the Hugging Face Hub, and evaluate a run on
-lm-eval benchmarks against its base (`erniekit-lite eval --tasks ... --compare`).
+"""Export tab: merge a LoRA run into a full model, push a run to the Hugging Face Hub, export a GGUF (and an Ollama
+Modelfile) through llama.cpp, serve a run behind an OpenAI-compatible URL, and evaluate a run on lm-eval
+benchmarks against its base (`erniekit-lite eval --tasks ... --compare`). Each runs the CLI command in a subprocess.
+
+One server at a time, owned by this web UI process (any page sees it): `erniekit-lite serve` on 127.0.0.1, in a
+process group of its own, stopped by Stop or when the web UI exits.
 
 A token typed here lives only in this request: it goes into the environment of the `erniekit-lite push`
 subprocess (setting it in the server's own environment would hand it to every later job and page), is never
@@ -8,9 +12,14 @@ written, logged or shown, and the password box is cleared after the push.
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import gradio as gr
@@ -56,6 +65,80 @@ def evaluate(root: Path, run: str, tasks: str, tasks_path: str, limit: float | N
     return table, "\n".join(rest).strip()
 
 
+def export_gguf(root: Path, run: str, out: str, outtype: str, ollama: bool, llama_cpp: str) -> str:
+    """`erniekit-lite export RUN --to gguf` in a subprocess: its output."""
+    try:
+        confine(root, run, "run dir")
+        confine(root, out, "GGUF output dir")
+    except UserError as e:
+        return f"error: {e}"
+    command = [sys.executable, "-m", "erniekit_lite", "export", run.strip(), "--to", "gguf", "--outtype", outtype, "--out", out.strip()]
+    command += ["--ollama"] * ollama + ["--llama-cpp", llama_cpp.strip()] * bool(llama_cpp.strip())
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    said = [line for line in done.stdout.splitlines() if line.startswith("export:")]
+    if done.returncode != 0:
+        said.append(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}")
+    return "\n".join(said)
+
+
+class Serving:
+    """The one `erniekit-lite serve` process of this web UI."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.process: subprocess.Popen | None = None
+        self.url = ""
+        self.log: Path | None = None
+        atexit.register(self.stop)
+
+    def start(self, root: Path, run: str, engine: str, port: float | None) -> str:
+        try:
+            confine(root, run, "run dir")
+        except UserError as e:
+            return f"error: {e}"
+        port = int(port or 8000)
+        with self.lock:
+            if self.process is not None and self.process.poll() is None:
+                return f"already serving at {self.url}; stop it first"
+            self.log = root / ".erniekit-webui" / "serve.log"
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            command = [sys.executable, "-m", "erniekit_lite", "serve", run.strip(), "--engine", engine, "--host", "127.0.0.1", "--port", str(port)]
+            with open(self.log, "w") as log:
+                self.process = subprocess.Popen(command, cwd=root, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                start_new_session=True)
+            self.url = f"http://127.0.0.1:{port}/v1"
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                lines = self.log.read_text(errors="replace").strip().splitlines()
+                return f"serve: exited ({lines[-1] if lines else f'exit status {self.process.returncode}'})"
+            try:
+                urllib.request.urlopen(self.url.removesuffix("/v1") + "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        said = [line for line in self.log.read_text(errors="replace").splitlines() if line.startswith("serve:")]
+        return "\n".join([f"serving at {self.url}", *said])
+
+    def stop(self) -> str:
+        with self.lock:
+            process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return "no server running"
+        try:
+            os.killpg(process.pid, signal.SIGINT)
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        except ProcessLookupError:
+            pass
+        return f"stopped the server at {self.url}"
+
+
+SERVING = Serving()
+
+
 def push(root: Path, run: str, repo: str, private: bool, merged: bool, token: str) -> str:
     """`erniekit-lite push` in a subprocess (it calls `hub.push` with `hub.settings`); its output, token-free."""
     from erniekit_lite.hub import settings
@@ -91,6 +174,24 @@ def build(root: Path) -> None:
                 token = gr.Textbox(label="token (used for this push only; blank: HF_TOKEN or `hf auth login`)",
                                    type="password", elem_id="export-token")
                 push_button = gr.Button("Push", elem_id="export-push")
+        with gr.Row():
+            with gr.Column():
+                gr.Markdown("**GGUF** for llama.cpp and Ollama, made by llama.cpp's converter (a LoRA run is merged first).")
+                with gr.Row():
+                    gguf_out = gr.Textbox(label="GGUF output dir", placeholder="runs/my-run-gguf", elem_id="gguf-out")
+                    outtype = gr.Dropdown(["f16", "bf16", "f32", "q8_0", "q4_k_m", "q5_k_m", "q6_k"], value="q8_0", label="type", elem_id="gguf-outtype")
+                llama_cpp = gr.Textbox(label="llama.cpp dir (its checkout, or the unpacked llama-cpp-python sdist)",
+                                       value=os.environ.get("LLAMA_CPP_DIR", ""), elem_id="gguf-llama-cpp")
+                ollama = gr.Checkbox(label="also write an Ollama Modelfile", value=True, elem_id="gguf-ollama")
+                gguf_button = gr.Button("Export GGUF", elem_id="gguf-run")
+            with gr.Column():
+                gr.Markdown("**Serve** the run behind an OpenAI-compatible URL on this machine (127.0.0.1); a LoRA run is merged once.")
+                with gr.Row():
+                    engine = gr.Dropdown(["auto", "transformers", "vllm"], value="auto", label="engine", elem_id="serve-engine")
+                    port = gr.Number(label="port", value=8000, precision=0, elem_id="serve-port")
+                with gr.Row():
+                    serve_button = gr.Button("Start server", elem_id="serve-start")
+                    stop_button = gr.Button("Stop server", elem_id="serve-stop")
         status = gr.Textbox(label="status", lines=6, interactive=False, elem_id="export-status")
         gr.Markdown("**Evaluate** the run on benchmarks through lm-evaluation-harness (its prompts and metrics), "
                     "beside its base when one is given. Standard tasks download their data from the Hub once.")
@@ -108,4 +209,7 @@ def build(root: Path) -> None:
         tab.select(lambda: gr.update(choices=model_dirs(root)), None, run)
         merge_button.click(lambda *a: merge(root, *a), [run, out, overwrite], status)
         push_button.click(lambda *a: ("", push(root, *a)), [run, repo, private, merged, token], [token, status])
+        gguf_button.click(lambda *a: export_gguf(root, *a), [run, gguf_out, outtype, ollama, llama_cpp], status)
+        serve_button.click(lambda *a: SERVING.start(root, *a), [run, engine, port], status)
+        stop_button.click(lambda: SERVING.stop(), None, status)
         eval_button.click(lambda *a: evaluate(root, *a), [run, tasks, tasks_path, limit, chat, compare], [table, eval_status])
