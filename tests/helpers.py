@@ -80,3 +80,24 @@ def write_lm_eval_tasks(folder: Path) -> Path:
     task("tiny_gen", "gen.jsonl", generate + metric.format("exact_match"))
     task("tiny_who", "who.jsonl", generate + metric.format("exact_match"))
     return folder
+
+
+def visible_lora_run(tmp: Path, arch: str, tokenizer_dir: Path) -> Path:
+    """A LoRA run on a tiny model with the given (real) tokenizer (MoE: every routed and shared expert adapted), its
+    adapter weights then drawn large enough that base and merged answers differ: what engines must reproduce."""
+    import torch
+
+    from erniekit_lite.model.load import load_model
+    from erniekit_lite.tiny import write_tiny
+
+    base = write_tiny(str(tmp / "base"), arch, str(tokenizer_dir), hidden_size=64, layers=3 if arch == "moe" else 2)
+    recipe = write_recipe(tmp / "r.yaml", base, lora={"r": 4, "alpha": 8}, out=tmp / "run",
+                          train={"learning_rate": 1e-2, "max_steps": 1, "per_device_train_batch_size": 2, "activation_checkpointing": False})
+    assert main(["train", str(recipe)]) == 0
+    with torch.no_grad():
+        model = load_model(str(tmp / "run"), "float32", "sdpa")
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+        model.save_pretrained(tmp / "run")
+    return tmp / "run"

@@ -13,14 +13,13 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import ERNIE_TOKENIZER_DIR
 from erniekit_lite.data.formats import Turn
 from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import Tokenizer
 from erniekit_lite.export import OLLAMA_TEMPLATE, STOP
-from helpers import run_cli, write_recipe
+from helpers import run_cli, visible_lora_run
 
 llama_cpp = pytest.importorskip("llama_cpp")
 CONVERTER = os.environ.get("LLAMA_CPP_DIR")
@@ -42,30 +41,13 @@ PROMPTS = AGREEMENT.PROMPTS[:5]
 
 @pytest.fixture(scope="module")
 def dense_lora_run(tmp_path_factory) -> Path:
-    """A LoRA run on a tiny dense model with the real tokenizer (its tokenizer.model included), adapter made visible."""
-    from erniekit_lite.cli import main
-    from erniekit_lite.model.load import load_model
-    from erniekit_lite.tiny import write_tiny
-
-    tmp = tmp_path_factory.mktemp("gguf-dense")
-    base = write_tiny(str(tmp / "base"), "dense", str(ERNIE_TOKENIZER_DIR), hidden_size=64, layers=2)
-    recipe = write_recipe(tmp / "r.yaml", base, lora={"r": 4, "alpha": 8}, out=tmp / "run",
-                          train={"learning_rate": 1e-2, "max_steps": 2, "per_device_train_batch_size": 2, "activation_checkpointing": False})
-    assert main(["train", str(recipe)]) == 0
-    with torch.no_grad():
-        model = load_model(str(tmp / "run"), "float32", "sdpa")
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
-        model.save_pretrained(tmp / "run")
-    return tmp / "run"
+    return visible_lora_run(tmp_path_factory.mktemp("gguf-dense"), "dense", ERNIE_TOKENIZER_DIR)
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory) -> Path:
-    from erniekit_lite.tiny import write_tiny
-
-    return write_tiny(str(tmp_path_factory.mktemp("gguf-moe") / "moe"), "moe", str(ERNIE_TOKENIZER_DIR), hidden_size=64, layers=3)
+def moe_lora_run(tmp_path_factory) -> Path:
+    """3 layers (the first dense), 8 experts top-2, 2 shared; LoRA on every expert."""
+    return visible_lora_run(tmp_path_factory.mktemp("gguf-moe"), "moe", ERNIE_TOKENIZER_DIR)
 
 
 def transformers_greedy(model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
@@ -85,14 +67,12 @@ def export_to(capsys, run: Path, out: Path, outtype: str, *extra) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["dense_lora_run", "moe_dir"])
+@pytest.mark.parametrize("model", ["dense_lora_run", "moe_lora_run"])
 def test_llama_cpp_greedy_equals_transformers(tmp_path, capsys, request, model):
     run = request.getfixturevalue(model)
     gguf = export_to(capsys, run, tmp_path / "f32", "f32")
-    merged = tmp_path / "merged"
-    if model == "dense_lora_run":
-        assert run_cli(capsys, "merge", run, "--out", merged)[0] == 0
-    reference = merged if model == "dense_lora_run" else run
+    reference = tmp_path / "merged"
+    assert run_cli(capsys, "merge", run, "--out", reference)[0] == 0
     prompts, expected = transformers_greedy(reference)
     from transformers import AutoTokenizer
 
@@ -112,19 +92,21 @@ def test_llama_cpp_greedy_equals_transformers(tmp_path, capsys, request, model):
 
 
 @pytest.mark.slow
-def test_f16_and_q8_0_agreement_is_reported(tmp_path, capsys, dense_lora_run):
-    """f16 and q8_0 round the weights: the share of greedy tokens equal to transformers' is printed, not asserted."""
+def test_f16_greedy_equals_transformers_and_q8_0_runs(tmp_path, capsys, dense_lora_run):
+    """f16 rounds the weights yet keeps every greedy token here; q8_0 and q4_k_m (llama.cpp's quantizer) load and
+    answer, their agreement measured by benchmarks/gguf_agreement.py, not asserted."""
     merged = tmp_path / "merged"
     assert run_cli(capsys, "merge", dense_lora_run, "--out", merged)[0] == 0
     prompts, expected = transformers_greedy(merged)
-    stop = {1, 2}
-    for outtype in ("f16", "q8_0"):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    stop = {tokenizer.convert_tokens_to_ids(t) for t in STOP}
+    assert llama_greedy(export_to(capsys, dense_lora_run, tmp_path / "f16", "f16"), prompts, stop) == expected
+    for outtype in ("q8_0", "q4_k_m"):
         got = llama_greedy(export_to(capsys, dense_lora_run, tmp_path / outtype, outtype), prompts, stop)
-        same = sum(a == b for e, g in zip(expected, got) for a, b in zip(e, g))
-        total = sum(len(e) for e in expected)
-        print(f"{outtype}: {same} of {total} greedy tokens equal transformers' (prefix-wise: "
-              f"{sum(e == g for e, g in zip(expected, got))} of {len(PROMPTS)} answers identical)")
-        assert (tmp_path / outtype / f"model-{outtype}.gguf").stat().st_size > 0
+        assert len(got) == len(PROMPTS) and all(got)
+        assert not list((tmp_path / outtype).glob("model-f16.gguf"))  # the intermediate f16 is not left behind
 
 
 def render_go_template(template: str, messages: list[dict]) -> str:

@@ -132,20 +132,24 @@ def test_a_lora_run_is_merged_once_and_served_merged(tmp_path, capsys, lora_run)
 
 
 def test_commands_and_bad_input(tmp_path, capsys, tiny_own_dir):
-    command = serve_command(str(tiny_own_dir), "auto", "127.0.0.1", 8000, None)
+    command, model = serve_command(str(tiny_own_dir), "auto", "127.0.0.1", 8000, None)
+    assert model == str(tiny_own_dir)
     if command[0] == sys.executable:  # no vllm on PATH here: auto is transformers, bound to localhost
         assert command[-6:] == ["serve", str(tiny_own_dir), "--host", "127.0.0.1", "--port", "8000"]
     fake = tmp_path / "venv" / "bin" / "vllm"
     fake.parent.mkdir(parents=True)
-    fake.write_text("#!/bin/sh\n")
+    fake.write_text("#!/bin/sh\n")  # not a Python console script: run as `vllm serve`
     fake.chmod(0o755)
-    assert serve_command(str(tiny_own_dir), "auto", "127.0.0.1", 9000, str(tmp_path / "venv")) == [
+    assert serve_command(str(tiny_own_dir), "auto", "127.0.0.1", 9000, str(tmp_path / "venv"))[0] == [
         str(fake), "serve", str(tiny_own_dir), "--host", "127.0.0.1", "--port", "9000"]
+    fake.write_text(f"#!{sys.executable}\nimport sys\n")  # pip's console script: vLLM's server module in that Python
+    assert serve_command(str(tiny_own_dir), "vllm", "127.0.0.1", 9000, str(fake))[0] == [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_own_dir), "--host", "127.0.0.1", "--port", "9000"]
     thinking = tmp_path / "thinking"
     thinking.mkdir()
     (thinking / "config.json").write_text("{}")
     (thinking / "chat_template.jinja").write_text("{{ '<think>\\n' }}")
-    assert serve_command(str(thinking), "vllm", "127.0.0.1", 8000, str(fake))[-5:] == [
+    assert serve_command(str(thinking), "vllm", "127.0.0.1", 8000, str(fake))[0][-5:] == [
         "--tool-call-parser", "ernie45", "--enable-auto-tool-choice", "--reasoning-parser", "ernie45"]
 
     def error(*argv) -> str:
@@ -156,5 +160,5 @@ def test_commands_and_bad_input(tmp_path, capsys, tiny_own_dir):
     assert "no such directory" in error(tmp_path / "nothing")
     assert "not a finished run or a model dir" in error(tmp_path)
     assert "--vllm" in error(tiny_own_dir, "--vllm", tmp_path / "none")
-    if serve_command(str(tiny_own_dir), "auto", "127.0.0.1", 8000, None)[0] == sys.executable:
+    if serve_command(str(tiny_own_dir), "auto", "127.0.0.1", 8000, None)[0][0] == sys.executable:
         assert "no `vllm` executable on PATH" in error(tiny_own_dir, "--engine", "vllm")

@@ -21,7 +21,7 @@ from erniekit_lite.chat import load
 from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import Tokenizer
 from erniekit_lite.generate import Prompt, _prompt_ids, answer, stop_ids
-from helpers import write_recipe
+from helpers import visible_lora_run
 from test_serve import free_port
 
 openai = pytest.importorskip("openai")
@@ -29,25 +29,6 @@ VLLM = os.environ.get("ERNIEKIT_VLLM")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not VLLM, reason="ERNIEKIT_VLLM (vLLM's environment) not set")]
 PROMPTS = ["Who are you?", "What is 2 + 2?", "Write a haiku about rain.", "你好，请介绍一下你自己。", "List three colours."]
 TOKENS = 12
-
-
-def lora_run(tmp: Path, arch: str) -> Path:
-    """A LoRA run (MoE: every routed and shared expert adapted) with its adapter made visible, so the merge matters."""
-    from erniekit_lite.cli import main
-    from erniekit_lite.model.load import load_model
-    from erniekit_lite.tiny import write_tiny
-
-    base = write_tiny(str(tmp / "base"), arch, str(ERNIE_TOKENIZER_DIR), hidden_size=64, layers=3 if arch == "moe" else 2)
-    recipe = write_recipe(tmp / "r.yaml", base, lora={"r": 4, "alpha": 8}, out=tmp / "run",
-                          train={"learning_rate": 1e-2, "max_steps": 1, "per_device_train_batch_size": 2, "activation_checkpointing": False})
-    assert main(["train", str(recipe)]) == 0
-    with torch.no_grad():
-        model = load_model(str(tmp / "run"), "float32", "sdpa")
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
-        model.save_pretrained(tmp / "run")
-    return tmp / "run"
 
 
 class VllmServer:
@@ -82,7 +63,7 @@ class VllmServer:
 
 @pytest.mark.parametrize("arch", ["dense", "moe"])
 def test_vllm_greedy_tokens_equal_transformers(tmp_path, arch):
-    run = lora_run(tmp_path, arch)
+    run = visible_lora_run(tmp_path, arch, ERNIE_TOKENIZER_DIR)
     merged = run.with_name("run.merged")
     server = VllmServer(run, tmp_path / "vllm.log")
     try:
