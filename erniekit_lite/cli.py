@@ -53,15 +53,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--revision", metavar="BRANCH", help="push to this branch (created from main if missing)")
     p.set_defaults(handler=_push)
 
-    p = sub.add_parser("eval", help="loss and perplexity on a data file; with --generate, answers to its prompts")
-    p.add_argument("target", metavar="RECIPE_OR_OUTPUT", help="a recipe .yaml (its model.path and data settings), a model or run output dir, or a Hub id")
-    p.add_argument("--data", required=True, metavar="FILE", help="data file in any training format (auto-detected)")
-    p.add_argument("--generate", action="store_true", help="also answer each record's last user turn, written as JSONL")
+    p = sub.add_parser("eval", help="--tasks: benchmarks through lm-evaluation-harness (MMLU, C-Eval, GSM8K, ...); --data: loss and perplexity on a data file")
+    p.add_argument("target", metavar="TARGET", help="a run output dir, a model dir, a Hub id, or (with --data) a recipe .yaml")
+    p.add_argument("--data", metavar="FILE", help="data file in any training format (auto-detected): loss and perplexity")
+    p.add_argument("--generate", action="store_true", help="with --data: also answer each record's last user turn, written as JSONL")
+    p.add_argument("--tasks", metavar="NAMES", help="comma-separated lm-eval tasks, groups or tags, e.g. mmlu,cmmlu,ceval-valid,gsm8k")
+    p.add_argument("--tasks-path", metavar="DIR", help="also read lm-eval task YAMLs from DIR (local data: how it runs offline)")
+    p.add_argument("--num-fewshot", type=int, metavar="K", help="few-shot examples per prompt (default: each task's own)")
+    p.add_argument("--limit", type=float, metavar="N", help="with --tasks: the first N examples of each task (below 1: that fraction)")
+    p.add_argument("--chat", action="store_true", help="with --tasks: render each request with the model's chat template")
+    p.add_argument("--compare", metavar="BASE", help="with --tasks: evaluate BASE too and print base, tuned and the difference")
+    p.add_argument("--adapter", help="with --tasks: a LoRA output dir to apply on TARGET")
     p.add_argument("--out", metavar="FILE", help="results JSON (default: the first free eval_results[-N].json here)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8, help="packed rows per scoring forward, prompts per generation batch")
-    p.add_argument("--max-samples", type=int, metavar="N", help="use only the first N records")
+    p.add_argument("--max-samples", type=int, metavar="N", help="only the first N records (--data) or examples per task (--tasks, as --limit)")
     p.set_defaults(handler=_eval)
+
+    p = sub.add_parser("export", help="a GGUF for llama.cpp / Ollama, made by llama.cpp's own converter and quantizer (LoRA runs merged first)")
+    p.add_argument("run", help="a finished run's output dir (LoRA or full) or a model dir")
+    p.add_argument("--to", default="gguf", help="gguf (the only format)")
+    p.add_argument("--outtype", default="f16", help="f32, f16, bf16, q8_0 (the converter) or q4_k_m, q5_k_m, q6_k, ... (llama.cpp's quantizer)")
+    p.add_argument("--out", required=True, help="new directory for the GGUF (and the Modelfile)")
+    p.add_argument("--ollama", action="store_true", help="also write an Ollama Modelfile: the ERNIE template, stop tokens, system prompt")
+    p.add_argument("--llama-cpp", metavar="DIR", help="a llama.cpp checkout or an unpacked llama-cpp-python sdist (default: $LLAMA_CPP_DIR)")
+    p.add_argument("--overwrite", action="store_true", help="allow replacing a previous export in --out")
+    p.set_defaults(handler=_export)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible server for a run (vLLM or `transformers serve`); LoRA runs merged once")
+    p.add_argument("run", help="a run output dir (LoRA: merged once into RUN.merged), a model dir or a Hub id")
+    p.add_argument("--engine", choices=["auto", "vllm", "transformers"], default="auto", help="auto: vLLM when its executable is found, else transformers")
+    p.add_argument("--vllm", metavar="PATH", help="the `vllm` executable (or its venv dir): vLLM pins an older transformers, so it lives in its own environment")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every network interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("engine_args", nargs="*", metavar="-- ENGINE ARGS",
+                   help="passed to the engine as they are, after `--` (vLLM: -- --max-model-len 4096 --dtype bfloat16)")
+    p.set_defaults(handler=_serve)
 
     p = sub.add_parser("tiny", help="write a small random ERNIE 4.5 checkpoint (offline demos and tests)")
     p.add_argument("out_dir")
@@ -174,10 +201,43 @@ def _push(args) -> int:
 
 
 def _eval(args) -> int:
+    if (args.data is None) == (args.tasks is None):
+        raise UserError("eval: give --tasks NAMES (lm-eval benchmarks) or --data FILE (loss and perplexity), one of them")
     _quiet_libraries()
+    if args.tasks is not None:
+        if args.generate:
+            raise UserError("eval: --generate goes with --data; lm-eval's generation tasks (gsm8k, ...) generate by themselves")
+        if args.limit is not None and args.max_samples is not None:
+            raise UserError("eval: --limit and --max-samples are one setting; give one")
+        from erniekit_lite.tasks import run_tasks
+
+        limit = args.limit if args.limit is not None else args.max_samples
+        run_tasks(args.target, args.tasks.split(","), args.adapter, args.tasks_path, args.num_fewshot, limit,
+                  args.batch_size, args.chat, args.compare, args.out)
+        return 0
+    given = [flag for flag, value in (("--tasks-path", args.tasks_path), ("--num-fewshot", args.num_fewshot), ("--limit", args.limit),
+                                      ("--chat", args.chat or None), ("--compare", args.compare), ("--adapter", args.adapter)) if value is not None]
+    if given:
+        raise UserError(f"eval: {', '.join(given)} go{'es' if len(given) == 1 else ''} with --tasks, not --data")
     from erniekit_lite.evaluate import evaluate
 
     evaluate(args.target, args.data, args.out, args.generate, args.max_new_tokens, args.batch_size, args.max_samples)
+    return 0
+
+
+def _export(args) -> int:
+    _quiet_libraries()
+    from erniekit_lite.export import export
+
+    export(args.run, args.to, args.out, args.outtype, args.ollama, args.llama_cpp, args.overwrite)
+    return 0
+
+
+def _serve(args) -> int:
+    _quiet_libraries()
+    from erniekit_lite.serve import serve
+
+    serve(args.run, args.engine, args.host, args.port, args.vllm, args.engine_args)
     return 0
 
 

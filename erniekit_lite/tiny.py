@@ -71,6 +71,10 @@ def tiny_config(arch: str, vocab_size: int, hidden_size: int = 128, layers: int 
     shape = dict(hidden_size=hidden_size, layers=layers, heads=heads, kv_heads=max(1, heads // 2),
                  head_dim=hidden_size // heads, intermediate=3 * hidden_size,
                  moe_intermediate=hidden_size // 2, experts=8, top_k=2)
+    if arch == "moe":
+        # as released (12288 = 1536 x 2 shared x 4 kv heads): llama.cpp's converter derives the shared experts'
+        # width as intermediate_size // num_key_value_heads, so a tiny MoE keeps that relation
+        shape["intermediate"] = shape["moe_intermediate"] * 2 * shape["kv_heads"]
     if released_shape:
         shape = RELEASED[arch]
     hidden_size, layers = shape["hidden_size"], shape["layers"]

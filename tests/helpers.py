@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
@@ -43,3 +44,60 @@ def write_recipe(path: Path, model_dir: Path, *, method: str = "sft", lora: dict
         node[last] = value
     path.write_text(yaml.safe_dump(recipe))
     return path
+
+
+# Multiple-choice questions for the lm-eval tasks below: (question, choices, index of the right one)
+QUESTIONS = [
+    ("What colour is the sky on a clear day?", ["blue", "green", "red"], 0),
+    ("2 + 2 =", ["3", "4", "5", "22"], 1),
+    ("The capital of France is", ["Berlin", "Paris"], 1),
+    ("The opposite of hot is", ["cold", "warm", "tepid"], 0),
+    ("The largest planet is", ["Mars", "Jupiter", "Venus"], 1),
+    ("Water freezes at", ["0 C", "50 C", "100 C"], 0),
+    ("A baby cat is a", ["kitten", "puppy", "calf", "foal"], 0),
+    ("Ice is", ["hot", "cold"], 1),
+]
+
+
+def write_lm_eval_tasks(folder: Path) -> Path:
+    """Three tasks in lm-eval's YAML format over local JSONL files: tiny_mc (multiple choice on QUESTIONS), tiny_gen
+    (their answers, generated) and tiny_who (the identity demo's answers, generated)."""
+    identity = [json.loads(line) for line in IDENTITY.read_text().splitlines()]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "mc.jsonl").write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
+    (folder / "gen.jsonl").write_text("".join(json.dumps({"question": q, "answer": c[a]}) + "\n" for q, c, a in QUESTIONS))
+    (folder / "who.jsonl").write_text("".join(json.dumps({"question": r["src"][0], "answer": r["tgt"][0]}) + "\n" for r in identity))
+
+    def task(name: str, data: str, body: str) -> None:
+        (folder / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / data}\ntest_split: test\n{body}")
+
+    metric = "metric_list:\n  - metric: {}\n    aggregation: mean\n    higher_is_better: true\n"
+    task("tiny_mc", "mc.jsonl", 'output_type: multiple_choice\ndoc_to_text: "Question: {{question}}\\nAnswer:"\n'
+         'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n' + metric.format("acc"))
+    generate = 'output_type: generate_until\ndoc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\n' \
+               'generation_kwargs:\n  until: ["\\n"]\n  do_sample: false\n  max_gen_toks: 24\n'
+    task("tiny_gen", "gen.jsonl", generate + metric.format("exact_match"))
+    task("tiny_who", "who.jsonl", generate + metric.format("exact_match"))
+    return folder
+
+
+def visible_lora_run(tmp: Path, arch: str, tokenizer_dir: Path) -> Path:
+    """A LoRA run on a tiny model with the given (real) tokenizer (MoE: every routed and shared expert adapted), its
+    adapter weights then drawn large enough that base and merged answers differ: what engines must reproduce."""
+    import torch
+
+    from erniekit_lite.model.load import load_model
+    from erniekit_lite.tiny import write_tiny
+
+    base = write_tiny(str(tmp / "base"), arch, str(tokenizer_dir), hidden_size=64, layers=3 if arch == "moe" else 2)
+    recipe = write_recipe(tmp / "r.yaml", base, lora={"r": 4, "alpha": 8}, out=tmp / "run",
+                          train={"learning_rate": 1e-2, "max_steps": 1, "per_device_train_batch_size": 2, "activation_checkpointing": False})
+    assert main(["train", str(recipe)]) == 0
+    with torch.no_grad():
+        model = load_model(str(tmp / "run"), "float32", "sdpa")
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+        model.save_pretrained(tmp / "run")
+    return tmp / "run"

@@ -96,7 +96,7 @@ def test_qlora_counts_4bit_linears_only():
     embeddings = 1024 * 64
     assert params.other >= experts + embeddings  # routed experts and embeddings: not quantizable
     linears = 3 * (64 * 64 * 2 + 64 * 32 * 2)  # q, o (64x64) and k, v (64x32) in every layer
-    linears += 3 * 64 * 192 + 2 * 3 * 64 * 64  # dense layer-0 MLP, 2 layers of shared experts (2 x 32 wide)
+    linears += 3 * 64 * 64 + 2 * 3 * 64 * 64  # dense layer-0 MLP (32 x 2 shared x 1 kv head wide, as released), 2 layers of shared experts (2 x 32 wide)
     assert params.linear == linears
     shape = memory.Shape.from_config(config)
     run = memory.Run(tokens=1024, scored=1024, dtype_bytes=2, autocast=True, load_in_4bit=True)

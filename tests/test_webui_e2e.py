@@ -1,12 +1,15 @@
 """The web UI end to end in a real headless Chromium (Debian's, driven by Playwright): `erniekit-lite webui` in a
 directory holding the recipes and a tiny model; pick the quick-start recipe, shorten it in the form, preview and
 validate, train with live progress (a second page reattaches), chat with the result beside its base, and push it
-to a local stand-in of the Hub with a token typed in the page. Screenshots of each tab go to the test's temp dir.
+to a local stand-in of the Hub with a token typed in the page, evaluate it beside its base on a local lm-eval task,
+see the GGUF export's refusal of a tokenizer llama.cpp cannot read, and serve it behind an OpenAI-compatible URL
+(started, queried with the run's greedy answer, stopped). Screenshots of each tab go to the test's temp dir.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -20,8 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from erniekit_lite.chat import load
 from erniekit_lite.cli import main
+from erniekit_lite.generate import answer
 from fake_hub import FakeHub
+from helpers import write_lm_eval_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -48,6 +54,7 @@ def workdir(tmp_path) -> Path:
     work = tmp_path / "work"
     shutil.copytree(ROOT / "recipes", work / "recipes")
     assert main(["tiny", str(work / "runs" / "tiny-ernie"), "--arch", "dense"]) == 0
+    write_lm_eval_tasks(work / "eval_tasks")
     return work
 
 
@@ -161,10 +168,49 @@ def test_configure_train_chat_export_in_a_browser(server, workdir, tmp_path):
         expect(page.locator("#export-status textarea")).to_have_value(
             re.compile(rf"pushed to {re.escape(hub.url)}/someone/webui-identity"), timeout=120_000)
         expect(page.locator("#export-token input")).to_have_value("")
+
+        # Evaluate: lm-eval on a local task, the run beside its base, the table shown
+        page.locator("#eval-tasks textarea").fill("tiny_who")
+        page.locator("#eval-tasks-path textarea").fill("eval_tasks")
+        page.locator("#eval-compare textarea").fill("runs/tiny-ernie")
+        page.locator("#eval-limit input[type=number]").fill("3")
+        page.locator("#eval-chat input").check()
+        page.locator("#eval-run").click()
+        expect(page.locator("#eval-table")).to_contain_text("tiny_who", timeout=180_000)
+        expect(page.locator("#eval-table")).to_contain_text("exact_match,none")
+        expect(page.locator("#eval-status textarea")).to_have_value(re.compile(r"eval: wrote eval_results\.json"))
+
+        # GGUF: the converter found (the llama.cpp dir box starts at $LLAMA_CPP_DIR), its refusal shown in one line
+        # (the quick-start model's built-in tokenizer has no tokenizer.model; tests/test_export_gguf.py converts)
+        if os.environ.get("LLAMA_CPP_DIR"):
+            page.locator("#gguf-out textarea").fill(f"{RUN}-gguf")
+            page.locator("#gguf-run").click()
+            expect(page.locator("#export-status textarea")).to_have_value(re.compile(r"no sentencepiece tokenizer\.model"), timeout=120_000)
+            assert not (workdir / f"{RUN}-gguf").exists()
+
+        # Serve: started on 127.0.0.1, answers an OpenAI-style request with the run's greedy answer, stopped
+        port = free_port()
+        choose(page, "serve-engine", "transformers")
+        page.locator("#serve-port input[type=number]").fill(str(port))
+        page.locator("#serve-start").click()
+        expect(page.locator("#export-status textarea")).to_have_value(re.compile(rf"^serving at http://127\.0\.0\.1:{port}/v1"), timeout=240_000)
+        status = page.locator("#export-status textarea").input_value()
+        model = re.search(r"requests name the model '([^']+)'", status).group(1)
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", method="POST", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": model, "messages": [{"role": "user", "content": "Who are you?"}],
+                                                          "temperature": 0, "max_tokens": 16}).encode())
+        reply = json.loads(urllib.request.urlopen(request, timeout=120).read())
+        served = reply["choices"][0]["message"]["content"]
+        page.locator("#serve-start").click()
+        expect(page.locator("#export-status textarea")).to_have_value(f"already serving at http://127.0.0.1:{port}/v1; stop it first")
+        page.locator("#serve-stop").click()
+        expect(page.locator("#export-status textarea")).to_have_value(f"stopped the server at http://127.0.0.1:{port}/v1", timeout=60_000)
         page.screenshot(path=shots / "webui-export.png", full_page=True)
         assert TOKEN not in page.content()
         browser.close()
 
+    model, tokenizer = load(str(workdir / RUN))
+    assert served == answer(model, tokenizer, "Who are you?", max_new_tokens=16)
     assert "model.safetensors" in hub.repos["someone/webui-identity"].branches["main"]
     assert hub.authorizations and all(a == f"Bearer {TOKEN}" for a in hub.authorizations)
     for file in [*workdir.rglob("*"), tmp_path / "server.log"]:  # never written: not in the run, the job logs, the server log

@@ -1,4 +1,9 @@
-"""Export tab: merge a LoRA run into a full model, and push a run to the Hugging Face Hub.
+"""Export tab: merge a LoRA run into a full model, push a run to the Hugging Face Hub, export a GGUF (and an Ollama
+Modelfile) through llama.cpp, serve a run behind an OpenAI-compatible URL, and evaluate a run on lm-eval
+benchmarks against its base (`erniekit-lite eval --tasks ... --compare`). Each runs the CLI command in a subprocess.
+
+One server at a time, owned by this web UI process (any page sees it): `erniekit-lite serve` on 127.0.0.1, in a
+process group of its own, stopped by Stop or when the web UI exits.
 
 A token typed here lives only in this request: it goes into the environment of the `erniekit-lite push`
 subprocess (setting it in the server's own environment would hand it to every later job and page), is never
@@ -7,9 +12,14 @@ written, logged or shown, and the password box is cleared after the push.
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import gradio as gr
@@ -24,10 +34,109 @@ def merge(root: Path, run: str, out: str, overwrite: bool) -> str:
     try:
         confine(root, run, "run dir")
         confine(root, out, "merged model dir")
-        merged = merge_run(run, out, overwrite)
+        said: list[str] = []
+        merged = merge_run(run, out, overwrite, log=said.append)
     except UserError as e:
         return f"error: {e}"
-    return f"merged {run} into {merged}: loads with AutoModelForCausalLM.from_pretrained({str(merged)!r})"
+    return "\n".join([f"merged {run} into {merged}: loads with AutoModelForCausalLM.from_pretrained({str(merged)!r})", *said])
+
+
+def evaluate(root: Path, run: str, tasks: str, tasks_path: str, limit: float | None, chat: bool, compare: str) -> tuple[str, str]:
+    """`erniekit-lite eval RUN --tasks ... [--compare BASE]` in a subprocess (the model's memory is freed with it):
+    the table it prints (Markdown) and the rest of its output."""
+    try:
+        confine(root, run, "run dir")
+        if tasks_path.strip():
+            confine(root, tasks_path, "tasks folder")
+        if compare.strip():
+            confine(root, compare, "base to compare with")
+    except UserError as e:
+        return "", f"error: {e}"
+    if not tasks.strip():
+        return "", "error: tasks: empty; enter lm-eval task names, e.g. mmlu,gsm8k"
+    command = [sys.executable, "-m", "erniekit_lite", "eval", run.strip(), "--tasks", tasks.strip()]
+    command += ["--tasks-path", tasks_path.strip()] * bool(tasks_path.strip()) + ["--compare", compare.strip()] * bool(compare.strip())
+    command += ["--limit", f"{limit:g}"] * bool(limit) + ["--chat"] * chat
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    table = "\n".join(line for line in done.stdout.splitlines() if line.startswith("|"))
+    rest = [line for line in done.stdout.splitlines() if not line.startswith("|")]
+    if done.returncode != 0:
+        rest.append(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}")
+    return table, "\n".join(rest).strip()
+
+
+def export_gguf(root: Path, run: str, out: str, outtype: str, ollama: bool, llama_cpp: str) -> str:
+    """`erniekit-lite export RUN --to gguf` in a subprocess: its output."""
+    try:
+        confine(root, run, "run dir")
+        confine(root, out, "GGUF output dir")
+    except UserError as e:
+        return f"error: {e}"
+    command = [sys.executable, "-m", "erniekit_lite", "export", run.strip(), "--to", "gguf", "--outtype", outtype, "--out", out.strip()]
+    command += ["--ollama"] * ollama + ["--llama-cpp", llama_cpp.strip()] * bool(llama_cpp.strip())
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    said = [line for line in done.stdout.splitlines() if line.startswith("export:")]
+    if done.returncode != 0:
+        said.append(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}")
+    return "\n".join(said)
+
+
+class Serving:
+    """The one `erniekit-lite serve` process of this web UI."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.process: subprocess.Popen | None = None
+        self.url = ""
+        self.log: Path | None = None
+        atexit.register(self.stop)
+
+    def start(self, root: Path, run: str, engine: str, port: float | None) -> str:
+        try:
+            confine(root, run, "run dir")
+        except UserError as e:
+            return f"error: {e}"
+        port = int(port or 8000)
+        with self.lock:
+            if self.process is not None and self.process.poll() is None:
+                return f"already serving at {self.url}; stop it first"
+            self.log = root / ".erniekit-webui" / "serve.log"
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            command = [sys.executable, "-m", "erniekit_lite", "serve", run.strip(), "--engine", engine, "--host", "127.0.0.1", "--port", str(port)]
+            with open(self.log, "w") as log:
+                self.process = subprocess.Popen(command, cwd=root, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                start_new_session=True)
+            self.url = f"http://127.0.0.1:{port}/v1"
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                lines = self.log.read_text(errors="replace").strip().splitlines()
+                return f"serve: exited ({lines[-1] if lines else f'exit status {self.process.returncode}'})"
+            try:
+                urllib.request.urlopen(self.url.removesuffix("/v1") + "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        said = [line for line in self.log.read_text(errors="replace").splitlines() if line.startswith("serve:")]
+        return "\n".join([f"serving at {self.url}", *said])
+
+    def stop(self) -> str:
+        with self.lock:
+            process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return "no server running"
+        try:
+            os.killpg(process.pid, signal.SIGINT)
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        except ProcessLookupError:
+            pass
+        return f"stopped the server at {self.url}"
+
+
+SERVING = Serving()
 
 
 def push(root: Path, run: str, repo: str, private: bool, merged: bool, token: str) -> str:
@@ -65,8 +174,42 @@ def build(root: Path) -> None:
                 token = gr.Textbox(label="token (used for this push only; blank: HF_TOKEN or `hf auth login`)",
                                    type="password", elem_id="export-token")
                 push_button = gr.Button("Push", elem_id="export-push")
+        with gr.Row():
+            with gr.Column():
+                gr.Markdown("**GGUF** for llama.cpp and Ollama, made by llama.cpp's converter (a LoRA run is merged first).")
+                with gr.Row():
+                    gguf_out = gr.Textbox(label="GGUF output dir", placeholder="runs/my-run-gguf", elem_id="gguf-out")
+                    outtype = gr.Dropdown(["f16", "bf16", "f32", "q8_0", "q4_k_m", "q5_k_m", "q6_k"], value="q8_0", label="type", elem_id="gguf-outtype")
+                llama_cpp = gr.Textbox(label="llama.cpp dir (its checkout, or the unpacked llama-cpp-python sdist)",
+                                       value=os.environ.get("LLAMA_CPP_DIR", ""), elem_id="gguf-llama-cpp")
+                ollama = gr.Checkbox(label="also write an Ollama Modelfile", value=True, elem_id="gguf-ollama")
+                gguf_button = gr.Button("Export GGUF", elem_id="gguf-run")
+            with gr.Column():
+                gr.Markdown("**Serve** the run behind an OpenAI-compatible URL on this machine (127.0.0.1); a LoRA run is merged once.")
+                with gr.Row():
+                    engine = gr.Dropdown(["auto", "transformers", "vllm"], value="auto", label="engine", elem_id="serve-engine")
+                    port = gr.Number(label="port", value=8000, precision=0, elem_id="serve-port")
+                with gr.Row():
+                    serve_button = gr.Button("Start server", elem_id="serve-start")
+                    stop_button = gr.Button("Stop server", elem_id="serve-stop")
         status = gr.Textbox(label="status", lines=6, interactive=False, elem_id="export-status")
+        gr.Markdown("**Evaluate** the run on benchmarks through lm-evaluation-harness (its prompts and metrics), "
+                    "beside its base when one is given. Standard tasks download their data from the Hub once.")
+        with gr.Row():
+            tasks = gr.Textbox(label="tasks (lm-eval names, comma-separated)", placeholder="mmlu,ceval-valid,gsm8k", elem_id="eval-tasks")
+            tasks_path = gr.Textbox(label="folder of local task YAMLs (optional)", elem_id="eval-tasks-path")
+            compare = gr.Textbox(label="base to compare with (optional)", placeholder="baidu/ERNIE-4.5-0.3B-PT", elem_id="eval-compare")
+        with gr.Row():
+            limit = gr.Number(label="examples per task (blank: all)", value=None, minimum=0, elem_id="eval-limit")
+            chat = gr.Checkbox(label="render with the chat template", elem_id="eval-chat")
+            eval_button = gr.Button("Evaluate", elem_id="eval-run")
+        table = gr.Markdown(elem_id="eval-table")
+        eval_status = gr.Textbox(label="evaluation output", lines=4, interactive=False, elem_id="eval-status")
 
         tab.select(lambda: gr.update(choices=model_dirs(root)), None, run)
         merge_button.click(lambda *a: merge(root, *a), [run, out, overwrite], status)
         push_button.click(lambda *a: ("", push(root, *a)), [run, repo, private, merged, token], [token, status])
+        gguf_button.click(lambda *a: export_gguf(root, *a), [run, gguf_out, outtype, ollama, llama_cpp], status)
+        serve_button.click(lambda *a: SERVING.start(root, *a), [run, engine, port], status)
+        stop_button.click(lambda: SERVING.stop(), None, status)
+        eval_button.click(lambda *a: evaluate(root, *a), [run, tasks, tasks_path, limit, chat, compare], [table, eval_status])

@@ -5,6 +5,10 @@ routed experts back in the released per-expert layout (`mlp.experts.N.gate_proj.
 expect. Weights are saved in the base checkpoint's dtype. A QLoRA run's adapter is merged into the base it trained
 against: quantized to NF4 and dequantized again (exactly what the 4-bit layers computed with), its other weights in
 the run's `model.dtype`; merged into the original weights it would answer differently from the trained model.
+
+Tensors of the base checkpoint that the model class does not load (the 21B-A3B's multi-token-prediction block,
+`model.mtp_*`) are copied through unchanged into a shard of their own and listed in the index, so engines that
+read them (vLLM's `ernie_mtp` speculative decoding) find them in the merged model as in the base.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from erniekit_lite.errors import UserError
 from erniekit_lite.model.load import adapter_base, load_model, load_tokenizer
 
 MARKER = "erniekit_merged.json"  # written last: a dir holding it is a complete merge
+CARRIED = "model-carried-over.safetensors"  # base tensors the model class did not load, copied unchanged
+INDEX = "model.safetensors.index.json"
 
 
 def base_dtype(path: str) -> str:
@@ -39,7 +45,7 @@ def trained_in_4bit(run_dir: str) -> str | None:
     return model.get("dtype", "float32") if model.get("load_in_4bit") else None
 
 
-def merge(adapter_dir: str, out_dir: str, overwrite: bool = False) -> Path:
+def merge(adapter_dir: str, out_dir: str, overwrite: bool = False, log=print) -> Path:
     base = adapter_base(adapter_dir)
     if base is None:
         raise UserError(f"{adapter_dir}: not a LoRA output dir (no adapter_config.json); nothing to merge")
@@ -74,8 +80,70 @@ def merge(adapter_dir: str, out_dir: str, overwrite: bool = False) -> Path:
     load_tokenizer(tokenizer_dir).save_pretrained(staging)
     if merged.generation_config is not None:
         merged.generation_config.save_pretrained(staging)
-    (staging / MARKER).write_text(json.dumps({"adapter": str(adapter_dir), "base": base, "dequantized_4bit": qlora_dtype is not None}) + "\n")
+    carried = carry_over(base, staging, tied=bool(getattr(merged.config, "tie_word_embeddings", False)))
+    (staging / MARKER).write_text(json.dumps({"adapter": str(adapter_dir), "base": base, "dequantized_4bit": qlora_dtype is not None,
+                                              "carried_over": carried}) + "\n")
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
+    if carried:
+        shown = ", ".join(carried[:3]) + (f", ... ({len(carried)} in all)" if len(carried) > 3 else "")
+        log(f"merge: copied {len(carried)} tensor(s) of the base that the model class does not load, unchanged, into {CARRIED}: {shown}")
     return out
+
+
+def base_files(base: str) -> list[Path]:
+    """The base checkpoint's safetensors files: a local dir's, or the Hub snapshot `from_pretrained` just cached."""
+    local = Path(base)
+    if not local.is_dir():
+        from huggingface_hub import snapshot_download
+
+        local = Path(snapshot_download(base, allow_patterns=["*.safetensors", INDEX]))
+    return sorted(local.glob("*.safetensors"))
+
+
+def carry_over(base: str, saved: Path, tied: bool) -> list[str]:
+    """Copy the base's tensors that `saved` lacks (the model class never loaded them) into `saved`; their names.
+
+    A tied `lm_head.weight` is the embedding under another name: never carried.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    have = set()
+    for path in saved.glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            have.update(f.keys())
+    tensors = {}
+    for path in base_files(base):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                if name not in have and not (tied and name == "lm_head.weight"):
+                    tensors[name] = f.get_tensor(name)
+    if not tensors:
+        return []
+    save_file(tensors, saved / CARRIED, metadata={"format": "pt"})
+    # One index over every shard, so engines that follow the index read the carried shard too
+    index_path = saved / INDEX
+    index = json.loads(index_path.read_text()) if index_path.is_file() else {"metadata": {}, "weight_map": {}}
+    if not index["weight_map"]:  # one model.safetensors: its tensors are listed too
+        for path in saved.glob("*.safetensors"):
+            if path.name != CARRIED:
+                with safe_open(path, "pt") as f:
+                    index["weight_map"].update(dict.fromkeys(f.keys(), path.name))
+                    index["metadata"]["total_size"] = sum(_nbytes(f.get_slice(k)) for k in f.keys())
+    index["weight_map"].update(dict.fromkeys(tensors, CARRIED))
+    index["metadata"]["total_size"] = index["metadata"].get("total_size", 0) + sum(t.nbytes for t in tensors.values())
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    return sorted(tensors)
+
+
+_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+
+
+def _nbytes(tensor_slice) -> int:
+    """A stored tensor's size, from its header (nothing is read)."""
+    import math
+
+    return math.prod(tensor_slice.get_shape()) * _BYTES.get(tensor_slice.get_dtype(), 1)

@@ -1,0 +1,226 @@
+"""`erniekit-lite export RUN --to gguf`: a GGUF for llama.cpp (and an Ollama Modelfile), made by llama.cpp's own tools.
+
+- A LoRA run is merged first (`merge`); a full run or a model dir is converted as it is.
+- llama.cpp's `convert_hf_to_gguf.py` converts (ERNIE 4.5 dense and MoE: its `conversion/ernie.py`), found in a
+  llama.cpp checkout (`--llama-cpp DIR`, or `$LLAMA_CPP_DIR`) or in the unpacked source distribution of
+  `llama-cpp-python`, which vendors llama.cpp with the converter and `gguf-py` (`DIR/vendor/llama.cpp`). It writes
+  f32, f16, bf16 or q8_0; k-quants (q4_k_m, ...) go through llama.cpp's own quantizer, which `llama-cpp-python`
+  exposes (`llama_model_quantize`). Nothing is downloaded.
+- The converter types ERNIE's chat markers (`<|begin_of_sentence|>`, `<|end_of_sentence|>`, ...) as plain text when
+  the checkpoint's tokenizer files do not mark them special, so llama.cpp would split a rendered template into
+  text pieces. erniekit-lite marks every special token of the tokenizer as a control token in the GGUF (in place:
+  the token-type array has a fixed width), so a chat template rendered there gives the ids training used.
+- `--ollama` adds a `Modelfile`: FROM the GGUF, the ERNIE template in Ollama's template syntax, the stop tokens and
+  the recipe's system prompt.
+- Everything is written beside `--out` and renamed when complete: a failed export leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from erniekit_lite.errors import UserError
+
+CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")
+QUANTIZER_TYPES = {  # llama.cpp's llama_ftype values (llama.h), quantized from the f16 GGUF
+    "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k_s": 11, "q3_k_m": 12, "q3_k_l": 13,
+    "q4_k_s": 14, "q4_k_m": 15, "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18,
+}
+MARKER = "erniekit_export.json"  # written last: a dir holding it is a complete export
+CONTROL = 3  # gguf TokenType.CONTROL
+
+# Ollama's Go template for the ERNIE 4.5 format (data/template.py): BOS, the system prompt and a newline, then
+# "User: {text}\n" and "Assistant: {text}<|end_of_sentence|>" per message, ending in "Assistant: " to generate
+OLLAMA_TEMPLATE = (
+    '<|begin_of_sentence|>{{ range .Messages }}{{ if eq .Role "system" }}{{ .Content }}\n'
+    '{{ else if eq .Role "user" }}User: {{ .Content }}\n'
+    '{{ else if eq .Role "assistant" }}Assistant: {{ .Content }}<|end_of_sentence|>{{ end }}{{ end }}Assistant: '
+)
+STOP = ("</s>", "<|end_of_sentence|>")
+
+
+def export(run: str, to: str, out: str, outtype: str = "f16", ollama: bool = False, llama_cpp: str | None = None,
+           overwrite: bool = False, log=print) -> Path:
+    if to != "gguf":
+        raise UserError(f"--to: {to!r}; expected gguf")
+    if outtype not in CONVERTER_TYPES and outtype not in QUANTIZER_TYPES:
+        raise UserError(f"--outtype: {outtype!r}; expected one of {', '.join([*CONVERTER_TYPES, *QUANTIZER_TYPES])}")
+    source = finished(run)
+    converter = find_converter(llama_cpp)
+    if outtype in QUANTIZER_TYPES:
+        quantizer()  # refused before any work when llama-cpp-python is missing
+    target = Path(out)
+    if target.exists() and any(target.iterdir()):
+        if not overwrite:
+            raise UserError(f"{target}: not empty; choose a new directory for the export, or --overwrite (nothing was written)")
+        if not (target / MARKER).is_file():
+            raise UserError(f"{target}: not empty and not a previous export; --overwrite only replaces an export (nothing was written)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.exporting")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        model_dir = hf_model(source, staging / "hf", log)
+        gguf = staging / f"model-{outtype}.gguf"
+        first = outtype if outtype in CONVERTER_TYPES else "f16"
+        convert(converter, model_dir, staging / f"model-{first}.gguf", first, log)
+        control = mark_control_tokens(converter, staging / f"model-{first}.gguf", model_dir)
+        if outtype not in CONVERTER_TYPES:
+            quantize(staging / f"model-{first}.gguf", gguf, outtype, log)
+            (staging / f"model-{first}.gguf").unlink()
+        if ollama:
+            (staging / "Modelfile").write_text(modelfile(gguf.name, system_prompt(run)), encoding="utf-8")
+        shutil.rmtree(staging / "hf", ignore_errors=True)
+        (staging / MARKER).write_text(json.dumps({"run": str(run), "outtype": outtype, "gguf": gguf.name, "converter": str(converter),
+                                                  "control_tokens_marked": control, "ollama": ollama}) + "\n")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if target.exists():
+        shutil.rmtree(target)
+    staging.rename(target)
+    log(f"export: {target / gguf.name}" + (f" and {target / 'Modelfile'} (ollama create NAME -f {target / 'Modelfile'})" if ollama else ""))
+    return target / gguf.name
+
+
+def finished(run: str) -> Path:
+    path = Path(run)
+    if not path.is_dir():
+        raise UserError(f"{run}: no such directory (expected a finished run's output dir or a model dir)")
+    if not any((path / name).is_file() for name in ("config.json", "adapter_config.json")):
+        if (path / "recipe.yaml").is_file():
+            raise UserError(f"{run}: a run that has not finished (no model saved yet); export a checkpoint-N dir of it, or finish it with --resume")
+        raise UserError(f"{run}: not a model dir (no config.json or adapter_config.json)")
+    return path
+
+
+def find_converter(llama_cpp: str | None) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py: in DIR (a llama.cpp checkout) or DIR/vendor/llama.cpp (llama-cpp-python's sdist)."""
+    given = llama_cpp or os.environ.get("LLAMA_CPP_DIR")
+    if given is None:
+        raise UserError("export needs llama.cpp's converter: pass --llama-cpp DIR (a llama.cpp checkout, or the unpacked source "
+                        "distribution of llama-cpp-python: pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all:) "
+                        "or set LLAMA_CPP_DIR")
+    root = Path(given).expanduser()
+    for candidate in (root / "convert_hf_to_gguf.py", root / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"):
+        if candidate.is_file():
+            return candidate
+    raise UserError(f"--llama-cpp: {given}: no convert_hf_to_gguf.py there or in vendor/llama.cpp (expected a llama.cpp "
+                    "checkout or an unpacked llama-cpp-python source distribution)")
+
+
+def hf_model(source: Path, merged_dir: Path, log) -> Path:
+    """A plain transformers checkpoint with the sentencepiece `tokenizer.model` the converter reads."""
+    from erniekit_lite.model.load import adapter_base
+
+    base = adapter_base(str(source))
+    if base is None:
+        model_dir = source
+    else:
+        from erniekit_lite.model.merge import merge
+
+        log(f"export: merging the LoRA run {source} into its base first")
+        model_dir = merge(str(source), str(merged_dir), log=log)
+    llama_cpp_reads(model_dir)
+    if not (model_dir / "tokenizer.model").is_file():
+        spm = next((Path(d) / "tokenizer.model" for d in (source, base) if d and (Path(d) / "tokenizer.model").is_file()), None)
+        if spm is None:
+            raise UserError(f"{source}: no sentencepiece tokenizer.model (nor in its base), which llama.cpp's converter reads; "
+                            "the built-in tiny tokenizer has none (make the tiny model with --tokenizer pointing at the real one)")
+        if model_dir == source:  # never write into the user's run: convert a linked copy
+            copy = merged_dir
+            copy.mkdir(parents=True, exist_ok=True)
+            for item in source.iterdir():
+                if item.is_file():
+                    (copy / item.name).symlink_to(item.resolve())
+            model_dir = copy
+        shutil.copy(spm, model_dir / "tokenizer.model")
+    return model_dir
+
+
+def llama_cpp_reads(model_dir: Path) -> None:
+    """Refuse an MoE shape that llama.cpp would not load: its converter writes the shared experts' width as
+    intermediate_size // num_key_value_heads (true of the released 21B-A3B: 12288 // 4 = 1536 x 2 shared)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    shared = config.get("moe_num_shared_experts") or 0
+    if config.get("model_type") != "ernie4_5_moe" or not shared:
+        return
+    width = config["moe_intermediate_size"] * shared
+    derived = config["intermediate_size"] // config["num_key_value_heads"]
+    if width != derived:
+        raise UserError(f"{model_dir / 'config.json'}: shared experts {width} wide (moe_intermediate_size x moe_num_shared_experts), "
+                        f"but llama.cpp's converter writes intermediate_size // num_key_value_heads = {derived}, and llama.cpp "
+                        "would refuse the GGUF; the released ERNIE 4.5 MoE shapes satisfy this (nothing was written)")
+
+
+def convert(converter: Path, model_dir: Path, gguf: Path, outtype: str, log) -> None:
+    log(f"export: converting {model_dir} to {outtype} with {converter}")
+    done = subprocess.run([sys.executable, str(converter), str(model_dir.resolve()), "--outfile", str(gguf.resolve()), "--outtype", outtype],
+                          capture_output=True, text=True, cwd=converter.parent)
+    if done.returncode != 0 or not gguf.is_file():
+        last = (done.stderr.strip() or done.stdout.strip() or f"exit status {done.returncode}").splitlines()[-1]
+        raise UserError(f"llama.cpp's converter failed on {model_dir}: {last}")
+
+
+def mark_control_tokens(converter: Path, gguf: Path, model_dir: Path) -> list[str]:
+    """Type the tokenizer's special tokens as CONTROL in the GGUF, in place; the ones changed."""
+    from erniekit_lite.model.load import load_tokenizer
+
+    sys.path.insert(0, str(converter.parent / "gguf-py"))  # the converter's own gguf-py, as it imports it
+    try:
+        from gguf import GGUFReader
+    finally:
+        sys.path.pop(0)
+    tokenizer = load_tokenizer(str(model_dir))
+    special = {tokenizer.convert_tokens_to_ids(t): t for t in tokenizer.all_special_tokens}
+    special |= {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    reader = GGUFReader(gguf, "r+")
+    types = reader.fields["tokenizer.ggml.token_type"]
+    changed = []
+    for token_id, text in sorted(special.items()):
+        if token_id is None or token_id >= len(types.data):
+            continue
+        value = types.parts[types.data[token_id]]
+        if int(value[0]) != CONTROL:
+            value[0] = CONTROL
+            changed.append(text)
+    reader.data.flush()
+    return changed
+
+
+def quantizer():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise UserError("k-quants go through llama.cpp's quantizer: pip install llama-cpp-python (or use --outtype f16/bf16/q8_0)") from None
+    return llama_cpp
+
+
+def quantize(source: Path, target: Path, outtype: str, log) -> None:
+    llama_cpp = quantizer()
+    log(f"export: quantizing to {outtype} with llama.cpp's quantizer")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = QUANTIZER_TYPES[outtype]
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params) != 0 or not target.is_file():
+        raise UserError(f"llama.cpp's quantizer failed on {source} ({outtype})")
+
+
+def system_prompt(run: str) -> str | None:
+    import yaml
+
+    recipe = Path(run) / "recipe.yaml"
+    if not recipe.is_file():
+        return None
+    return ((yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}).get("data") or {}).get("system")
+
+
+def modelfile(gguf_name: str, system: str | None) -> str:
+    lines = [f"FROM ./{gguf_name}", f'TEMPLATE """{OLLAMA_TEMPLATE}"""', *(f'PARAMETER stop "{s}"' for s in STOP)]
+    if system:
+        lines.append(f'SYSTEM """{system}"""')
+    return "\n".join(lines) + "\n"

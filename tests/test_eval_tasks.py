@@ -1,0 +1,173 @@
+"""`erniekit-lite eval --tasks` through lm-evaluation-harness, offline: tasks written here in lm-eval's own YAML
+format over local data.
+
+- multiple choice: lm-eval's per-choice log-likelihoods and its accuracy equal an independent computation here
+  (the model's summed log-probabilities of each choice's tokens; argmax);
+- generation: lm-eval's answers equal greedy decoding here, and `--chat --compare` shows a tuned run beating its
+  base on the answers it was trained on;
+- a LoRA run dir and its `merge`d copy give the same numbers; bad input is one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from erniekit_lite.tasks import run_tasks
+from helpers import IDENTITY, QUESTIONS, run_cli, write_lm_eval_tasks, write_recipe
+
+pytest.importorskip("lm_eval")
+
+
+@pytest.fixture(scope="module")
+def tasks_dir(tmp_path_factory) -> Path:
+    return write_lm_eval_tasks(tmp_path_factory.mktemp("lm-eval-tasks"))
+
+
+@pytest.fixture(scope="module")
+def tuned_run(tmp_path_factory, tiny_own_dir) -> Path:
+    """A full fine-tuning run that learns the identity answers (the quick start's settings)."""
+    from erniekit_lite.cli import main
+
+    tmp = tmp_path_factory.mktemp("tasks-full-run")
+    recipe = write_recipe(tmp / "r.yaml", tiny_own_dir, out=tmp / "run", data={"max_length": 256, "packing": True},
+                          train={"learning_rate": 3e-3, "lr_scheduler_type": "cosine", "warmup_steps": 10, "max_steps": 150,
+                                 "per_device_train_batch_size": 1, "activation_checkpointing": False, "logging_steps": 50,
+                                 "save_steps": 150, "seed": 0})
+    assert main(["train", str(recipe)]) == 0
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tiny_own_dir) -> Path:
+    """A LoRA run whose adapter visibly changes the model (B drawn at random after 2 steps, as in test_chat_merge)."""
+    from erniekit_lite.cli import main
+    from erniekit_lite.model.load import load_model
+
+    tmp = tmp_path_factory.mktemp("tasks-lora-run")
+    recipe = write_recipe(tmp / "r.yaml", tiny_own_dir, lora={"r": 4, "alpha": 8}, out=tmp / "run",
+                          train={"learning_rate": 1e-2, "max_steps": 2, "per_device_train_batch_size": 2, "activation_checkpointing": False})
+    assert main(["train", str(recipe)]) == 0
+    with torch.no_grad():
+        model = load_model(str(tmp / "run"), "float32", "sdpa")
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+        model.save_pretrained(tmp / "run")
+    return tmp / "run"
+
+
+def summed_log_probs(model, tokenizer, context: str, continuation: str) -> float:
+    """log P(continuation | context), the continuation's tokens being those that tokenizing the whole text adds."""
+    context_ids = tokenizer(context)["input_ids"]
+    whole = tokenizer(context + continuation)["input_ids"]
+    assert whole[: len(context_ids)] == context_ids
+    ids = torch.tensor([whole])
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), dim=-1)
+    targets = ids[0, len(context_ids):]
+    return log_probs[torch.arange(len(context_ids) - 1, len(whole) - 1), targets].sum().item()
+
+
+@pytest.mark.slow
+def test_multiple_choice_equals_an_independent_computation(tmp_path, capsys, tiny_own_dir, tasks_dir):
+    from erniekit_lite.chat import load
+
+    results = run_tasks(str(tiny_own_dir), ["tiny_mc"], tasks_path=str(tasks_dir), batch_size=4, out=str(tmp_path / "r.json"), samples=True)
+    model, tokenizer = load(str(tiny_own_dir))
+    expected_right = []
+    by_doc = {s["doc_id"]: s for s in results["samples"]["model"]["tiny_mc"]}
+    assert len(by_doc) == len(QUESTIONS)
+    for i, (question, choices, answer) in enumerate(QUESTIONS):
+        scores = [summed_log_probs(model, tokenizer, f"Question: {question}\nAnswer:", f" {c}") for c in choices]
+        theirs = [r[0] for r in by_doc[i]["filtered_resps"]]  # (log-likelihood, is_greedy) per choice
+        assert theirs == pytest.approx(scores, abs=1e-4)
+        expected_right.append(max(range(len(choices)), key=scores.__getitem__) == answer)
+    accuracy = results["runs"]["model"]["results"]["tiny_mc"]["acc,none"]
+    assert accuracy == sum(expected_right) / len(QUESTIONS)
+    assert 0 < sum(expected_right) < len(QUESTIONS)  # a random tiny model: some right, some wrong, so the check bites
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["table"] == [{"task": "tiny_mc", "metric": "acc,none", "value": accuracy}]
+    assert "samples" not in written["runs"]["model"]
+    assert f"| tiny_mc | acc,none | {accuracy:.4f} |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_generation_equals_greedy_decoding(tmp_path, tiny_own_dir, tasks_dir):
+    from erniekit_lite.chat import load
+
+    results = run_tasks(str(tiny_own_dir), ["tiny_gen"], tasks_path=str(tasks_dir), out=str(tmp_path / "r.json"), samples=True)
+    model, tokenizer = load(str(tiny_own_dir))
+    by_doc = {s["doc_id"]: s for s in results["samples"]["model"]["tiny_gen"]}
+    matches = []
+    for i, (question, choices, answer) in enumerate(QUESTIONS):
+        ids = torch.tensor([tokenizer(question)["input_ids"]])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split("\n")[0]
+        assert by_doc[i]["filtered_resps"][0] == text
+        assert text  # the random model says something, so equal answers mean the same tokens
+        matches.append(text == choices[answer])
+    assert results["runs"]["model"]["results"]["tiny_gen"]["exact_match,none"] == sum(matches) / len(matches)
+
+
+@pytest.mark.slow
+def test_chat_compare_shows_what_the_tuned_model_learned(tmp_path, capsys, tiny_own_dir, tasks_dir, tuned_run):
+    code, out, err = run_cli(capsys, "eval", tuned_run, "--tasks", "tiny_who", "--tasks-path", tasks_dir, "--chat",
+                             "--compare", tiny_own_dir, "--out", tmp_path / "compare.json")
+    assert code == 0, err
+    compared = json.loads((tmp_path / "compare.json").read_text())
+    [who] = compared["table"]
+    assert (who["task"], who["metric"]) == ("tiny_who", "exact_match,none")
+    assert who["base"] == 0.0 and who["tuned"] >= 0.5  # the base never says who it is; the tuned model learned to
+    assert who["difference"] == who["tuned"] - who["base"]
+    assert f"| tiny_who | exact_match,none | 0.0000 | {who['tuned']:.4f} | {who['difference']:+.4f} |" in out
+    assert compared["chat"] is True and compared["compare"] == str(tiny_own_dir)
+
+
+def per_example(results: dict) -> tuple[list[float], list[str]]:
+    """lm-eval's own per-example outputs: every choice's log-likelihood (tiny_mc) and every answer (tiny_gen)."""
+    samples = results["samples"]["model"]
+    scores = [r[0] for s in sorted(samples["tiny_mc"], key=lambda s: s["doc_id"]) for r in s["filtered_resps"]]
+    texts = [s["filtered_resps"][0] for s in sorted(samples["tiny_gen"], key=lambda s: s["doc_id"])]
+    return scores, texts
+
+
+@pytest.mark.slow
+def test_run_dir_merged_copy_and_base_plus_adapter_agree(tmp_path, capsys, tiny_own_dir, tasks_dir, lora_run):
+    assert run_cli(capsys, "merge", lora_run, "--out", tmp_path / "merged")[0] == 0
+    found = {}
+    for name, target, adapter in (("run", lora_run, None), ("merged", tmp_path / "merged", None), ("adapter", tiny_own_dir, lora_run),
+                                  ("base", tiny_own_dir, None)):
+        found[name] = run_tasks(str(target), ["tiny_mc", "tiny_gen"], adapter=adapter and str(adapter), tasks_path=str(tasks_dir),
+                                chat=True, limit=5, out=str(tmp_path / f"{name}.json"), samples=True)
+    scores, texts = per_example(found["run"])
+    assert len(scores) == sum(len(c) for _, c, _ in QUESTIONS[:5]) and len(texts) == 5  # --limit 5
+    merged_scores, merged_texts = per_example(found["merged"])
+    assert merged_scores == pytest.approx(scores, abs=1e-4) and merged_texts == texts
+    assert per_example(found["adapter"]) == (scores, texts)  # the same loading path as the run dir
+    base_scores, base_texts = per_example(found["base"])
+    assert max(abs(a - b) for a, b in zip(base_scores, scores, strict=True)) > 0.1 and base_texts != texts  # the adapter matters
+    table = lambda name: json.loads((tmp_path / f"{name}.json").read_text())["table"]  # noqa: E731
+    assert [r["metric"] for r in table("run")] == ["acc,none", "exact_match,none"]
+    for mine, theirs in zip(table("run"), table("merged"), strict=True):
+        assert mine["value"] == pytest.approx(theirs["value"], abs=1e-9)
+
+
+def test_bad_input_is_one_line(tmp_path, capsys, tiny_own_dir, tasks_dir):
+    def error(*argv) -> str:
+        code, out, err = run_cli(capsys, "eval", *argv)
+        assert code == 2 and err.count("\n") == 1, err
+        return err
+
+    assert "no task, group or tag named 'tiny_mcq'; close names: tiny_mc" in error(
+        tiny_own_dir, "--tasks", "tiny_mcq", "--tasks-path", tasks_dir)
+    assert "--tasks NAMES (lm-eval benchmarks) or --data FILE" in error(tiny_own_dir)
+    assert "one of them" in error(tiny_own_dir, "--tasks", "tiny_mc", "--data", IDENTITY)
+    assert "--chat, --compare go with --tasks" in error(tiny_own_dir, "--data", IDENTITY, "--chat", "--compare", tiny_own_dir)
+    assert "--limit and --max-samples are one setting" in error(tiny_own_dir, "--tasks", "tiny_mc", "--limit", "2", "--max-samples", "2")
+    assert f"--tasks-path: {tmp_path / 'none'}: no such directory" in error(tiny_own_dir, "--tasks", "x", "--tasks-path", tmp_path / "none")
+    assert "--limit must be above 0" in error(tiny_own_dir, "--tasks", "tiny_mc", "--tasks-path", tasks_dir, "--limit", "0")

@@ -1,0 +1,203 @@
+"""`erniekit-lite export --to gguf` through llama.cpp's own converter and loaded by llama.cpp itself
+(`llama-cpp-python`): greedy answers from the same prompt ids equal transformers', token for token; ERNIE's chat
+markers are control tokens in the GGUF; the Ollama Modelfile's template renders conversations as erniekit-lite
+does. Needs `llama-cpp-python` (built from its source distribution) and `LLAMA_CPP_DIR` pointing at llama.cpp's
+converter (the unpacked sdist: `.ci/run` sets both up)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import ERNIE_TOKENIZER_DIR
+from erniekit_lite.data.formats import Turn
+from erniekit_lite.data.template import template_for
+from erniekit_lite.data.tokenize import Tokenizer
+from erniekit_lite.export import OLLAMA_TEMPLATE, STOP
+from helpers import run_cli, visible_lora_run
+
+llama_cpp = pytest.importorskip("llama_cpp")
+CONVERTER = os.environ.get("LLAMA_CPP_DIR")
+pytestmark = pytest.mark.skipif(not CONVERTER, reason="LLAMA_CPP_DIR (llama.cpp's converter) not set")
+TOKENS = 12
+
+
+def _agreement():
+    """benchmarks/gguf_agreement.py: the greedy helpers the benchmark measures with, so both compare alike."""
+    spec = importlib.util.spec_from_file_location("gguf_agreement", Path(__file__).resolve().parents[1] / "benchmarks" / "gguf_agreement.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+AGREEMENT = _agreement()
+PROMPTS = AGREEMENT.PROMPTS[:5]
+
+
+@pytest.fixture(scope="module")
+def dense_lora_run(tmp_path_factory) -> Path:
+    return visible_lora_run(tmp_path_factory.mktemp("gguf-dense"), "dense", ERNIE_TOKENIZER_DIR)
+
+
+@pytest.fixture(scope="module")
+def moe_lora_run(tmp_path_factory) -> Path:
+    """3 layers (the first dense), 8 experts top-2, 2 shared; LoRA on every expert."""
+    return visible_lora_run(tmp_path_factory.mktemp("gguf-moe"), "moe", ERNIE_TOKENIZER_DIR)
+
+
+def transformers_greedy(model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
+    return AGREEMENT.transformers_greedy(model_dir, PROMPTS, TOKENS)
+
+
+def llama_greedy(gguf: Path, prompts: list[list[int]], stop: set[int]) -> list[list[int]]:
+    return AGREEMENT.llama_greedy(gguf, prompts, stop, TOKENS)
+
+
+def export_to(capsys, run: Path, out: Path, outtype: str, *extra) -> Path:
+    code, printed, err = run_cli(capsys, "export", run, "--outtype", outtype, "--out", out, "--llama-cpp", CONVERTER, *extra)
+    assert code == 0, err
+    marker = json.loads((out / "erniekit_export.json").read_text())
+    assert f"export: {out / marker['gguf']}" in printed
+    return out / marker["gguf"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["dense_lora_run", "moe_lora_run"])
+def test_llama_cpp_greedy_equals_transformers(tmp_path, capsys, request, model):
+    run = request.getfixturevalue(model)
+    gguf = export_to(capsys, run, tmp_path / "f32", "f32")
+    reference = tmp_path / "merged"
+    assert run_cli(capsys, "merge", run, "--out", reference)[0] == 0
+    prompts, expected = transformers_greedy(reference)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(reference)
+    stop = {tokenizer.convert_tokens_to_ids(t) for t in STOP}
+    got = llama_greedy(gguf, prompts, stop)
+    assert got == expected
+    assert sum(map(len, expected)) >= 3 * len(PROMPTS)  # answers long enough for the comparison to mean something
+
+    # the chat markers are control tokens: llama.cpp reads a rendered prompt as training built its ids
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=64, verbose=False, vocab_only=True)
+    assert llm.tokenize("<|begin_of_sentence|>".encode(), add_bos=False, special=True) == [tokenizer.convert_tokens_to_ids("<|begin_of_sentence|>")]
+    assert llm.tokenize("<|end_of_sentence|>".encode(), add_bos=False, special=True) == [tokenizer.convert_tokens_to_ids("<|end_of_sentence|>")]
+    assert len(llm.tokenize("<|begin_of_sentence|>".encode(), add_bos=False, special=False)) > 1  # typed text stays text
+    marked = json.loads((tmp_path / "f32" / "erniekit_export.json").read_text())["control_tokens_marked"]
+    print(f"{model}: control tokens the converter left as text, marked: {marked}")
+
+
+@pytest.mark.slow
+def test_f16_greedy_equals_transformers_and_q8_0_runs(tmp_path, capsys, dense_lora_run):
+    """f16 rounds the weights yet keeps every greedy token here; q8_0 and q4_k_m (llama.cpp's quantizer) load and
+    answer, their agreement measured by benchmarks/gguf_agreement.py, not asserted."""
+    merged = tmp_path / "merged"
+    assert run_cli(capsys, "merge", dense_lora_run, "--out", merged)[0] == 0
+    prompts, expected = transformers_greedy(merged)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    stop = {tokenizer.convert_tokens_to_ids(t) for t in STOP}
+    assert llama_greedy(export_to(capsys, dense_lora_run, tmp_path / "f16", "f16"), prompts, stop) == expected
+    for outtype in ("q8_0", "q4_k_m"):
+        got = llama_greedy(export_to(capsys, dense_lora_run, tmp_path / outtype, outtype), prompts, stop)
+        assert len(got) == len(PROMPTS) and all(got)
+        assert not list((tmp_path / outtype).glob("model-f16.gguf"))  # the intermediate f16 is not left behind
+
+
+def render_go_template(template: str, messages: list[dict]) -> str:
+    """The subset of Go's text/template the Modelfile uses: {{ range .Messages }}, {{ if eq .Role "x" }},
+    {{ else if eq .Role "x" }}, {{ end }}, {{ .Content }}."""
+    tokens = re.split(r"({{.*?}})", template)
+
+    def run(i: int, message: dict | None, out: list[str], emit: bool) -> int:
+        while i < len(tokens):
+            t = tokens[i]
+            if not t.startswith("{{"):
+                if emit:
+                    out.append(t)
+                i += 1
+                continue
+            action = t[2:-2].strip()
+            if action == "end" or action.startswith("else"):
+                return i
+            if action == ".Content":
+                if emit:
+                    out.append(message["content"])
+                i += 1
+            elif action == "range .Messages":
+                start, end = i + 1, None
+                for m in messages:
+                    end = run(start, m, out, emit)
+                if end is None:  # no messages: skip the body
+                    end = run(start, None, [], False)
+                i = end + 1
+            elif action.startswith("if "):
+                taken = False
+                while True:
+                    cond = re.fullmatch(r'(?:if|else if) eq \.Role "(\w+)"', action)
+                    hit = not taken and (cond is None or message["role"] == cond.group(1))
+                    i = run(i + 1, message, out, emit and hit)
+                    taken = taken or hit
+                    action = tokens[i][2:-2].strip()
+                    if action == "end":
+                        break
+                i += 1
+            else:
+                raise ValueError(f"unsupported action {action!r}")
+        return i
+
+    out: list[str] = []
+    run(0, None, out, True)
+    return "".join(out)
+
+
+def test_modelfile_renders_as_erniekit_lite(tmp_path, capsys, ernie_tokenizer):
+    from erniekit_lite.export import modelfile
+
+    text = modelfile("model-q8_0.gguf", "You are concise.")
+    template = re.search(r'TEMPLATE """(.*?)"""', text, re.S).group(1)
+    assert template == OLLAMA_TEMPLATE
+    assert 'PARAMETER stop "</s>"' in text and 'PARAMETER stop "<|end_of_sentence|>"' in text
+    assert 'SYSTEM """You are concise."""' in text and text.startswith("FROM ./model-q8_0.gguf\n")
+
+    tok = Tokenizer(ernie_tokenizer, template_for(ernie_tokenizer))
+    for system, history, user in ((None, [], "Who are you?"), ("You are concise.", [], "Hi"),
+                                  ("Be brief.", [Turn("1 + 1?", "2"), Turn("And 2 + 2?", "4")], "And 3 + 3?")):
+        messages = ([{"role": "system", "content": system}] if system else []) + \
+            [m for t in history for m in ({"role": "user", "content": t.user}, {"role": "assistant", "content": t.assistant})] + \
+            [{"role": "user", "content": user}]
+        pieces = tok.template.generation_prompt(system, history, user)
+        expected = "".join(p.text if p.text is not None else ernie_tokenizer.decode(list(p.ids)) for p in pieces)
+        assert render_go_template(OLLAMA_TEMPLATE, messages) == expected
+
+
+def test_bad_input_is_one_line(tmp_path, capsys, tiny_own_dir):
+    def error(*argv) -> str:
+        code, out, err = run_cli(capsys, "export", *argv)
+        assert code == 2 and err.count("\n") == 1, err
+        return err
+
+    out = tmp_path / "out"
+    assert "--outtype: 'q3'" in error(tiny_own_dir, "--out", out, "--outtype", "q3", "--llama-cpp", CONVERTER)
+    assert "no convert_hf_to_gguf.py" in error(tiny_own_dir, "--out", out, "--llama-cpp", tmp_path)
+    unfinished = tmp_path / "run"
+    unfinished.mkdir()
+    (unfinished / "recipe.yaml").write_text("model: {path: x}\n")
+    assert "has not finished" in error(unfinished, "--out", out, "--llama-cpp", CONVERTER)
+    assert "no sentencepiece tokenizer.model" in error(tiny_own_dir, "--out", out, "--llama-cpp", CONVERTER)
+    assert not out.exists() and not list(tmp_path.glob(".out.exporting"))  # nothing half-written
+    odd = tmp_path / "odd-moe"  # shared experts narrower than llama.cpp's converter assumes: refused before converting
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "ernie4_5_moe", "moe_num_shared_experts": 2, "moe_intermediate_size": 32,
+                                                  "intermediate_size": 192, "num_key_value_heads": 1}))
+    assert "shared experts 64 wide" in error(odd, "--out", out, "--llama-cpp", CONVERTER)
+    assert not out.exists() and not list(tmp_path.glob(".out.exporting"))
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    assert "not empty" in error(tiny_own_dir, "--out", out, "--llama-cpp", CONVERTER)
+    assert (out / "mine.txt").read_text() == "keep"

@@ -1,0 +1,164 @@
+"""`erniekit-lite serve` with the transformers engine (`transformers serve`), queried with the official `openai`
+client: single-turn answers, plain and streamed, equal `chat`'s greedy answer and end at the stop tokens; a LoRA
+run is merged once, beside it, and served as merged."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from erniekit_lite.chat import load
+from erniekit_lite.generate import answer
+from erniekit_lite.serve import serve_command, servable
+from helpers import IDENTITY, run_cli, write_recipe
+
+openai = pytest.importorskip("openai")
+ANSWERS = {json.loads(line)["src"][0]: json.loads(line)["tgt"][0] for line in IDENTITY.read_text().splitlines()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, tiny_own_dir) -> Path:
+    """Full fine-tuning that learns the identity answers (the quick start's settings)."""
+    from erniekit_lite.cli import main
+
+    tmp = tmp_path_factory.mktemp("serve-full")
+    recipe = write_recipe(tmp / "r.yaml", tiny_own_dir, out=tmp / "run", data={"max_length": 256, "packing": True},
+                          train={"learning_rate": 3e-3, "lr_scheduler_type": "cosine", "warmup_steps": 10, "max_steps": 150,
+                                 "per_device_train_batch_size": 1, "activation_checkpointing": False, "logging_steps": 50,
+                                 "save_steps": 150, "seed": 0})
+    assert main(["train", str(recipe)]) == 0
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tiny_own_dir) -> Path:
+    from erniekit_lite.cli import main
+
+    tmp = tmp_path_factory.mktemp("serve-lora")
+    recipe = write_recipe(tmp / "r.yaml", tiny_own_dir, lora={"r": 8, "alpha": 16}, out=tmp / "run",
+                          train={"learning_rate": 2e-2, "max_steps": 20, "per_device_train_batch_size": 1, "activation_checkpointing": False,
+                                 "save_steps": 100, "seed": 0})
+    assert main(["train", str(recipe)]) == 0
+    return tmp / "run"
+
+
+class Server:
+    """`erniekit-lite serve RUN --engine transformers` on a free port, until the test is done."""
+
+    def __init__(self, run: Path, log: Path):
+        self.port = free_port()
+        self.log = open(log, "w")
+        self.process = subprocess.Popen([sys.executable, "-m", "erniekit_lite", "serve", str(run), "--engine", "transformers",
+                                         "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        deadline = time.time() + 180
+        while True:
+            assert self.process.poll() is None and time.time() < deadline, log.read_text()
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="not-needed")
+
+    def close(self) -> None:
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+def greedy(path: Path, prompt: str, tokens: int) -> str:
+    model, tokenizer = load(str(path))
+    return answer(model, tokenizer, prompt, max_new_tokens=tokens)
+
+
+@pytest.mark.slow
+def test_answers_equal_chat_and_stop_at_the_stop_tokens(tmp_path, full_run):
+    server = Server(full_run, tmp_path / "server.log")
+    try:
+        for prompt in ("Who are you?", "What is your name?", "你是谁？"):
+            messages = [{"role": "user", "content": prompt}]
+            reply = server.client.chat.completions.create(model=str(full_run), messages=messages, temperature=0, max_tokens=48)
+            expected = greedy(full_run, prompt, 48)
+            assert reply.choices[0].message.content == expected
+            assert reply.choices[0].finish_reason == "stop"  # ended by </s> or <|end_of_sentence|>, not the token limit
+            assert "<|end_of_sentence|>" not in expected and "</s>" not in expected
+            stream = server.client.chat.completions.create(model=str(full_run), messages=messages, temperature=0, max_tokens=48, stream=True)
+            assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+        assert greedy(full_run, "Who are you?", 48) == ANSWERS["Who are you?"]  # the run learned; the server says it
+    finally:
+        server.close()
+    assert f"serve: http://127.0.0.1:{server.port}/v1" in (tmp_path / "server.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_lora_run_is_merged_once_and_served_merged(tmp_path, capsys, lora_run):
+    said = []
+    merged = Path(servable(str(lora_run), log=said.append))
+    assert merged == lora_run.with_name("run.merged") and (merged / "config.json").is_file()
+    assert any("merging the LoRA run" in line for line in said)
+    stamp = (merged / "erniekit_merged.json").stat().st_mtime
+    said.clear()
+    assert servable(str(lora_run), log=said.append) == str(merged)
+    assert said == [f"serve: reusing {merged}, the merge of {lora_run}"]
+    assert (merged / "erniekit_merged.json").stat().st_mtime == stamp
+
+    server = Server(lora_run, tmp_path / "server.log")
+    try:
+        reply = server.client.chat.completions.create(model=str(merged), messages=[{"role": "user", "content": "Who made you?"}],
+                                                      temperature=0, max_tokens=16)
+        assert reply.choices[0].message.content == greedy(lora_run, "Who made you?", 16)  # base + adapter, unmerged
+    finally:
+        server.close()
+    assert f"requests name the model {str(merged)!r}" in (tmp_path / "server.log").read_text()  # as the request above did
+
+
+def test_commands_and_bad_input(tmp_path, capsys, tiny_own_dir):
+    command, model = serve_command(str(tiny_own_dir), "auto", "127.0.0.1", 8000, None)
+    assert model == str(tiny_own_dir)
+    if command[0] == sys.executable:  # no vllm on PATH here: auto is transformers, bound to localhost
+        assert command[-6:] == ["serve", str(tiny_own_dir), "--host", "127.0.0.1", "--port", "8000"]
+    fake = tmp_path / "venv" / "bin" / "vllm"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("#!/bin/sh\n")  # not a Python console script: run as `vllm serve`
+    fake.chmod(0o755)
+    assert serve_command(str(tiny_own_dir), "auto", "127.0.0.1", 9000, str(tmp_path / "venv"))[0] == [
+        str(fake), "serve", str(tiny_own_dir), "--host", "127.0.0.1", "--port", "9000"]
+    fake.write_text(f"#!{sys.executable}\nimport sys\n")  # pip's console script: vLLM's server module in that Python
+    assert serve_command(str(tiny_own_dir), "vllm", "127.0.0.1", 9000, str(fake))[0] == [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_own_dir), "--host", "127.0.0.1", "--port", "9000"]
+    thinking = tmp_path / "thinking"
+    thinking.mkdir()
+    (thinking / "config.json").write_text("{}")
+    (thinking / "chat_template.jinja").write_text("{{ '<think>\\n' }}")
+    assert serve_command(str(thinking), "vllm", "127.0.0.1", 8000, str(fake))[0][-5:] == [
+        "--tool-call-parser", "ernie45", "--enable-auto-tool-choice", "--reasoning-parser", "ernie45"]
+
+    def error(*argv) -> str:
+        code, out, err = run_cli(capsys, "serve", *argv)
+        assert code == 2 and err.count("\n") == 1, err
+        return err
+
+    assert "no such directory" in error(tmp_path / "nothing")
+    assert "not a finished run or a model dir" in error(tmp_path)
+    assert "--vllm" in error(tiny_own_dir, "--vllm", tmp_path / "none")
+    if serve_command(str(tiny_own_dir), "auto", "127.0.0.1", 8000, None)[0][0] == sys.executable:
+        assert "no `vllm` executable on PATH" in error(tiny_own_dir, "--engine", "vllm")

