@@ -12,12 +12,14 @@ a footer: the exact command, the git revision (with `+dirty` when the measured c
 
 Peers: the `*-peers` benchmarks and `row_length-tiny` run LLaMA-Factory in its own venv
 (`bash benchmarks/install_llamafactory.sh`); without it `all` stops before starting, naming the command, and
-`--quick` leaves LLaMA-Factory out. `gpu_check.py` is not here: it needs a GPU (README, "On a GPU").
+`--quick` leaves LLaMA-Factory out. `gguf_agreement` needs llama-cpp-python and LLAMA_CPP_DIR (`all` stops
+without them; `--quick` leaves it out). `gpu_check.py` is not here: it needs a GPU (README, "On a GPU").
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import subprocess
@@ -42,6 +44,7 @@ class Bench:
     quick: tuple[str, ...] | None  # the smoke version (None: left out of --quick)
     minutes: int  # full run on 2 idle cores, about
     peers: bool = False  # needs the LLaMA-Factory venv (full run)
+    llama_cpp: bool = False  # needs llama-cpp-python in this Python and LLAMA_CPP_DIR (llama.cpp's converter)
     writes_own: bool = False  # the script writes its results itself, to the path given by --out
 
 
@@ -62,6 +65,8 @@ BENCHES = [
           ("dpo_packing.py", "--steps", "1", "--samples", "40"), 20),
     Bench("dpo_packing-0.3b", "results-dpo_packing-cpu-0.3b-shape.txt",
           ("dpo_packing.py", "--released-shape", "--steps", "2", "--batch", "2", "--samples", "80", "--rounds", "3"), None, 35),
+    Bench("gguf_agreement", "results-gguf_agreement.txt", ("gguf_agreement.py",),
+          ("gguf_agreement.py", "--seeds", "1", "--outtypes", "f32,q8_0"), 12, writes_own=True, llama_cpp=True),
     Bench("sft-peers", "results-sft-peers-cpu-tiny.txt", ("sft.py", "--steps", "6", "--rounds", "3"),
           ("sft.py", "--steps", "1", "--samples", "64", "--modes", "erniekit-padded,erniekit-packed,trl-padded"), 75, peers=True),
     Bench("dpo-peers", "results-dpo-peers-cpu-tiny.txt", ("dpo.py", "--steps", "4", "--rounds", "3"),
@@ -134,6 +139,14 @@ def main(argv=None) -> int:
               f"{', '.join(b.name for b in chosen if b.peers)}): run `bash benchmarks/install_llamafactory.sh`, "
               "set LLAMAFACTORY_PYTHON, or leave them out with --only", file=sys.stderr)
         return 2
+    has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None and bool(os.environ.get("LLAMA_CPP_DIR"))
+    if not has_llama_cpp and any(b.llama_cpp for b in chosen):
+        if not args.quick:
+            print(f"error: {', '.join(b.name for b in chosen if b.llama_cpp)} needs llama-cpp-python in this Python and "
+                  "LLAMA_CPP_DIR set to llama.cpp's converter (README: GGUF for llama.cpp and Ollama), or leave it out "
+                  "with --only", file=sys.stderr)
+            return 2
+        chosen = [b for b in chosen if not b.llama_cpp]
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="erniekit-bench-")) if args.quick else BENCH
     out.mkdir(parents=True, exist_ok=True)
     print(f"{len(chosen)} benchmarks, results in {out}; machine: {machine()}; git {git_revision()}", flush=True)

@@ -38,7 +38,7 @@ class VllmServer:
         self.port = free_port()
         self.log = open(log, "w")
         engine_args = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4"]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "all"}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "VLLM_CPU_KVCACHE_SPACE": "1"}
         self.process = subprocess.Popen([sys.executable, "-m", "erniekit_lite", "serve", str(run), "--engine", "vllm", "--vllm", VLLM,
                                          "--port", str(self.port), "--", *engine_args],
                                         stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
