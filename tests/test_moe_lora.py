@@ -41,7 +41,7 @@ def test_peft_alone_leaves_shared_experts_and_dense_mlp_without_adapters(tiny_mo
 def test_lora_reaches_every_group_and_never_the_router(tiny_moe_dir):
     model = apply_lora(moe(tiny_moe_dir), LoraSection(r=4))
     groups = trainable_groups(model)
-    hidden, inter, shared, experts, r = 64, 192, 64, 8, 4
+    hidden, inter, shared, experts, r = 64, 64, 64, 8, 4  # dense layer: 32 x 2 shared x 1 kv head wide, as released
     kv = 32  # 2 kv heads x head_dim 16
     moe_inter = 32
     attention_per_layer = r * (hidden + hidden) + r * (hidden + kv) * 2 + r * (hidden + hidden)  # q, k, v, o

@@ -25,7 +25,7 @@ from helpers import write_recipe
 bnb = pytest.importorskip("bitsandbytes")  # the test extra installs it; `pip install 'erniekit-lite[qlora]'`
 
 ROOT = Path(__file__).resolve().parents[1]
-MERGE_TOLERANCE = 0.02  # max |logit| difference, merged model vs 4-bit base + adapter (bf16); measured 0.0054
+MERGE_TOLERANCE = 0.02  # max |logit| difference, merged model vs 4-bit base + adapter (bf16, dense); measured 0.0078
 
 
 def four_bit(path) -> torch.nn.Module:
@@ -125,10 +125,13 @@ with torch.no_grad():
 """
 
 
-def test_a_saved_4bit_adapter_reloads_exactly_and_merges_dequantized(tmp_path, tiny_moe_dir):
+def test_a_saved_4bit_adapter_reloads_exactly_and_merges_dequantized(tmp_path, tiny_own_dir):
     """Logits of the 4-bit base + adapter: equal after a reload in a fresh process; `merge` writes a plain
     checkpoint (the dequantized 4-bit base with the adapter added, no quantization config) within
-    MERGE_TOLERANCE of them, where merging into the original weights is not."""
+    MERGE_TOLERANCE of them, where merging into the original weights is not. On the dense model: in an MoE the
+    merged weights' bf16 rounding (~0.004 here) can flip a token's top-k expert choice, which moves that one
+    position's logits by far more (seen: 0.024 and 0.046 at one of 24 positions, 0.004 elsewhere)."""
+    tiny_moe_dir = tiny_own_dir  # the checkpoint under test (dense: see above)
     from transformers import AutoModelForCausalLM
 
     from erniekit_lite.model.merge import merge
