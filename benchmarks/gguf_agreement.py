@@ -30,26 +30,12 @@ STOP_TOKENS = ("</s>", "<|end_of_sentence|>")
 
 def transformers_greedy(model_dir: Path, prompts: list[str], tokens: int) -> tuple[list[list[int]], list[list[int]]]:
     """(prompt ids as training builds them, greedy continuation ids up to a stop token) with transformers."""
-    import torch
-
     from erniekit_lite.chat import load
-    from erniekit_lite.data.template import template_for
-    from erniekit_lite.data.tokenize import Tokenizer
-    from erniekit_lite.generate import Prompt, _prompt_ids, stop_ids
+    from erniekit_lite.generate import greedy_ids
 
     model, tokenizer = load(str(model_dir))
-    tok = Tokenizer(tokenizer, template_for(tokenizer))
-    stop = stop_ids(model, tokenizer)
-    ids_list, answers = [], []
-    for text in prompts:
-        ids = _prompt_ids(tok, Prompt(text))
-        with torch.no_grad():
-            out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, eos_token_id=stop,
-                                 pad_token_id=0)[0, len(ids):].tolist()
-        end = next((k for k, t in enumerate(out) if t in stop), len(out))
-        ids_list.append(ids)
-        answers.append(out[:end])
-    return ids_list, answers
+    pairs = [greedy_ids(model, tokenizer, text, tokens) for text in prompts]
+    return [p for p, _ in pairs], [a for _, a in pairs]
 
 
 def llama_greedy(gguf: Path, prompts: list[list[int]], stop: set[int], tokens: int) -> list[list[int]]:

@@ -68,6 +68,19 @@ def answers(model, tokenizer, prompts: list[Prompt], batch_size: int = 1, max_ne
     return texts
 
 
+def greedy_ids(model, tokenizer, text: str, max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """The prompt ids training builds for one user turn, and the greedy answer's ids before the first stop token:
+    what other engines (llama.cpp, vLLM) are compared with, token for token."""
+    import torch
+
+    ids = _prompt_ids(Tokenizer(tokenizer, template_for(tokenizer)), Prompt(text))
+    stop = stop_ids(model, tokenizer)
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids], device=model.device), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=stop, pad_token_id=tokenizer.pad_token_id or 0)[0, len(ids):].tolist()
+    return ids, out[:next((k for k, t in enumerate(out) if t in stop), len(out))]
+
+
 def stop_ids(model, tokenizer) -> list[int]:
     """ERNIE's end tokens, plus whatever the checkpoint's generation config ends on (`<|im_end|>` for a Thinking model)."""
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

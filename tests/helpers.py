@@ -82,22 +82,39 @@ def write_lm_eval_tasks(folder: Path) -> Path:
     return folder
 
 
-def visible_lora_run(tmp: Path, arch: str, tokenizer_dir: Path) -> Path:
-    """A LoRA run on a tiny model with the given (real) tokenizer (MoE: every routed and shared expert adapted), its
-    adapter weights then drawn large enough that base and merged answers differ: what engines must reproduce."""
+def make_adapter_visible(run: Path) -> Path:
+    """Draw a LoRA run's B matrices large (they are near zero after a few steps), so that base, adapter and merge
+    give visibly different answers; saved back into the run."""
     import torch
 
     from erniekit_lite.model.load import load_model
+
+    with torch.no_grad():
+        model = load_model(str(run), "float32", "sdpa")
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+        model.save_pretrained(run)
+    return run
+
+
+def visible_lora_run(tmp: Path, arch: str, tokenizer_dir: Path) -> Path:
+    """A LoRA run on a tiny model with the given (real) tokenizer (MoE: every routed and shared expert adapted), its
+    adapter made visible: what engines must reproduce."""
     from erniekit_lite.tiny import write_tiny
 
     base = write_tiny(str(tmp / "base"), arch, str(tokenizer_dir), hidden_size=64, layers=3 if arch == "moe" else 2)
     recipe = write_recipe(tmp / "r.yaml", base, lora={"r": 4, "alpha": 8}, out=tmp / "run",
                           train={"learning_rate": 1e-2, "max_steps": 1, "per_device_train_batch_size": 2, "activation_checkpointing": False})
     assert main(["train", str(recipe)]) == 0
-    with torch.no_grad():
-        model = load_model(str(tmp / "run"), "float32", "sdpa")
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
-        model.save_pretrained(tmp / "run")
+    return make_adapter_visible(tmp / "run")
+
+
+def identity_run(tmp: Path, model_dir: Path) -> Path:
+    """Full fine-tuning that learns the identity answers (the quick start's settings)."""
+    recipe = write_recipe(tmp / "r.yaml", model_dir, out=tmp / "run", data={"max_length": 256, "packing": True},
+                          train={"learning_rate": 3e-3, "lr_scheduler_type": "cosine", "warmup_steps": 10, "max_steps": 150,
+                                 "per_device_train_batch_size": 1, "activation_checkpointing": False, "logging_steps": 50,
+                                 "save_steps": 150, "seed": 0})
+    assert main(["train", str(recipe)]) == 0
     return tmp / "run"

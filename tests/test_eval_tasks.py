@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from erniekit_lite.tasks import run_tasks
-from helpers import IDENTITY, QUESTIONS, run_cli, write_lm_eval_tasks, write_recipe
+from helpers import IDENTITY, QUESTIONS, identity_run, make_adapter_visible, run_cli, write_lm_eval_tasks, write_recipe
 
 pytest.importorskip("lm_eval")
 
@@ -29,35 +29,19 @@ def tasks_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tuned_run(tmp_path_factory, tiny_own_dir) -> Path:
-    """A full fine-tuning run that learns the identity answers (the quick start's settings)."""
-    from erniekit_lite.cli import main
-
-    tmp = tmp_path_factory.mktemp("tasks-full-run")
-    recipe = write_recipe(tmp / "r.yaml", tiny_own_dir, out=tmp / "run", data={"max_length": 256, "packing": True},
-                          train={"learning_rate": 3e-3, "lr_scheduler_type": "cosine", "warmup_steps": 10, "max_steps": 150,
-                                 "per_device_train_batch_size": 1, "activation_checkpointing": False, "logging_steps": 50,
-                                 "save_steps": 150, "seed": 0})
-    assert main(["train", str(recipe)]) == 0
-    return tmp / "run"
+    return identity_run(tmp_path_factory.mktemp("tasks-full-run"), tiny_own_dir)
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, tiny_own_dir) -> Path:
-    """A LoRA run whose adapter visibly changes the model (B drawn at random after 2 steps, as in test_chat_merge)."""
+    """A LoRA run whose adapter visibly changes the model."""
     from erniekit_lite.cli import main
-    from erniekit_lite.model.load import load_model
 
     tmp = tmp_path_factory.mktemp("tasks-lora-run")
     recipe = write_recipe(tmp / "r.yaml", tiny_own_dir, lora={"r": 4, "alpha": 8}, out=tmp / "run",
                           train={"learning_rate": 1e-2, "max_steps": 2, "per_device_train_batch_size": 2, "activation_checkpointing": False})
     assert main(["train", str(recipe)]) == 0
-    with torch.no_grad():
-        model = load_model(str(tmp / "run"), "float32", "sdpa")
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
-        model.save_pretrained(tmp / "run")
-    return tmp / "run"
+    return make_adapter_visible(tmp / "run")
 
 
 def summed_log_probs(model, tokenizer, context: str, continuation: str) -> float:

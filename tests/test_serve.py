@@ -19,7 +19,7 @@ import pytest
 from erniekit_lite.chat import load
 from erniekit_lite.generate import answer
 from erniekit_lite.serve import serve_command, servable
-from helpers import IDENTITY, run_cli, write_recipe
+from helpers import IDENTITY, identity_run, run_cli, write_recipe
 
 openai = pytest.importorskip("openai")
 ANSWERS = {json.loads(line)["src"][0]: json.loads(line)["tgt"][0] for line in IDENTITY.read_text().splitlines()}
@@ -33,16 +33,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory, tiny_own_dir) -> Path:
-    """Full fine-tuning that learns the identity answers (the quick start's settings)."""
-    from erniekit_lite.cli import main
-
-    tmp = tmp_path_factory.mktemp("serve-full")
-    recipe = write_recipe(tmp / "r.yaml", tiny_own_dir, out=tmp / "run", data={"max_length": 256, "packing": True},
-                          train={"learning_rate": 3e-3, "lr_scheduler_type": "cosine", "warmup_steps": 10, "max_steps": 150,
-                                 "per_device_train_batch_size": 1, "activation_checkpointing": False, "logging_steps": 50,
-                                 "save_steps": 150, "seed": 0})
-    assert main(["train", str(recipe)]) == 0
-    return tmp / "run"
+    return identity_run(tmp_path_factory.mktemp("serve-full"), tiny_own_dir)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +48,18 @@ def lora_run(tmp_path_factory, tiny_own_dir) -> Path:
     return tmp / "run"
 
 
+def wait_until_up(process: subprocess.Popen, port: int, log: Path, seconds: float) -> None:
+    """Until the server answers /health; its log's tail if it exits or takes longer."""
+    deadline = time.time() + seconds
+    while True:
+        assert process.poll() is None and time.time() < deadline, log.read_text()[-4000:]
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(0.5)
+
+
 class Server:
     """`erniekit-lite serve RUN --engine transformers` on a free port, until the test is done."""
 
@@ -66,14 +69,7 @@ class Server:
         self.process = subprocess.Popen([sys.executable, "-m", "erniekit_lite", "serve", str(run), "--engine", "transformers",
                                          "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-        deadline = time.time() + 180
-        while True:
-            assert self.process.poll() is None and time.time() < deadline, log.read_text()
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
+        wait_until_up(self.process, self.port, log, 180)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="not-needed")
 
     def close(self) -> None:
