@@ -115,10 +115,15 @@ def find_converter(llama_cpp: str | None) -> Path:
 
 
 def hf_model(source: Path, merged_dir: Path, log) -> Path:
-    """A plain transformers checkpoint with the sentencepiece `tokenizer.model` the converter reads."""
+    """A plain transformers checkpoint with the sentencepiece `tokenizer.model` the converter reads. Everything
+    that can refuse is checked before a LoRA run is merged (a 21B merge takes long)."""
     from erniekit_lite.model.load import adapter_base
 
     base = adapter_base(str(source))
+    config_dir = source if base is None else Path(base) if (Path(base) / "config.json").is_file() else None
+    if config_dir is not None:
+        llama_cpp_reads(config_dir)
+    spm = sentencepiece_model(source, base)
     if base is None:
         model_dir = source
     else:
@@ -126,12 +131,8 @@ def hf_model(source: Path, merged_dir: Path, log) -> Path:
 
         log(f"export: merging the LoRA run {source} into its base first")
         model_dir = merge(str(source), str(merged_dir), log=log)
-    llama_cpp_reads(model_dir)
+        llama_cpp_reads(model_dir)
     if not (model_dir / "tokenizer.model").is_file():
-        spm = next((Path(d) / "tokenizer.model" for d in (source, base) if d and (Path(d) / "tokenizer.model").is_file()), None)
-        if spm is None:
-            raise UserError(f"{source}: no sentencepiece tokenizer.model (nor in its base), which llama.cpp's converter reads; "
-                            "the built-in tiny tokenizer has none (make the tiny model with --tokenizer pointing at the real one)")
         if model_dir == source:  # never write into the user's run: convert a linked copy
             copy = merged_dir
             copy.mkdir(parents=True, exist_ok=True)
@@ -141,6 +142,33 @@ def hf_model(source: Path, merged_dir: Path, log) -> Path:
             model_dir = copy
         shutil.copy(spm, model_dir / "tokenizer.model")
     return model_dir
+
+
+def sentencepiece_model(source: Path, base: str | None) -> Path:
+    """`tokenizer.model`: in the run, its LoRA base, or the model its recipe trained (a full run saves only
+    tokenizer.json); a Hub id's copy comes from the Hugging Face cache (downloaded once if not there)."""
+    import yaml
+
+    candidates = [str(source), base]
+    recipe = source / "recipe.yaml"
+    if recipe.is_file():
+        try:
+            candidates.append(((yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}).get("model") or {}).get("path"))
+        except yaml.YAMLError:
+            pass  # the recipe is only a hint here
+    for candidate in filter(None, candidates):
+        if (Path(candidate) / "tokenizer.model").is_file():
+            return Path(candidate) / "tokenizer.model"
+    for candidate in filter(None, candidates[1:]):
+        if not Path(candidate).exists() and candidate.count("/") == 1:  # a Hub id
+            try:
+                from huggingface_hub import hf_hub_download
+
+                return Path(hf_hub_download(candidate, "tokenizer.model"))
+            except Exception:  # offline, no such file: say below what is missing
+                continue
+    raise UserError(f"{source}: no sentencepiece tokenizer.model (nor in its base model), which llama.cpp's converter reads; "
+                    "the built-in tiny tokenizer has none (make the tiny model with --tokenizer pointing at the real one)")
 
 
 def llama_cpp_reads(model_dir: Path) -> None:

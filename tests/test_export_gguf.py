@@ -13,17 +13,19 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import ERNIE_TOKENIZER_DIR
+from helpers import run_cli, visible_lora_run, write_recipe
+
+from erniekit_lite.cli import main as run_cli_main
 from erniekit_lite.data.formats import Turn
 from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import Tokenizer
 from erniekit_lite.export import OLLAMA_TEMPLATE, STOP
-from helpers import run_cli, visible_lora_run
 
-llama_cpp = pytest.importorskip("llama_cpp")
 CONVERTER = os.environ.get("LLAMA_CPP_DIR")
-pytestmark = pytest.mark.skipif(not CONVERTER, reason="LLAMA_CPP_DIR (llama.cpp's converter) not set")
+needs_converter = pytest.mark.skipif(not CONVERTER, reason="LLAMA_CPP_DIR (llama.cpp's converter) not set")
+needs_llama_cpp = pytest.mark.skipif(not CONVERTER or importlib.util.find_spec("llama_cpp") is None,
+                                     reason="needs llama-cpp-python and LLAMA_CPP_DIR (llama.cpp's converter)")
 TOKENS = 12
 
 
@@ -42,6 +44,20 @@ PROMPTS = AGREEMENT.PROMPTS[:5]
 @pytest.fixture(scope="module")
 def dense_lora_run(tmp_path_factory) -> Path:
     return visible_lora_run(tmp_path_factory.mktemp("gguf-dense"), "dense", ERNIE_TOKENIZER_DIR)
+
+
+@pytest.fixture(scope="module")
+def dense_full_run(tmp_path_factory) -> Path:
+    """Full fine-tuning saves tokenizer.json only: export finds tokenizer.model through the recipe's model."""
+    from erniekit_lite.tiny import write_tiny
+
+    tmp = tmp_path_factory.mktemp("gguf-full")
+    base = write_tiny(str(tmp / "base"), "dense", str(ERNIE_TOKENIZER_DIR), hidden_size=64, layers=2)
+    recipe = write_recipe(tmp / "r.yaml", base, out=tmp / "run",
+                          train={"learning_rate": 1e-2, "max_steps": 1, "per_device_train_batch_size": 2, "activation_checkpointing": False})
+    assert run_cli_main(["train", str(recipe)]) == 0
+    assert not (tmp / "run" / "tokenizer.model").exists()
+    return tmp / "run"
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +83,15 @@ def export_to(capsys, run: Path, out: Path, outtype: str, *extra) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["dense_lora_run", "moe_lora_run"])
+@needs_llama_cpp
+@pytest.mark.parametrize("model", ["dense_lora_run", "moe_lora_run", "dense_full_run"])
 def test_llama_cpp_greedy_equals_transformers(tmp_path, capsys, request, model):
     run = request.getfixturevalue(model)
     gguf = export_to(capsys, run, tmp_path / "f32", "f32")
-    reference = tmp_path / "merged"
-    assert run_cli(capsys, "merge", run, "--out", reference)[0] == 0
+    reference = run
+    if model != "dense_full_run":
+        reference = tmp_path / "merged"
+        assert run_cli(capsys, "merge", run, "--out", reference)[0] == 0
     prompts, expected = transformers_greedy(reference)
     from transformers import AutoTokenizer
 
@@ -83,6 +102,8 @@ def test_llama_cpp_greedy_equals_transformers(tmp_path, capsys, request, model):
     assert sum(map(len, expected)) >= 3 * len(PROMPTS)  # answers long enough for the comparison to mean something
 
     # the chat markers are control tokens: llama.cpp reads a rendered prompt as training built its ids
+    import llama_cpp
+
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=64, verbose=False, vocab_only=True)
     assert llm.tokenize("<|begin_of_sentence|>".encode(), add_bos=False, special=True) == [tokenizer.convert_tokens_to_ids("<|begin_of_sentence|>")]
     assert llm.tokenize("<|end_of_sentence|>".encode(), add_bos=False, special=True) == [tokenizer.convert_tokens_to_ids("<|end_of_sentence|>")]
@@ -92,6 +113,7 @@ def test_llama_cpp_greedy_equals_transformers(tmp_path, capsys, request, model):
 
 
 @pytest.mark.slow
+@needs_llama_cpp
 def test_f16_and_quantized_ggufs_answer_close_to_transformers(tmp_path, capsys, dense_lora_run):
     """f16 rounds the weights, so greedy answers may part from transformers' late in an answer: at least 75% of the
     tokens agree before the first difference (README). q8_0 and q4_k_m (llama.cpp's quantizer) load and answer;
@@ -178,6 +200,7 @@ def test_modelfile_renders_as_erniekit_lite(tmp_path, capsys, ernie_tokenizer):
         assert render_go_template(OLLAMA_TEMPLATE, messages) == expected
 
 
+@needs_converter
 def test_bad_input_is_one_line(tmp_path, capsys, tiny_own_dir):
     def error(*argv) -> str:
         code, out, err = run_cli(capsys, "export", *argv)

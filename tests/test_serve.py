@@ -48,11 +48,13 @@ def lora_run(tmp_path_factory, tiny_own_dir) -> Path:
     return tmp / "run"
 
 
-def wait_until_up(process: subprocess.Popen, port: int, log: Path, seconds: float) -> None:
-    """Until the server answers /health; its log's tail if it exits or takes longer."""
+def wait_until_up(process: subprocess.Popen, port: int, log: Path, seconds: float, stop) -> None:
+    """Until the server answers /health; if it exits or takes longer, `stop()` it and fail with its log's tail."""
     deadline = time.time() + seconds
     while True:
-        assert process.poll() is None and time.time() < deadline, log.read_text()[-4000:]
+        if process.poll() is not None or time.time() > deadline:
+            stop()
+            raise AssertionError(log.read_text()[-4000:])
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
             return
@@ -69,7 +71,7 @@ class Server:
         self.process = subprocess.Popen([sys.executable, "-m", "erniekit_lite", "serve", str(run), "--engine", "transformers",
                                          "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-        wait_until_up(self.process, self.port, log, 180)
+        wait_until_up(self.process, self.port, log, 180, self.close)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="not-needed")
 
     def close(self) -> None:

@@ -37,15 +37,18 @@ class VllmServer:
         self.process = subprocess.Popen([sys.executable, "-m", "erniekit_lite", "serve", str(run), "--engine", "vllm", "--vllm", VLLM,
                                          "--port", str(self.port), "--", *engine_args],
                                         stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        wait_until_up(self.process, self.port, log, 600)
+        wait_until_up(self.process, self.port, log, 600, self.close)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="not-needed")
 
     def close(self) -> None:
         try:
             os.killpg(self.process.pid, signal.SIGINT)  # vLLM's engine runs in a child process: stop the group
             self.process.wait(timeout=60)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
+        except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        except ProcessLookupError:
+            pass
         self.log.close()
 
 

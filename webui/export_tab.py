@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -100,25 +101,32 @@ class Serving:
         with self.lock:
             if self.process is not None and self.process.poll() is None:
                 return f"already serving at {self.url}; stop it first"
-            self.log = root / ".erniekit-webui" / "serve.log"
-            self.log.parent.mkdir(parents=True, exist_ok=True)
+            with socket.socket() as probe:  # something else answering on the port would pass for our server
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError:
+                    return f"error: port {port} is in use on 127.0.0.1; choose another"
+            self.log = log_file = root / ".erniekit-webui" / "serve.log"
+            log_file.parent.mkdir(parents=True, exist_ok=True)
             command = [sys.executable, "-m", "erniekit_lite", "serve", run.strip(), "--engine", engine, "--host", "127.0.0.1", "--port", str(port)]
-            with open(self.log, "w") as log:
-                self.process = subprocess.Popen(command, cwd=root, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                start_new_session=True)
-            self.url = f"http://127.0.0.1:{port}/v1"
+            with open(log_file, "w") as log:
+                self.process = process = subprocess.Popen(command, cwd=root, stdout=log, stderr=subprocess.STDOUT,
+                                                          stdin=subprocess.DEVNULL, start_new_session=True)
+            self.url = url = f"http://127.0.0.1:{port}/v1"
         deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.process.poll() is not None:
-                lines = self.log.read_text(errors="replace").strip().splitlines()
-                return f"serve: exited ({lines[-1] if lines else f'exit status {self.process.returncode}'})"
+        while True:
+            if process.poll() is not None:
+                lines = log_file.read_text(errors="replace").strip().splitlines()
+                return f"serve: exited ({lines[-1] if lines else f'exit status {process.returncode}'})"
             try:
-                urllib.request.urlopen(self.url.removesuffix("/v1") + "/health", timeout=2)
+                urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=2)
                 break
             except OSError:
+                if time.time() > deadline:
+                    return f"still starting after 10 minutes: see {log_file} (Stop ends it)"
                 time.sleep(1)
-        said = [line for line in self.log.read_text(errors="replace").splitlines() if line.startswith("serve:")]
-        return "\n".join([f"serving at {self.url}", *said])
+        said = [line for line in log_file.read_text(errors="replace").splitlines() if line.startswith("serve:")]
+        return "\n".join([f"serving at {url}", *said])
 
     def stop(self) -> str:
         with self.lock:
@@ -129,7 +137,10 @@ class Serving:
             os.killpg(process.pid, signal.SIGINT)
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             process.wait()
         except ProcessLookupError:
             pass
