@@ -155,3 +155,32 @@ def test_bad_input_is_one_line(tmp_path, capsys, tiny_own_dir, tasks_dir):
     assert "--limit and --max-samples are one setting" in error(tiny_own_dir, "--tasks", "tiny_mc", "--limit", "2", "--max-samples", "2")
     assert f"--tasks-path: {tmp_path / 'none'}: no such directory" in error(tiny_own_dir, "--tasks", "x", "--tasks-path", tmp_path / "none")
     assert "--limit must be above 0" in error(tiny_own_dir, "--tasks", "tiny_mc", "--tasks-path", tasks_dir, "--limit", "0")
+
+
+@pytest.mark.slow
+def test_moe_lora_run_dir_with_max_samples_and_few_shot_equals_its_merged_copy(tmp_path, capsys, tasks_dir):
+    """A LoRA run on the MoE (adapters on every routed and shared expert, which plain peft cannot load) evaluated from
+    the CLI, with `--max-samples` (lm-eval's --limit) and `--num-fewshot`, gives the numbers of its merged copy."""
+    from helpers import visible_lora_run
+
+    run = visible_lora_run(tmp_path / "moe", "moe", None)
+    assert run_cli(capsys, "merge", run, "--out", tmp_path / "merged")[0] == 0
+    code, out, err = run_cli(capsys, "eval", run, "--tasks", "tiny_mc", "--tasks-path", tasks_dir, "--max-samples", "4",
+                             "--num-fewshot", "1", "--out", tmp_path / "run.json")
+    assert code == 0, err
+    from_cli = json.loads((tmp_path / "run.json").read_text())
+    assert from_cli["limit"] == 4 and from_cli["num_fewshot"] == 1
+    assert from_cli["runs"]["model"]["n-samples"]["tiny_mc"]["effective"] == 4
+    found = {name: run_tasks(str(target), ["tiny_mc"], tasks_path=str(tasks_dir), limit=4, num_fewshot=1,
+                             out=str(tmp_path / f"{name}-samples.json"), samples=True)
+             for name, target in (("run", run), ("merged", tmp_path / "merged"))}
+    samples = sorted(found["run"]["samples"]["model"]["tiny_mc"], key=lambda s: s["doc_id"])
+    assert len(samples) == 4
+    context = samples[0]["arguments"][0][0]  # (context, continuation) of the first choice
+    assert context.count("Question: ") == 2  # one few-shot example, then the question
+    scores = [r[0] for s in samples for r in s["filtered_resps"]]
+    merged = [r[0] for s in sorted(found["merged"]["samples"]["model"]["tiny_mc"], key=lambda s: s["doc_id"]) for r in s["filtered_resps"]]
+    assert merged == pytest.approx(scores, abs=1e-4)
+    accuracy = from_cli["runs"]["model"]["results"]["tiny_mc"]["acc,none"]
+    assert accuracy == found["merged"]["runs"]["model"]["results"]["tiny_mc"]["acc,none"]
+    assert accuracy == found["run"]["runs"]["model"]["results"]["tiny_mc"]["acc,none"]
