@@ -150,10 +150,12 @@ class Runner:
             job = self.job
             if job is None or not job.running():
                 return "no job is running"
-            if not job.stop_requested:  # once: a second SIGTERM would end the process at once, mid-save
-                job.process.send_signal(signal.SIGTERM)
-                job.stop_requested = True
-            return job.outcome()
+            if job.stop_requested:  # once: a second SIGTERM would end the process at once, mid-save
+                return job.outcome()
+            job.stop_requested = True
+            said = job.outcome()  # before the signal: a job still loading data has no handler and may be gone at once
+            job.process.send_signal(signal.SIGTERM)
+            return said
 
     def _stop_at_exit(self) -> None:
         """The server is exiting (Ctrl-C): stop the job as the Stop button does, and wait for its checkpoint.
