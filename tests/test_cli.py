@@ -236,19 +236,38 @@ def test_options_and_overrides_in_any_order(monkeypatch, capsys):
     assert e.value.code == 2 and "invalid choice: 'trian'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("hub", ["offline", "unreachable"])
 @pytest.mark.parametrize("command", ["train", "validate"])
-def test_quick_start_before_its_model_exists_says_so_in_one_line(tmp_path, capsys, monkeypatch, command):
-    """`train recipes/quickstart.yaml` before `erniekit-lite tiny runs/tiny-ernie` (here offline, as this machine is):
-    no such directory here, the Hub could not be reached, and the command that makes the model."""
+def test_quick_start_before_its_model_exists_says_so_in_one_line(tmp_path, capfd, monkeypatch, command, hub):
+    """`train recipes/quickstart.yaml` before `erniekit-lite tiny runs/tiny-ernie`, with HF_HUB_OFFLINE set or with no
+    network and HF_HUB_OFFLINE unset (here: a Hub endpoint that refuses connections): no such directory here, the Hub
+    could not be reached, and the command that makes the model; one request, none of huggingface_hub's retries."""
+    import time
+
     import huggingface_hub.constants
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no minute of retries against no network
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", hub == "offline")
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:1")
     monkeypatch.chdir(tmp_path)  # runs/tiny-ernie does not exist here
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
+    started = time.monotonic()
     code = main([command, str(recipe), f"output.dir={tmp_path / 'out'}"])
-    err = capsys.readouterr().err.strip().splitlines()
+    assert time.monotonic() - started < 10  # from_pretrained's retries take about 23 s a file
+    err = capfd.readouterr().err.strip().splitlines()
     assert code == 2
-    assert err[-1] == ("error: model.path: runs/tiny-ernie: no such directory here, and the Hugging Face Hub could not be reached "
-                       "to look for a repo of that name; the quick start's tiny model is made by "
-                       "`erniekit-lite tiny runs/tiny-ernie --arch dense`")
+    assert err == ["error: model.path: runs/tiny-ernie: no such directory here, and the Hugging Face Hub could not be reached "
+                   "to look for a repo of that name; the quick start's tiny model is made by "
+                   "`erniekit-lite tiny runs/tiny-ernie --arch dense`"]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/model", "./nope"])
+def test_a_model_path_that_is_no_directory_and_no_hub_id_says_so_in_one_line(tmp_path, capfd, monkeypatch, path):
+    """Not huggingface_hub's "Repo id must be in the form ...": the path, no such directory, and not a Hub id."""
+    monkeypatch.chdir(tmp_path)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
+    code = main(["validate", str(recipe), f"model.path={path}", f"output.dir={tmp_path / 'out'}"])
+    assert code == 2
+    assert capfd.readouterr().err.strip().splitlines() == [
+        f"error: model.path: {path}: no such directory here, and not a valid Hugging Face Hub repo id (ORG/NAME)"
+    ]

@@ -300,3 +300,79 @@ def test_parquet_unreadable(tmp_path):
     p = write(tmp_path / "bad.parquet", "not parquet at all")
     with pytest.raises(DataError, match=rf"^{p}: could not read parquet file"):
         read_records(p)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# model.path that is no local directory (erniekit_lite/model/load.py): one line, one look at the Hub, no retries
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hub_endpoint(monkeypatch):
+    """Point huggingface_hub at `url` with the Hub switched on, whatever the environment says."""
+    import huggingface_hub.constants
+
+    def point(url: str, token: str | None = None) -> None:
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", url)
+        monkeypatch.setenv("HF_TOKEN", token or "unused")
+
+    return point
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/model", "./nope", "../nope/model", "~/nope/model"])
+def test_a_path_that_is_no_directory_and_no_hub_id_is_one_line(tmp_path, monkeypatch, hub_endpoint, path):
+    """Not huggingface_hub's "Repo id must be in the form 'repo_name' or 'namespace/repo_name'": both facts, and
+    nothing asked of the Hub (the endpoint here refuses connections)."""
+    from erniekit_lite.model.load import load_model, load_tokenizer, missing_source
+
+    monkeypatch.chdir(tmp_path)
+    hub_endpoint("http://127.0.0.1:1")
+    expected = f"model.path: {path}: no such directory here, and not a valid Hugging Face Hub repo id (ORG/NAME)"
+    for load in (load_tokenizer, load_model):
+        with pytest.raises(UserError) as e:
+            load(path)
+        assert str(e.value) == expected
+    # what plan.py's config read gets back from transformers says the same
+    repo_id_error = OSError(f"Repo id must be in the form 'repo_name' or 'namespace/repo_name': '{path}'. Use `repo_type` argument if needed.")
+    assert missing_source(path, repo_id_error) == expected
+
+
+def test_a_hub_id_the_hub_does_not_have_is_one_line_after_one_request(tmp_path, monkeypatch, hub_endpoint):
+    from fake_hub import FakeHub, Repo
+
+    from erniekit_lite.model.load import check_source, load_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    with FakeHub("hf_test") as hub:
+        hub_endpoint(hub.url, "hf_test")
+        with pytest.raises(UserError) as e:
+            load_tokenizer("nobody/nothing")
+        assert str(e.value) == ("model.path: nobody/nothing: no such directory here, and the Hugging Face Hub has no such repo "
+                                "(a private one needs `hf auth login`)")
+        assert hub.calls == [("repo_info", "/api/models/nobody/nothing")]
+        hub.repos["somebody/something"] = Repo(private=False)
+        check_source("somebody/something")  # a repo the Hub has: left to from_pretrained
+        hub.fail("repo_info", 503)
+        check_source("nobody/nothing")  # an answer that says nothing about the repo: left to the download's retries
+        assert hub.count("repo_info") == 3
+
+
+def test_an_unreachable_hub_is_one_line_without_retries(tmp_path, monkeypatch, capfd, caplog, hub_endpoint):
+    """Without network (here: a port that refuses connections) and HF_HUB_OFFLINE unset, from_pretrained would retry
+    each file five times (`Retrying in 1s [Retry 1/5]` ... about 23 s per file) before failing; one request answers."""
+    import time
+
+    from erniekit_lite.model.load import load_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    hub_endpoint("http://127.0.0.1:1")
+    started = time.monotonic()
+    with pytest.raises(UserError) as e:
+        load_tokenizer("runs/tiny-ernie")
+    assert time.monotonic() - started < 5
+    assert str(e.value) == ("model.path: runs/tiny-ernie: no such directory here, and the Hugging Face Hub could not be reached "
+                            "to look for a repo of that name; the quick start's tiny model is made by "
+                            "`erniekit-lite tiny runs/tiny-ernie --arch dense`")
+    said = capfd.readouterr()
+    assert "Retr" not in said.out + said.err + caplog.text

@@ -32,6 +32,7 @@ def tokenizer_path(model_path: str) -> str:
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    check_source(path)
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -73,6 +74,7 @@ def load_model(
     import erniekit_lite.model.attention  # noqa: F401  registers packed_sdpa
 
     base = adapter_base(path)
+    check_source(base or path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             base or path,
@@ -132,24 +134,77 @@ def four_bit_config():
 QUICKSTART_MODEL = "runs/tiny-ernie"  # recipes/quickstart*.yaml's model.path, written by `erniekit-lite tiny`
 
 
+HUB_CHECK_TIMEOUT = 10  # seconds for the one metadata request that looks a missing local path up on the Hub
+NOT_A_REPO_ID = "not a valid Hugging Face Hub repo id (ORG/NAME)"
+UNREACHABLE = "the Hugging Face Hub could not be reached to look for a repo of that name"
+NO_SUCH_REPO = "the Hugging Face Hub has no such repo (a private one needs `hf auth login`)"
+
+
 def missing_source(path: str, error: Exception) -> str | None:
     """One line for a model path that is neither a local directory nor a reachable Hub repo (None otherwise).
 
     `runs/tiny-ernie` has a Hub id's shape, so a missing local dir is tried on the Hub first; the error from there
-    ("couldn't connect") alone would hide that the directory does not exist."""
+    ("couldn't connect") alone would hide that the directory does not exist. A path that cannot be a Hub id
+    (`/nonexistent/model`, `./nope`) would otherwise surface as huggingface_hub's "Repo id must be in the form ..."."""
     if Path(path).expanduser().exists():
         return None
+    if not _valid_repo_id(path):
+        return _no_source(path, NOT_A_REPO_ID)
     text = str(error)
     if "couldn't connect" in text or "offline" in text.lower():
-        hub = "the Hugging Face Hub could not be reached to look for a repo of that name"
-    elif "not a valid model identifier" in text or "404" in text or "Repository Not Found" in text:
-        hub = "the Hugging Face Hub has no such repo (a private one needs `hf auth login`)"
-    else:
-        return None
+        return _no_source(path, UNREACHABLE)
+    if "not a valid model identifier" in text or "404" in text or "Repository Not Found" in text:
+        return _no_source(path, NO_SUCH_REPO)
+    return None
+
+
+def check_source(path: str) -> None:
+    """Before a load: a path that is no local directory is looked up on the Hub with one metadata request, no
+    retries and a short timeout, and is a one-line UserError when it cannot be a repo id, the Hub has no such repo,
+    or the Hub cannot be reached. Without this check `from_pretrained` retries an unreachable Hub five times per
+    file (about 23 s each, a `Retrying in Ns` line per try) before the same answer. A repo already in the local
+    Hugging Face cache, or HF_HUB_OFFLINE set, is left to `from_pretrained` (which reads the cache); so are answers
+    that say nothing about the repo (a 5xx, say), for the download's own retries."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    from erniekit_lite.retry import transport_error
+
+    if Path(path).expanduser().exists():
+        return
+    if not _valid_repo_id(path):
+        raise UserError(_no_source(path, NOT_A_REPO_ID))
+    if constants.is_offline_mode() or any(
+        isinstance(try_to_load_from_cache(path, name), str) for name in ("config.json", "tokenizer_config.json", "adapter_config.json")
+    ):
+        return
+    try:
+        HfApi().model_info(path, timeout=HUB_CHECK_TIMEOUT, expand=["sha"])
+    except GatedRepoError:
+        return  # it exists; from_pretrained says what access it needs
+    except RepositoryNotFoundError:
+        raise UserError(_no_source(path, NO_SUCH_REPO)) from None
+    except transport_error():
+        raise UserError(_no_source(path, UNREACHABLE)) from None
+    except HfHubHTTPError:
+        return
+
+
+def _no_source(path: str, hub: str) -> str:
     hint = ""
     if Path(path) == Path(QUICKSTART_MODEL):
         hint = f"; the quick start's tiny model is made by `erniekit-lite tiny {QUICKSTART_MODEL} --arch dense`"
     return f"model.path: {path}: no such directory here, and {hub}{hint}"
+
+
+def _valid_repo_id(path: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _first_line(error: Exception) -> str:
