@@ -9,7 +9,19 @@
 - The converter types ERNIE's chat markers (`<|begin_of_sentence|>`, `<|end_of_sentence|>`, ...) as plain text when
   the checkpoint's tokenizer files do not mark them special, so llama.cpp would split a rendered template into
   text pieces. erniekit-lite marks every special token of the tokenizer as a control token in the GGUF (in place:
-  the token-type array has a fixed width), so a chat template rendered there gives the ids training used.
+  the token-type array has a fixed width).
+- Without `tokenizer.ggml.add_bos_token` and `tokenizer.ggml.add_space_prefix` llama.cpp defaults, for a
+  sentencepiece vocabulary, to putting `<s>` before a prompt and a space before the text after each control token;
+  ERNIE's tokenizer does neither. The converter reads both from `tokenizer_config.json` (`add_bos_token`,
+  `add_eos_token`, `add_prefix_space`), so the staged copy it converts gets what the transformers tokenizer does.
+  llama.cpp then tokenizes a single-turn prompt rendered by the Modelfile's template, with its default BOS
+  handling and control tokens parsed, into the ids training builds for it (tested with llama-cpp-python; Ollama
+  reads the same GGUF keys, but is not run by the tests).
+  A multi-turn prompt gives transformers' tokenization of the whole rendered string, which differs from training's
+  in one place per earlier answer: training tokenizes each answer apart from its prompt (`Assistant: ` ending in
+  the token `▁`), a whole string fuses that space into the answer's first token.
+- llama.cpp's converter skips the multi-token-prediction tensors of the released 21B-A3B (`model.mtp_*`); export
+  says how many the GGUF leaves out.
 - `--ollama` adds a `Modelfile`: FROM the GGUF, the ERNIE template in Ollama's template syntax, the stop tokens and
   the recipe's system prompt.
 - Everything is written beside `--out` and renamed when complete: a failed export leaves nothing half-written.
@@ -19,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -65,11 +78,19 @@ def export(run: str, to: str, out: str, outtype: str = "f16", ollama: bool = Fal
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        model_dir = hf_model(source, staging / "hf", log)
+        model_dir = hf_model(source, staging / "hf" / source.resolve().name, log)  # the converter names the model after the dir
+        from erniekit_lite.model.load import load_tokenizer
+
+        tokenizer = load_tokenizer(str(model_dir))
+        flags = tokenizer_flags(tokenizer, model_dir)
         gguf = staging / f"model-{outtype}.gguf"
         first = outtype if outtype in CONVERTER_TYPES else "f16"
         convert(converter, model_dir, staging / f"model-{first}.gguf", first, log)
-        control = mark_control_tokens(converter, staging / f"model-{first}.gguf", model_dir)
+        control = mark_control_tokens(converter, staging / f"model-{first}.gguf", tokenizer, flags)
+        left_out = skipped_tensors(model_dir)
+        if left_out:
+            log(f"export: the GGUF leaves out {len(left_out)} multi-token-prediction tensor(s) of the checkpoint (model.mtp_*), "
+                "which llama.cpp's converter skips; llama.cpp answers without them, as transformers does")
         if outtype not in CONVERTER_TYPES:
             quantize(staging / f"model-{first}.gguf", gguf, outtype, log)
             (staging / f"model-{first}.gguf").unlink()
@@ -77,7 +98,8 @@ def export(run: str, to: str, out: str, outtype: str = "f16", ollama: bool = Fal
             (staging / "Modelfile").write_text(modelfile(gguf.name, system_prompt(run)), encoding="utf-8")
         shutil.rmtree(staging / "hf", ignore_errors=True)
         (staging / MARKER).write_text(json.dumps({"run": str(run), "outtype": outtype, "gguf": gguf.name, "converter": str(converter),
-                                                  "control_tokens_marked": control, "ollama": ollama}) + "\n")
+                                                  "control_tokens_marked": control, "tokenizer_flags": flags,
+                                                  "tensors_left_out": len(left_out), "ollama": ollama}) + "\n")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -115,8 +137,9 @@ def find_converter(llama_cpp: str | None) -> Path:
 
 
 def hf_model(source: Path, merged_dir: Path, log) -> Path:
-    """A plain transformers checkpoint with the sentencepiece `tokenizer.model` the converter reads. Everything
-    that can refuse is checked before a LoRA run is merged (a 21B merge takes long)."""
+    """A plain transformers checkpoint in `merged_dir` (merged, or the source's files linked) with the sentencepiece
+    `tokenizer.model` the converter reads. Everything that can refuse is checked before a LoRA run is merged (a 21B
+    merge takes long)."""
     from erniekit_lite.model.load import adapter_base
 
     base = adapter_base(str(source))
@@ -132,14 +155,15 @@ def hf_model(source: Path, merged_dir: Path, log) -> Path:
         log(f"export: merging the LoRA run {source} into its base first")
         model_dir = merge(str(source), str(merged_dir), log=log)
         llama_cpp_reads(model_dir)
+    if model_dir == source:  # never write into the user's run: convert a linked copy, its tokenizer_config.json a file
+        model_dir = merged_dir
+        model_dir.mkdir(parents=True, exist_ok=True)
+        for item in source.iterdir():
+            if item.is_file() and item.name != "tokenizer_config.json":
+                (model_dir / item.name).symlink_to(item.resolve())
+        if (source / "tokenizer_config.json").is_file():
+            shutil.copy(source / "tokenizer_config.json", model_dir / "tokenizer_config.json")
     if not (model_dir / "tokenizer.model").is_file():
-        if model_dir == source:  # never write into the user's run: convert a linked copy
-            copy = merged_dir
-            copy.mkdir(parents=True, exist_ok=True)
-            for item in source.iterdir():
-                if item.is_file():
-                    (copy / item.name).symlink_to(item.resolve())
-            model_dir = copy
         shutil.copy(spm, model_dir / "tokenizer.model")
     return model_dir
 
@@ -195,19 +219,42 @@ def convert(converter: Path, model_dir: Path, gguf: Path, outtype: str, log) -> 
         raise UserError(f"llama.cpp's converter failed on {model_dir}: {last}")
 
 
-def mark_control_tokens(converter: Path, gguf: Path, model_dir: Path) -> list[str]:
-    """Type the tokenizer's special tokens as CONTROL in the GGUF, in place; the ones changed."""
-    from erniekit_lite.model.load import load_tokenizer
+def tokenizer_flags(tokenizer, model_dir: Path) -> dict[str, bool]:
+    """What the transformers tokenizer does around text, written into the converted copy's tokenizer_config.json
+    under the keys llama.cpp's converter reads (gguf-py's SpecialVocab: add_bos_token, add_eos_token; its ERNIE
+    vocabulary: add_prefix_space). Without them llama.cpp's sentencepiece defaults add `<s>` and a leading space."""
+    plain = tokenizer("Hello", add_special_tokens=False)["input_ids"]
+    full = tokenizer("Hello")["input_ids"]
+    flags = {
+        "add_bos_token": tokenizer.bos_token_id is not None and full[:1] == [tokenizer.bos_token_id] != plain[:1],
+        "add_eos_token": tokenizer.eos_token_id is not None and full[-1:] == [tokenizer.eos_token_id] != plain[-1:],
+        "add_prefix_space": tokenizer.convert_ids_to_tokens(plain[:1])[0].startswith("\u2581"),
+    }
+    path = model_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if path.is_symlink():  # a link into the user's files: replaced, never written through
+        path.unlink()
+    path.write_text(json.dumps(config | flags, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return flags
 
+
+def mark_control_tokens(converter: Path, gguf: Path, tokenizer, flags: dict[str, bool]) -> list[str]:
+    """Type the tokenizer's special tokens as CONTROL in the GGUF, in place; the ones changed. Checks that the
+    converter wrote the tokenizer flags (an older llama.cpp may not read them)."""
     sys.path.insert(0, str(converter.parent / "gguf-py"))  # the converter's own gguf-py, as it imports it
     try:
         from gguf import GGUFReader
     finally:
         sys.path.pop(0)
-    tokenizer = load_tokenizer(str(model_dir))
     special = {tokenizer.convert_tokens_to_ids(t): t for t in tokenizer.all_special_tokens}
     special |= {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     reader = GGUFReader(gguf, "r+")
+    for key, flag in (("tokenizer.ggml.add_bos_token", "add_bos_token"), ("tokenizer.ggml.add_space_prefix", "add_prefix_space")):
+        field = reader.fields.get(key)
+        if field is None or bool(field.parts[field.data[0]][0]) != flags[flag]:
+            raise UserError(f"llama.cpp's converter {converter} did not write {key} = {str(flags[flag]).lower()} (from "
+                            f"tokenizer_config.json's {flag}); llama.cpp would tokenize prompts unlike training. Use a newer "
+                            "llama.cpp (llama-cpp-python 0.3.36's does)")
     types = reader.fields["tokenizer.ggml.token_type"]
     changed = []
     for token_id, text in sorted(special.items()):
@@ -219,6 +266,20 @@ def mark_control_tokens(converter: Path, gguf: Path, model_dir: Path) -> list[st
             changed.append(text)
     reader.data.flush()
     return changed
+
+
+MTP = re.compile(r"model\.mtp_(?:block|emb_norm|hidden_norm|linear_proj)\.\d+")  # what conversion/ernie.py skips
+
+
+def skipped_tensors(model_dir: Path) -> list[str]:
+    """The checkpoint's tensors that llama.cpp's converter skips (the MTP block), read from the safetensors headers."""
+    from safetensors import safe_open
+
+    names = []
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            names += [name for name in f.keys() if MTP.match(name)]
+    return sorted(names)
 
 
 def quantizer():

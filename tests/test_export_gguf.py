@@ -1,8 +1,10 @@
 """`erniekit-lite export --to gguf` through llama.cpp's own converter and loaded by llama.cpp itself
 (`llama-cpp-python`): greedy answers from the same prompt ids equal transformers', token for token; ERNIE's chat
 markers are control tokens in the GGUF; the Ollama Modelfile's template renders conversations as erniekit-lite
-does. Needs `llama-cpp-python` (built from its source distribution) and `LLAMA_CPP_DIR` pointing at llama.cpp's
-converter (the unpacked sdist: `.ci/run` sets both up)."""
+does, and llama.cpp tokenizes that text (its default BOS handling, control tokens parsed) into training's prompt ids
+for a single turn; the MTP tensors llama.cpp skips are counted. Needs `llama-cpp-python` (built from its source
+distribution) and `LLAMA_CPP_DIR` pointing at llama.cpp's converter (the unpacked sdist: `.ci/run` sets both up);
+the engine tests also need the shared ERNIE tokenizer (its sentencepiece `tokenizer.model`) and skip without it."""
 
 from __future__ import annotations
 
@@ -21,12 +23,14 @@ from erniekit_lite.data.formats import Turn
 from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import Tokenizer
 from erniekit_lite.export import OLLAMA_TEMPLATE, STOP
+from erniekit_lite.generate import Prompt, _prompt_ids, stop_ids
 
 CONVERTER = os.environ.get("LLAMA_CPP_DIR")
 needs_converter = pytest.mark.skipif(not CONVERTER, reason="LLAMA_CPP_DIR (llama.cpp's converter) not set")
 needs_llama_cpp = pytest.mark.skipif(not CONVERTER or importlib.util.find_spec("llama_cpp") is None,
                                      reason="needs llama-cpp-python and LLAMA_CPP_DIR (llama.cpp's converter)")
 TOKENS = 12
+SYSTEM = "You are concise."  # dense_full_run's recipe data.system
 
 
 def _agreement():
@@ -41,19 +45,22 @@ AGREEMENT = _agreement()
 PROMPTS = AGREEMENT.PROMPTS[:5]
 
 
+# The run fixtures request `ernie_tokenizer_dir` only to skip without ../shared: export needs the sentencepiece
+# tokenizer.model, which is in the shared dir itself (the re-saved copy has tokenizer.json only)
 @pytest.fixture(scope="module")
-def dense_lora_run(tmp_path_factory) -> Path:
+def dense_lora_run(tmp_path_factory, ernie_tokenizer_dir) -> Path:
     return visible_lora_run(tmp_path_factory.mktemp("gguf-dense"), "dense", ERNIE_TOKENIZER_DIR)
 
 
 @pytest.fixture(scope="module")
-def dense_full_run(tmp_path_factory) -> Path:
-    """Full fine-tuning saves tokenizer.json only: export finds tokenizer.model through the recipe's model."""
+def dense_full_run(tmp_path_factory, ernie_tokenizer_dir) -> Path:
+    """Full fine-tuning saves tokenizer.json only: export finds tokenizer.model through the recipe's model. Its recipe
+    has a system prompt, which `--ollama` puts in the Modelfile."""
     from erniekit_lite.tiny import write_tiny
 
     tmp = tmp_path_factory.mktemp("gguf-full")
     base = write_tiny(str(tmp / "base"), "dense", str(ERNIE_TOKENIZER_DIR), hidden_size=64, layers=2)
-    recipe = write_recipe(tmp / "r.yaml", base, out=tmp / "run",
+    recipe = write_recipe(tmp / "r.yaml", base, out=tmp / "run", data={"system": SYSTEM},
                           train={"learning_rate": 1e-2, "max_steps": 1, "per_device_train_batch_size": 2, "activation_checkpointing": False})
     assert run_cli_main(["train", str(recipe)]) == 0
     assert not (tmp / "run" / "tokenizer.model").exists()
@@ -61,7 +68,7 @@ def dense_full_run(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def moe_lora_run(tmp_path_factory) -> Path:
+def moe_lora_run(tmp_path_factory, ernie_tokenizer_dir) -> Path:
     """3 layers (the first dense), 8 experts top-2, 2 shared; LoRA on every expert."""
     return visible_lora_run(tmp_path_factory.mktemp("gguf-moe"), "moe", ERNIE_TOKENIZER_DIR)
 
@@ -108,6 +115,8 @@ def test_llama_cpp_greedy_equals_transformers(tmp_path, capsys, request, model):
     assert llm.tokenize("<|begin_of_sentence|>".encode(), add_bos=False, special=True) == [tokenizer.convert_tokens_to_ids("<|begin_of_sentence|>")]
     assert llm.tokenize("<|end_of_sentence|>".encode(), add_bos=False, special=True) == [tokenizer.convert_tokens_to_ids("<|end_of_sentence|>")]
     assert len(llm.tokenize("<|begin_of_sentence|>".encode(), add_bos=False, special=False)) > 1  # typed text stays text
+    # the tokenizer's own behaviour, not llama.cpp's sentencepiece defaults (<s> first, a space after control tokens)
+    assert llm.metadata["tokenizer.ggml.add_bos_token"] == "false" and llm.metadata["tokenizer.ggml.add_space_prefix"] == "false"
     marked = json.loads((tmp_path / "f32" / "erniekit_export.json").read_text())["control_tokens_marked"]
     print(f"{model}: control tokens the converter left as text, marked: {marked}")
 
@@ -226,3 +235,104 @@ def test_bad_input_is_one_line(tmp_path, capsys, tiny_own_dir):
     (out / "mine.txt").write_text("keep")
     assert "not empty" in error(tiny_own_dir, "--out", out, "--llama-cpp", CONVERTER)
     assert (out / "mine.txt").read_text() == "keep"
+
+
+def transformers_greedy_from(model, tokenizer, ids: list[int]) -> list[int]:
+    """transformers' greedy continuation of `ids` up to a stop token (as generate.greedy_ids, from given ids)."""
+    import torch
+
+    stop = stop_ids(model, tokenizer)
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False, eos_token_id=stop,
+                             pad_token_id=tokenizer.pad_token_id or 0)[0, len(ids):].tolist()
+    return out[:next((k for k, t in enumerate(out) if t in stop), len(out))]
+
+
+@pytest.mark.slow
+@needs_llama_cpp
+def test_ollama_export_prompts_read_by_llama_cpp_as_training(tmp_path, capsys, dense_full_run):
+    """`export --ollama` end to end: the Modelfile beside the GGUF, FROM it, with the stop tokens and the recipe's
+    system prompt. The text its template renders, tokenized by llama.cpp as a server does (its default BOS handling,
+    control tokens parsed), is training's prompt ids for a single turn, and greedy answers from it equal
+    transformers'. A multi-turn prompt is transformers' tokenization of the whole text: one token apart from
+    training's per earlier answer that starts with a word (training tokenizes the answer apart from `Assistant: `)."""
+    import llama_cpp
+
+    from erniekit_lite.chat import load
+
+    out = tmp_path / "ollama"
+    code, printed, err = run_cli(capsys, "export", dense_full_run, "--outtype", "f32", "--out", out, "--llama-cpp", CONVERTER, "--ollama")
+    assert code == 0, err
+    gguf = out / "model-f32.gguf"
+    assert f"export: {gguf} and {out / 'Modelfile'}" in printed
+    assert "leaves out" not in printed  # no MTP tensors in this checkpoint
+    text = (out / "Modelfile").read_text(encoding="utf-8")
+    source = re.match(r"FROM (\S+)\n", text).group(1)
+    assert (out / source).resolve() == gguf.resolve()
+    assert re.findall(r'PARAMETER stop "(.*?)"', text) == list(STOP)
+    assert re.search(r'SYSTEM """(.*?)"""', text, re.S).group(1) == SYSTEM
+    template = re.search(r'TEMPLATE """(.*?)"""', text, re.S).group(1)
+    assert template == OLLAMA_TEMPLATE
+
+    model, tokenizer = load(str(dense_full_run))
+    training = Tokenizer(tokenizer, template_for(tokenizer))
+    vocab = llama_cpp.Llama(model_path=str(gguf), n_ctx=64, verbose=False, vocab_only=True)
+
+    def rendered(system, history, user) -> str:
+        messages = ([{"role": "system", "content": system}] if system else []) + \
+            [m for t in history for m in ({"role": "user", "content": t.user}, {"role": "assistant", "content": t.assistant})] + \
+            [{"role": "user", "content": user}]
+        return render_go_template(template, messages)
+
+    prompts = []
+    for system, user in ((SYSTEM, "Who are you?"), (SYSTEM, "写一句关于春天的诗。"), (None, "What is 2 + 2?")):
+        ids = vocab.tokenize(rendered(system, [], user).encode("utf-8"), special=True)  # add_bos: llama.cpp's default
+        assert ids == _prompt_ids(training, Prompt(user, system)), (system, user)
+        prompts.append(ids)
+    history = [Turn("1 + 1?", "2"), Turn("And 2 + 2?", "Four, of course.")]
+    whole = rendered(SYSTEM, history, "And 3 + 3?")
+    ids = vocab.tokenize(whole.encode("utf-8"), special=True)
+    assert ids == tokenizer(whole)["input_ids"]
+    trained = _prompt_ids(training, Prompt("And 3 + 3?", SYSTEM, history))
+    k = next(i for i, (a, b) in enumerate(zip(ids, trained)) if a != b)  # "2" is `▁ 2` either way; "Four" is not
+    assert tokenizer.convert_ids_to_tokens(trained[k:k + 2]) == ["▁", "Four"] and tokenizer.convert_ids_to_tokens(ids[k]) == "▁Four"
+    assert trained[k + 2:] == ids[k + 1:]
+    prompts.append(ids)
+
+    expected = [transformers_greedy_from(model, tokenizer, p) for p in prompts]
+    stop = {tokenizer.convert_tokens_to_ids(t) for t in STOP}
+    assert llama_greedy(gguf, prompts, stop) == expected
+    assert sum(map(len, expected)) >= 2 * len(prompts)
+
+
+@pytest.mark.slow
+@needs_llama_cpp
+def test_mtp_tensors_llama_cpp_skips_are_counted(tmp_path, capsys, ernie_tokenizer_dir):
+    """A checkpoint laid out as the released 21B-A3B, with its MTP block (`model.mtp_*`): llama.cpp's converter skips
+    those tensors; export says how many, and the GGUF loads and answers as transformers does (which skips them too)."""
+    from test_merge_carry import released_layout_with_mtp
+
+    from erniekit_lite.tiny import write_tiny
+
+    tiny = write_tiny(str(tmp_path / "tiny"), "moe", str(ERNIE_TOKENIZER_DIR), hidden_size=64, layers=3)
+    released = tmp_path / "released"
+    mtp = released_layout_with_mtp(tiny, released)
+    out = tmp_path / "gguf"
+    code, printed, err = run_cli(capsys, "export", released, "--outtype", "f32", "--out", out, "--llama-cpp", CONVERTER)
+    assert code == 0, err
+    assert f"export: the GGUF leaves out {len(mtp)} multi-token-prediction tensor(s) of the checkpoint (model.mtp_*)" in printed
+    assert json.loads((out / "erniekit_export.json").read_text())["tensors_left_out"] == len(mtp)
+    prompts, expected = AGREEMENT.transformers_greedy(released, PROMPTS[:2], TOKENS)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(released)
+    assert llama_greedy(out / "model-f32.gguf", prompts, {tokenizer.convert_tokens_to_ids(t) for t in STOP}) == expected
+
+
+def test_no_converter_is_one_line(tmp_path, capsys, monkeypatch, tiny_own_dir):
+    """Neither --llama-cpp nor $LLAMA_CPP_DIR: one line saying how to get llama.cpp's converter (needs no llama.cpp)."""
+    monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
+    code, out, err = run_cli(capsys, "export", tiny_own_dir, "--out", tmp_path / "out")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "export needs llama.cpp's converter: pass --llama-cpp DIR" in err and "LLAMA_CPP_DIR" in err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.exporting"))
