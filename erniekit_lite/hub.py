@@ -33,7 +33,7 @@ CARD_MARK = "<!-- erniekit-lite model card: `erniekit-lite push` rewrites this f
 NOT_PUSHED = ("training_args.bin", "*.pt", "*.pth")  # only needed to resume: optimizer.pt, scheduler.pt, rng_state*.pth
 RETRY_WAITS = retry.WAITS  # seconds before the 2nd and 3rd try of a step the Hub failed transiently (tests shorten it)
 # TRL 1.16's defaults for what the card reports (reading them from TRL would import it: seconds, for a table cell)
-TRL_DEFAULTS = {"sft": {"learning_rate": 2e-5}, "dpo": {"learning_rate": 1e-6, "beta": 0.1, "loss_type": ["sigmoid"]}}
+TRL_DEFAULTS = {"sft": {"learning_rate": 2e-5}, "pt": {"learning_rate": 2e-5}, "dpo": {"learning_rate": 1e-6, "beta": 0.1, "loss_type": ["sigmoid"]}}
 
 
 def settings(repo_id: str, private: bool = False, merged: bool = False, revision: str | None = None) -> HubSection:
@@ -307,6 +307,8 @@ def _setup_rows(run: Path, recipe: Recipe, adapter: dict) -> list[tuple[str, str
     results, state = _json(run / "train_results.json"), _json(run / "trainer_state.json")
     if recipe.method == "dpo":
         method = f"DPO ({' + '.join(train['loss_type'])}, beta {train['beta']:g})"
+    elif recipe.method == "pt":
+        method = "continued pre-training (raw text, every token after each piece's first)"
     else:
         method = "SFT (loss on assistant turns)"
     if adapter:
@@ -324,7 +326,8 @@ def _setup_rows(run: Path, recipe: Recipe, adapter: dict) -> list[tuple[str, str
     packing = f"padding-free rows, {results['packing_efficiency']:.1%} filled" if "packing_efficiency" in results else "padding-free rows"
     rows.append(("packing", packing if recipe.data.packing else "no (padded rows)"))
     if "train_samples" in results:
-        rows.append(("samples", f"{results['train_samples']} {'preference pairs' if recipe.method == 'dpo' else 'samples'}"))
+        unit = {"dpo": "preference pairs", "pt": "documents"}.get(recipe.method, "samples")
+        rows.append(("samples", f"{results['train_samples']} {unit}"))
     # Local files by name only: their paths say nothing to a reader and may say too much about the machine
     sources = [
         f"[{s.path}](https://huggingface.co/datasets/{s.path})" if _is_hub_id(s.path) else f"`{Path(s.path).name}`"

@@ -29,6 +29,13 @@ def plan(recipe: Recipe, log=print) -> dict:
         describe, units = describe_pairs, "pairs"
         truncated, dropped = data.train.stats.truncated, sum(data.train.stats.skipped.values())
         count = len(data.train.pairs)
+    elif recipe.method == "pt":
+        from erniekit_lite.data.documents import describe_documents, prepare_documents
+
+        data = prepare_documents(recipe.data, tokenizer, seed=args.seed, log=log)
+        describe, units = describe_documents, "documents"
+        truncated, dropped = data.train.stats.cut, data.train.stats.empty
+        count = data.train.stats.documents
     else:
         data = prepare(recipe.data, tokenizer, seed=args.seed, log=log)
         describe, units = describe_data, "samples"

@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from erniekit_lite.errors import RecipeError
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-FORMATS = ("auto", "erniekit", "alpaca", "sharegpt", "messages", "trl")  # trl: prompt/chosen/rejected (DPO)
+FORMATS = ("auto", "erniekit", "alpaca", "sharegpt", "messages", "trl", "text", "txt")  # trl: prompt/chosen/rejected (DPO)
+RAW_TEXT_FORMATS = ("text", "txt")  # method: pt only (a `text` field per record; .txt files)
+CHAT_ONLY_FORMATS = ("alpaca", "sharegpt", "messages", "trl")  # not raw text: not for method: pt
 
 
 class _Section(BaseModel):
@@ -41,9 +43,11 @@ class ModelSection(_Section):
 
 
 class Source(_Section):
-    path: str = Field(description="A .json/.jsonl/.parquet/.csv file or a Hub dataset id.")
+    path: str = Field(description="A .json/.jsonl/.parquet/.csv file or a Hub dataset id (method: pt also: a .txt file or a folder of them).")
     format: Literal[FORMATS] = Field(
-        "auto", description="auto detects from the first record and says what it chose; trl is for preference data only."
+        "auto", description="auto detects from the first record and says what it chose; trl is for preference data only; "
+        "text (a `text` field per record) and txt (.txt files, or a folder of them) are raw text for method: pt, where "
+        "erniekit is ERNIEKit's pre-training `tgt` list."
     )
     split: str = Field("train", description="Split to read from a Hub dataset.")
     max_samples: int | None = Field(None, ge=1, description="Use only the first N records.")
@@ -129,7 +133,9 @@ class HubSection(_Section):
 
 class Recipe(_Section):
     model: ModelSection
-    method: Literal["sft", "dpo"] = Field("sft", description="sft or dpo.")
+    method: Literal["sft", "dpo", "pt"] = Field(
+        "sft", description="sft (chat turns), dpo (preference pairs) or pt (continued pre-training on raw text)."
+    )
     data: DataSection
     lora: LoraSection | None = Field(None, description="Omit for full fine-tuning.")
     train: dict[str, Any] = Field(default_factory=dict, description="TRL SFTConfig (sft) or DPOConfig (dpo) fields, checked by name.")
@@ -143,6 +149,17 @@ class Recipe(_Section):
         if value is True:
             return {}
         return None if value is False else value
+
+    @model_validator(mode="after")
+    def _formats_fit_the_method(self) -> Recipe:
+        for split in ("train", "eval"):
+            for i, source in enumerate(getattr(self.data, split)):
+                if self.method == "pt" and source.format in CHAT_ONLY_FORMATS:
+                    raise ValueError(f"data.{split}.{i}.format '{source.format}' is chat data; method: pt reads raw text "
+                                     "(auto, text, txt, or erniekit for ERNIEKit's pre-training tgt list)")
+                if self.method != "pt" and source.format in RAW_TEXT_FORMATS:
+                    raise ValueError(f"data.{split}.{i}.format '{source.format}' is raw text, for method: pt")
+        return self
 
     @model_validator(mode="after")
     def _qlora_needs_lora(self) -> Recipe:
