@@ -69,8 +69,10 @@ def plan(recipe: Recipe, log=print) -> dict:
     )
     log(arch["groups"])
     log(
-        f"tokens per sequence: mean {info['length_mean']}, p95 {info['length_p95']}, max {info['length_max']} "
-        f"(max_length {recipe.data.max_length}); {info['truncated']} truncated, {info['dropped']} dropped"
+        f"tokens per {'piece' if recipe.method == 'pt' else 'sequence'}: mean {info['length_mean']}, p95 {info['length_p95']}, max {info['length_max']} "
+        f"(max_length {recipe.data.max_length}); " + (f"{info['truncated']} documents cut into pieces, {info['dropped']} empty"
+                                                       if recipe.method == "pt" else
+                                                       f"{info['truncated']} truncated, {info['dropped']} dropped")
     )
     log(
         f"batches: {rows} {'packed rows' if recipe.data.packing else 'padded rows'}, packing efficiency "
