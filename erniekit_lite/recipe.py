@@ -51,6 +51,11 @@ class Source(_Section):
     )
     split: str = Field("train", description="Split to read from a Hub dataset.")
     max_samples: int | None = Field(None, ge=1, description="Use only the first N records.")
+    weight: float | None = Field(
+        None, gt=0, description="Training sources only: this source's share of the training samples (weights are "
+        "normalised over the sources; set on every source or none). The epoch keeps the sources' total sample count; "
+        "a source below its share repeats, one above it is subsampled, seeded by train.seed.",
+    )
 
 
 class DataSection(_Section):
@@ -86,6 +91,16 @@ class DataSection(_Section):
     def _one_eval_source(self) -> DataSection:
         if self.eval and self.eval_split:
             raise ValueError("set either data.eval or data.eval_split, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _weights_on_every_train_source(self) -> DataSection:
+        weighted = [s.weight is not None for s in self.train]
+        if any(weighted) and not all(weighted):
+            missing = ", ".join(f"data.train.{i} ({s.path})" for i, s in enumerate(self.train) if s.weight is None)
+            raise ValueError(f"weight is set on some training sources but not on {missing}: set it on every source or none")
+        if any(s.weight is not None for s in self.eval):
+            raise ValueError("weight mixes training sources; evaluation sources are used whole")
         return self
 
 
