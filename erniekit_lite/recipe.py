@@ -101,6 +101,9 @@ class DataSection(_Section):
             raise ValueError(f"weight is set on some training sources but not on {missing}: set it on every source or none")
         if any(s.weight is not None for s in self.eval):
             raise ValueError("weight mixes training sources; evaluation sources are used whole")
+        if any(weighted) and self.eval_split:
+            raise ValueError("data.eval_split with weighted sources: a repeated sample could land in both splits; "
+                             "give evaluation data as data.eval instead")
         return self
 
 

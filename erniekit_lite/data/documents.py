@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from erniekit_lite.data import cache
+from erniekit_lite.data import cache, mixing
 from erniekit_lite.data.packing import Row, best_fit_decreasing
 from erniekit_lite.data.tokenize import IGNORE, TokenStats
 from erniekit_lite.errors import DataError
@@ -117,6 +117,8 @@ class SourceReport:
     detected: bool
     documents: int = 0
     pieces: int = 0
+    drawn: int | None = None  # weighted mixing: how many of its pieces the mix holds
+    token_share: float | None = None  # weighted mixing: its share of the mix's tokens
 
 
 @dataclass
@@ -151,7 +153,7 @@ def prepare_documents(data: DataSection, tokenizer, seed: int = 42, log=print) -
     if not len(train_pieces):
         raise DataError(", ".join(s.path for s in data.train), f"no text to train on ({train_stats.documents} documents, "
                         f"{train_stats.empty} empty)")
-    indices = list(range(len(train_pieces)))
+    indices = _mixed_indices(data.train, reports, train_pieces, seed)
     evaluation = None
     if data.eval:
         eval_pieces, eval_stats, eval_reports = _tokenized(data.eval, data, tokenizer, end, log)
@@ -171,11 +173,32 @@ def prepare_documents(data: DataSection, tokenizer, seed: int = 42, log=print) -
     return PreparedDocuments(train, evaluation)
 
 
+def _mixed_indices(sources: list[Source], reports: list[SourceReport], pieces: Pieces, seed: int) -> list[int]:
+    """All pieces, or the weighted mix of the sources' pieces (mixing.py), with what each source gave."""
+    if sources[0].weight is None:
+        return list(range(len(pieces)))
+    for source, report in zip(sources, reports):
+        if report.pieces == 0:
+            raise DataError(source.path, f"weight {source.weight:g} is set but this source has no text to train on")
+    sizes = [r.pieces for r in reports]
+    picked = mixing.draw(sizes, [s.weight for s in sources], seed)
+    out, start, tokens = [], 0, []
+    for size, indices in zip(sizes, picked):
+        chosen = [start + i for i in indices]
+        tokens.append(sum(pieces.lengths[i] for i in chosen))
+        out += chosen
+        start += size
+    for report, indices, count in zip(reports, picked, tokens):
+        report.drawn, report.token_share = len(indices), count / max(1, sum(tokens))
+    return out
+
+
 def describe_documents(data: PreparedDocuments) -> str:
     s = data.train.stats
     lines = ["data: continued pre-training (raw text, no chat template)"]
     for src in data.train.sources:
-        lines.append(f"  {src.path} [{src.format}{' (auto)' if src.detected else ''}]: {src.documents} documents -> {src.pieces} pieces")
+        mixed = f"; mixed in: {src.drawn} pieces, {src.token_share:.1%} of the tokens" if src.drawn is not None else ""
+        lines.append(f"  {src.path} [{src.format}{' (auto)' if src.detected else ''}]: {src.documents} documents -> {src.pieces} pieces{mixed}")
     lines.append(
         f"  train: {s.documents} documents ({s.cut} cut into pieces, {s.empty} empty skipped) -> {data.train.rows.count} "
         f"pieces, {data.train.rows.real_tokens:,} tokens in {len(data.train.rows)} rows, packing efficiency "

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
-from erniekit_lite.data import cache
+from erniekit_lite.data import cache, mixing
 from erniekit_lite.data.formats import Skip, check_format, detect_format, detect_preference_format, to_conversation, to_preference
 from erniekit_lite.data.load import read_records
 from erniekit_lite.data.packing import Row, efficiency, one_per_row, pack
@@ -39,6 +39,8 @@ class SourceReport:
     detected: bool
     records: int
     samples: int = 0
+    drawn: int | None = None  # weighted mixing: how many of its samples (or pairs) the mix holds
+    token_share: float | None = None  # weighted mixing: its share of the mix's tokens
 
 
 @dataclass
@@ -70,7 +72,7 @@ def prepare(data: DataSection, tokenizer, seed: int = 42, log=print) -> Prepared
 def _prepare(data: DataSection, tokenizer, seed: int, log) -> PreparedData:
     tokenize = Tokenizer(tokenizer, template_for(tokenizer))
     store = _Store(data, tokenizer, tokenize.template.name, log)
-    train = _split(data.train, data, tokenize, store, log, pack_rows=not data.eval_split)  # else packed after the hold-out
+    train = _split(data.train, data, tokenize, store, log, pack_rows=not data.eval_split, seed=seed)  # else packed after the hold-out
     if not train.samples:
         s = train.stats
         raise DataError(
@@ -86,7 +88,8 @@ def _prepare(data: DataSection, tokenizer, seed: int, log) -> PreparedData:
     return PreparedData(train, evaluation, tokenize.template.name)
 
 
-def _split(sources: list[Source], data: DataSection, tokenize: Tokenizer, store: _Store, log, pack_rows: bool = True) -> Split:
+def _split(sources: list[Source], data: DataSection, tokenize: Tokenizer, store: _Store, log, pack_rows: bool = True,
+           seed: int = 42) -> Split:
     settings = {"max_length": data.max_length, "overlong": data.overlong, "system": data.system}
     key = store.key("sft", sources, settings)
     entry = store.get(key, sources, "format")
@@ -98,7 +101,29 @@ def _split(sources: list[Source], data: DataSection, tokenize: Tokenizer, store:
         samples, stats, reports = _tokenized_split(sources, data, tokenize, log)
         meta = {k: v for k, v in vars(stats).items() if k != "lengths"}  # lengths are the samples' own
         store.put(key, samples, {"stats": meta, "sources": [_report_meta(r) for r in reports]})
+    samples = _mixed(samples, sources, reports, seed, len)
     return Split(_rows(samples, data) if pack_rows else [], samples, stats, reports, max_length=data.max_length)
+
+
+def _mixed(items: list, sources: list[Source], reports: list[SourceReport], seed: int, tokens) -> list:
+    """The weighted mix of the sources' items (mixing.py) when the sources have weights; the reports say what each
+    source gave. `tokens(item)` counts an item's tokens."""
+    if sources[0].weight is None:
+        return items
+    for source, report in zip(sources, reports):
+        if report.samples == 0:
+            raise DataError(source.path, f"weight {source.weight:g} is set but nothing in this source is left to train on")
+    sizes = [r.samples for r in reports]
+    picked = mixing.draw(sizes, [s.weight for s in sources], seed)
+    out, start, per_source = [], 0, []
+    for size, indices in zip(sizes, picked):
+        chosen = [items[start + i] for i in indices]
+        per_source.append(sum(tokens(x) for x in chosen))
+        out += chosen
+        start += size
+    for report, indices, count in zip(reports, picked, per_source):
+        report.drawn, report.token_share = len(indices), count / max(1, sum(per_source))
+    return out
 
 
 def _tokenized_split(
@@ -190,7 +215,7 @@ def prepare_pairs(data: DataSection, tokenizer, seed: int = 42, log=print) -> Pr
 def _prepare_pairs(data: DataSection, tokenizer, seed: int, log) -> PreparedPairs:
     tokenize = Tokenizer(tokenizer, template_for(tokenizer))
     store = _Store(data, tokenizer, tokenize.template.name, log)
-    train = _pair_split(data.train, data, tokenize, store, log, pack_rows=not data.eval_split)
+    train = _pair_split(data.train, data, tokenize, store, log, pack_rows=not data.eval_split, seed=seed)
     if not train.pairs:
         reasons = ", ".join(f"{n} {why}" for why, n in train.stats.skipped.items()) or "none readable"
         raise DataError(", ".join(s.path for s in data.train), f"no trainable preference pairs left after filtering ({reasons})")
@@ -202,7 +227,8 @@ def _prepare_pairs(data: DataSection, tokenizer, seed: int, log) -> PreparedPair
     return PreparedPairs(train, evaluation, tokenize.template.name)
 
 
-def _pair_split(sources: list[Source], data: DataSection, tokenize: Tokenizer, store: _Store, log, pack_rows: bool = True) -> PairSplit:
+def _pair_split(sources: list[Source], data: DataSection, tokenize: Tokenizer, store: _Store, log, pack_rows: bool = True,
+                seed: int = 42) -> PairSplit:
     key = store.key("dpo", sources, {"max_length": data.max_length, "system": data.system})
     entry = store.get(key, sources, "preference format")
     if entry is not None:
@@ -219,6 +245,7 @@ def _pair_split(sources: list[Source], data: DataSection, tokenize: Tokenizer, s
         meta = {"kept": stats.kept, "truncated": stats.truncated, "skipped": list(stats.skipped.items())}
         samples = [s for p in pairs for s in (p.chosen, p.rejected)]
         store.put(key, samples, {"stats": meta, "sources": [_report_meta(r) for r in reports]})
+    pairs = _mixed(pairs, sources, reports, seed, len)
     rows = pack_pairs(pairs, data.max_length, data.packing) if pack_rows else []
     return PairSplit(rows, pairs, stats, reports, data.max_length)
 
@@ -405,7 +432,8 @@ def describe_data(data: PreparedData) -> str:
     s = data.train.stats
     lines = [f"data: template {data.template}"]
     for src in data.train.sources:
-        lines.append(f"  {src.path} [{src.format}{' (auto)' if src.detected else ''}]: {src.records} records -> {src.samples} samples")
+        lines.append(f"  {src.path} [{src.format}{' (auto)' if src.detected else ''}]: {src.records} records -> {src.samples} samples"
+                     + _mix_note(src, "samples"))
     lines.append(
         f"  train: {len(data.train.samples)} samples in {len(data.train.rows)} rows, "
         f"packing efficiency {data.train.packing_efficiency:.1%}; truncated {s.truncated}, "
@@ -420,7 +448,8 @@ def describe_pairs(data: PreparedPairs) -> str:
     s = data.train.stats
     lines = [f"data: template {data.template}, preference pairs"]
     for src in data.train.sources:
-        lines.append(f"  {src.path} [{src.format}{' (auto)' if src.detected else ''}]: {src.records} records -> {src.samples} pairs")
+        lines.append(f"  {src.path} [{src.format}{' (auto)' if src.detected else ''}]: {src.records} records -> {src.samples} pairs"
+                     + _mix_note(src, "pairs"))
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(s.skipped.items())) or "none"
     lines.append(
         f"  train: {len(data.train.pairs)} pairs in {len(data.train.rows)} rows, packing efficiency "
@@ -429,3 +458,9 @@ def describe_pairs(data: PreparedPairs) -> str:
     if data.eval is not None:
         lines.append(f"  eval: {len(data.eval.pairs)} pairs in {len(data.eval.rows)} rows")
     return "\n".join(lines)
+
+
+def _mix_note(src, unit: str) -> str:
+    if src.drawn is None:
+        return ""
+    return f"; mixed in: {src.drawn} {unit}, {src.token_share:.1%} of the tokens"
