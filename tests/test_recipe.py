@@ -54,7 +54,7 @@ def test_shorthand_source_and_lora_true(tmp_path):
         (BASE.replace("  path: some/model", "  path: some/model\n  dtyp: bfloat16"), "unknown key 'dtyp' in model; did you mean 'dtype'?"),
         (BASE.replace("max_length: 512", "max_length: lots"), "r.yaml:6: data.max_length: Input should be a valid integer"),
         (BASE.replace("model:\n  path: some/model\n", ""), "missing required key 'model'"),
-        (BASE + "method: ppo\n", "method: Input should be 'sft', 'dpo' or 'pt'"),
+        (BASE + "method: ppo\n", "method: Input should be 'sft', 'dpo'"),
         (BASE.replace("    - path: data.jsonl", "    - path: data.jsonl\n      format: csv"), "data.train.0.format: Input should be"),
         (BASE + "  max_length: 4\n", "train.max_length is set by the recipe; use data.max_length instead"),
         (BASE + "  output_dir: elsewhere\n", "use output.dir instead"),

@@ -34,3 +34,12 @@ def test_preference_pairs_show_both_sides(tmp_path, tiny_own_dir):
     assert "pair 1, chosen" in html and "pair 1, rejected" in html
     for answer in ("Wenxin-Tiny.", "ChatGPT."):
         assert f"<mark>{answer}&lt;|end_of_sentence|&gt;</mark>" in html
+
+
+def test_pretraining_pieces_show_every_token_but_the_first_trained(tmp_path, tiny_own_dir):
+    records = [{"text": "Raw <i>domain</i> text"}, {"text": "second"}]
+    r = recipe(tmp_path, tiny_own_dir, records).model_copy(update={"method": "pt"})
+    html = render(r, records=1)
+    assert html.count("<b>piece") == 1
+    # no chat template: the document's own text, then </s>; all but its first token highlighted
+    assert "R<mark>aw &lt;i&gt;domain&lt;/i&gt; text&lt;/s&gt;</mark>" in html.replace("</mark><mark>", "")

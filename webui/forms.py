@@ -11,7 +11,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from erniekit_lite import recipe as recipes
 from erniekit_lite.errors import RecipeError
@@ -36,7 +36,7 @@ class Field:
 
 FIELDS = (
     Field("model.path", "model path", "text"),
-    Field("method", "method", "choice", ("sft", "dpo")),
+    Field("method", "method", "choice", get_args(Recipe.model_fields["method"].annotation)),  # every method the recipe takes
     Field("data.train", "data files (one per line)", "paths"),
     Field("data.format", "data format (of every file)", "choice", FORMATS),
     Field("data.max_length", "max length (tokens)", "int"),

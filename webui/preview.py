@@ -1,4 +1,5 @@
-"""The first records as the model sees them: the ERNIE chat format, with the trained (loss) tokens highlighted.
+"""The first records as the model sees them: the ERNIE chat format (raw text pieces for `pt`), with the trained
+(loss) tokens highlighted.
 
 Records go through the training pipeline itself (`data.prepare`: format detection, template, truncation), so the
 preview shows exactly what training will see; only the token runs are decoded back to text here.
@@ -26,7 +27,15 @@ def render(recipe: Recipe, records: int = 3, log=print) -> str:
     tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
     sources = [s.model_copy(update={"max_samples": min(records, s.max_samples or records)}) for s in recipe.data.train]
     data = recipe.data.model_copy(update={"train": sources, "eval": [], "eval_split": 0.0})
-    if recipe.method == "dpo":
+    if recipe.method == "pt":
+        from erniekit_lite.data.documents import prepare_documents
+
+        pieces = prepare_documents(data, tokenizer, log=log).train.pieces
+        shown = []
+        for i in range(min(records, len(pieces))):
+            ids = pieces.ids(i)
+            shown.append((f"piece {i + 1}", Sample(ids, [IGNORE] + ids[1:])))
+    elif recipe.method == "dpo":
         pairs = prepare_pairs(data, tokenizer, log=log).train.pairs[:records]
         shown = [(f"pair {i + 1}, {side}", getattr(p, side)) for i, p in enumerate(pairs) for side in ("chosen", "rejected")]
     else:
