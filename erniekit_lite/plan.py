@@ -15,7 +15,7 @@ from erniekit_lite.recipe import Recipe
 def plan(recipe: Recipe, log=print) -> dict:
     from erniekit_lite.data.prepare import describe_data, describe_pairs, prepare, prepare_pairs
     from erniekit_lite.model.load import adapter_base, load_tokenizer, tokenizer_path
-    from erniekit_lite.trainer_args import training_args
+    from erniekit_lite.trainer_args import PAIR_METHODS, training_args
 
     import torch
 
@@ -24,7 +24,7 @@ def plan(recipe: Recipe, log=print) -> dict:
     # On a machine without a GPU, plan the GPU run anyway: what `train` would refuse here is a note, not an error
     args = training_args(recipe if cuda else without_gpu_settings(recipe), Path(recipe.output.dir))
     tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
-    if recipe.method == "dpo":
+    if recipe.method in PAIR_METHODS:
         data = prepare_pairs(recipe.data, tokenizer, seed=args.seed, log=log)
         describe, units = describe_pairs, "pairs"
         truncated, dropped = data.train.stats.truncated, sum(data.train.stats.skipped.values())
@@ -130,8 +130,9 @@ def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: boo
     `head_keep`: a trained LM head keeps its chunks' buffers instead of recomputing them (`head_keep_positions`).
     """
     from erniekit_lite.model.load import resolve_attention
+    from erniekit_lite.trainer_args import PAIR_METHODS
 
-    capacity = recipe.data.max_length * (2 if recipe.method == "dpo" else 1)  # DPO rows hold whole pairs
+    capacity = recipe.data.max_length * (2 if recipe.method in PAIR_METHODS else 1)  # preference rows hold whole pairs
     tokens = args.per_device_train_batch_size * capacity
     if cuda:
         autocast = bool(args.bf16 or args.fp16)
@@ -172,7 +173,9 @@ def architecture(path: str, recipe: Recipe) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from erniekit_lite.errors import UserError
+    from erniekit_lite.model.load import check_source
 
+    check_source(path)  # an adapter's base may be a Hub id: one quick request, not from_pretrained's retries
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code)
     except (OSError, ValueError) as e:
