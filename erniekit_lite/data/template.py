@@ -15,7 +15,7 @@ the eos of the released `generation_config.json`, so a tuned model stops where g
 User text is tokenized with special-token parsing off: a user who types `<|end_of_sentence|>` gets those
 characters, never the control token. Control tokens come only from the template: as ids here, as the markup a
 model's own template renders around the messages (`ModelTemplate`), never from the text of a user, system or tool
-message, whichever template runs.
+message or from a string of the tool list or of a tool call, whichever template runs.
 
 Tool traffic: this template has no tool role, so the tool list follows the system prompt as JSON, an assistant's
 tool calls follow its text as a JSON list (trained with the rest of the response), and a tool result is the next
@@ -26,6 +26,7 @@ ships its own template (ERNIE-4.5-21B-A3B-Thinking) gets tools, calls and result
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, replace
 
@@ -142,8 +143,9 @@ class ModelTemplate:
     at inference) and whose completion is that turn. A template that cannot give even that (it always appends the
     generation prompt, say) is refused with a UserError.
     Control tokens come from the template's markup, parsed as control tokens. The text of user, system and tool
-    messages is found in the rendering by rendering placeholders in its place (`_segments`) and is tokenized as
-    plain text, as ERNIE's template does with it.
+    messages, and each string of the tool list or of a tool call that spells a control token, is found in the
+    rendering by rendering placeholders in its place (`_segments`) and is tokenized as plain text, as ERNIE's
+    template does with it.
     """
 
     name = "model"
@@ -151,6 +153,7 @@ class ModelTemplate:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.chat_template = honour_generation_flag(tokenizer)
+        self._control = _ControlSpellings(tokenizer)
 
     def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(
@@ -159,52 +162,85 @@ class ModelTemplate:
         )
 
     def _segments(self, messages: list[dict], generation_prompt: bool, tools: list[dict]) -> tuple[str, list[tuple[int, int, bool]]]:
-        """The rendering, and its (start, end, is markup) spans: markup, or the text of a user/system/tool message.
+        """The rendering, and its (start, end, is markup) spans: markup, or text that is text.
 
-        The template renders once with each such text replaced by a placeholder; walking both renderings side by
-        side, each placeholder takes the text the real rendering has there: the message's text, or it trimmed (a
-        template may strip whitespace). A template that changes message text otherwise is refused."""
+        Text that is text: the text of a user/system/tool message, and each string of the tool list or of an
+        assistant's tool calls (a key or a value: a function's name, a description, an argument) that holds a control
+        token's spelling, or part of one at its start or end (any other string tokenizes as it would inside the markup,
+        and templates test such strings: `tool.type == 'function'`). The template renders once with each such text
+        replaced by a placeholder (one per distinct string in tools and calls, so that the template compares them as
+        it compares the strings); walking both renderings side by side, each placeholder takes the text the real
+        rendering has there: the text as written, trimmed (a template may strip whitespace), or escaped as a JSON
+        string (`tojson`). A template that changes the text otherwise is refused."""
         real = self._render(messages, generation_prompt, tools)
-        texts, masked = [], []
+        texts: list[tuple[str, bool]] = []  # (text, is a message's text)
+        shared: dict[str, int] = {}  # a string of tools/calls -> its placeholder's index
+        masked = []
         for m in messages:
             if m["role"] in TEXT_ROLES and m.get("content"):
                 if "\ue000" in m["content"]:
                     raise UserError(f"a {m['role']} message contains U+E000, the private-use character erniekit-lite "
                                     "uses to find message text in the model's chat template")
-                texts.append(m["content"])
+                texts.append((m["content"], True))
                 m = {**m, "content": f"\ue000{len(texts) - 1}\ue001"}
+            if m.get("tool_calls"):
+                m = {**m, "tool_calls": self._hide(m["tool_calls"], texts, shared)}
             masked.append(m)
+        masked_tools = self._hide(tools, texts, shared) if tools else tools
         if not texts:
             return real, [(0, len(real), True)] if real else []
-        parts = PLACEHOLDER.split(self._render(masked, generation_prompt, tools))  # markup, index, markup, ...
+        parts = PLACEHOLDER.split(self._render(masked, generation_prompt, masked_tools))  # markup, index, markup, ...
         spans, pos = [], 0
         for k in range(0, len(parts), 2):
             markup = parts[k]
             if not real.startswith(markup, pos):
-                raise UserError(f"the model's chat template renders {markup[:40]!r} differently when a message's text changes; "
-                                "erniekit-lite cannot tell its markup from message text")
+                raise UserError(f"the model's chat template renders {markup[:40]!r} differently when a message's text "
+                                "or a string of its tools changes; erniekit-lite cannot tell its markup from that text")
             if markup:
                 spans.append((pos, pos + len(markup), True))
             pos += len(markup)
             if k + 1 == len(parts):
                 break
-            text, following = texts[int(parts[k + 1])], parts[k + 2]
+            (text, message), following = texts[int(parts[k + 1])], parts[k + 2]
             last = k + 3 == len(parts)
             found = next(
-                (t for t in (text, text.strip(), text.rstrip(), text.lstrip())
+                (t for t in _renderings(text)
                  if real.startswith(t + following, pos) and (not last or pos + len(t) + len(following) == len(real))),
                 None,
             )
             if found is None:
-                raise UserError(f"the model's chat template changes the text of a message ({text[:40]!r}) beyond trimming "
-                                "whitespace; erniekit-lite needs message text inserted as written")
+                if message:
+                    raise UserError(f"the model's chat template changes the text of a message ({text[:40]!r}) beyond "
+                                    "trimming whitespace; erniekit-lite needs message text inserted as written")
+                raise UserError(f"the model's chat template changes a string of the tool list or of a tool call "
+                                f"({text[:40]!r}) beyond trimming whitespace or escaping it as JSON; erniekit-lite needs "
+                                "it inserted as written")
             if found:
                 spans.append((pos, pos + len(found), False))
             pos += len(found)
         if pos != len(real):
-            raise UserError("the model's chat template renders differently when a message's text changes; "
-                            "erniekit-lite cannot tell its markup from message text")
+            raise UserError("the model's chat template renders differently when a message's text or a string of its "
+                            "tools changes; erniekit-lite cannot tell its markup from that text")
         return real, spans
+
+    def _hide(self, value, texts: list[tuple[str, bool]], shared: dict[str, int]):
+        """`value` (the tool list or a message's tool calls: JSON values) with each string, key or value, that holds a
+        control token's spelling (or part of one at an end) replaced by its placeholder; equal strings share one."""
+        if isinstance(value, str):
+            if "\ue000" in value:
+                raise UserError("a tool definition or tool call contains U+E000, the private-use character "
+                                "erniekit-lite uses to find text in the model's chat template")
+            if not self._control.touches(value):
+                return value
+            if value not in shared:
+                shared[value] = len(texts)
+                texts.append((value, False))
+            return f"\ue000{shared[value]}\ue001"
+        if isinstance(value, dict):
+            return {self._hide(k, texts, shared): self._hide(v, texts, shared) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._hide(v, texts, shared) for v in value)
+        return value
 
     def _pieces(self, spans, start: int, end: int, text: str, **kwargs) -> list[Piece]:
         """Pieces for `text[start:end]`, cut where markup and message text meet."""
@@ -288,6 +324,36 @@ def _check_extends(before: str, after: str, turn: int) -> None:
 
 TEXT_ROLES = ("user", "system", "tool")  # messages whose text is text: control-token spellings in it stay characters
 PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")
+
+
+def _renderings(text: str) -> tuple[str, ...]:
+    """What a template may render for `text`: as written, trimmed, or escaped as a JSON string (`tojson`, whose
+    transformers version keeps non-ASCII characters unless asked for `ensure_ascii`)."""
+    return (text, text.strip(), text.rstrip(), text.lstrip(), json.dumps(text, ensure_ascii=False)[1:-1], json.dumps(text)[1:-1])
+
+
+class _ControlSpellings:
+    """The spellings of a tokenizer's special tokens: what parsing markup for control tokens matches and parsing text
+    does not (an added token that is not special is matched in text too)."""
+
+    def __init__(self, tokenizer):
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        spellings = {getattr(t, "content", t) for t in added.values() if getattr(t, "special", True)}
+        spellings |= set(getattr(tokenizer, "all_special_tokens", ()))
+        spellings = sorted((s for s in spellings if isinstance(s, str) and s), key=len, reverse=True)
+        self._any = re.compile("|".join(map(re.escape, spellings))) if spellings else None
+        self._heads = {s[:k] for s in spellings for k in range(1, len(s))}  # proper prefixes
+        self._tails = {s[k:] for s in spellings for k in range(1, len(s))}  # proper suffixes
+        self._longest = len(spellings[0]) if spellings else 0
+
+    def touches(self, text: str) -> bool:
+        """Whether `text` holds a spelling, or could complete one with the characters rendered before or after it."""
+        if self._any is None:
+            return False
+        if self._any.search(text):
+            return True
+        reach = min(len(text), self._longest - 1)
+        return any(text[-k:] in self._heads or text[:k] in self._tails for k in range(1, reach + 1))
 
 
 _TRAILING_OUTPUT = re.compile(r"(\{%-?\s*endfor\s*-?%\})(\s*)(\{\{-?.*?-?\}\})(\s*)$", re.S)
