@@ -121,6 +121,41 @@ class LoraSection(_Section):
     routed_experts: bool = Field(
         True, description="MoE only: also adapt the fused routed-expert weights (one rank-r adapter per expert)."
     )
+    use_rslora: bool = Field(
+        False, description="Rank-stabilized LoRA (peft use_rslora): scale = alpha / sqrt(r) instead of alpha / r."
+    )
+    use_dora: bool = Field(
+        False, description="DoRA (peft use_dora): a trained magnitude per output row on top of the LoRA direction. peft has "
+        "no DoRA for the MoE's fused routed experts: there it needs routed_experts: false.",
+    )
+    init: bool | str = Field(
+        True, description="How new adapters start (peft init_lora_weights): true (A random, B zero), gaussian, orthogonal "
+        "(even r), mica (B from the base's smallest singular directions, frozen), pissa or pissa_niter_K (A and B from the "
+        "base's largest singular directions, taken out of the base), olora (QR of the base, taken out of it). pissa and "
+        "olora adapters are saved converted to a plain rank-2r LoRA on the unchanged base. Not on the MoE's fused routed "
+        "experts (true or gaussian there) nor a 4-bit base (true or gaussian); not for DPO (pissa, olora).",
+    )
+    plus_lr_ratio: float | None = Field(
+        None, gt=0, description="LoRA+ (peft create_loraplus_optimizer): the B matrices learn at train.learning_rate x "
+        "this ratio (ERNIEKit's DPO LoRA recipes: lora_plus_scale 12).",
+    )
+
+    @field_validator("init")
+    @classmethod
+    def _peft_init(cls, value: bool | str) -> bool | str:
+        offered = "true, gaussian, orthogonal, mica, pissa, pissa_niter_K (K a whole number) or olora"
+        if value is True or value in ("gaussian", "orthogonal", "mica", "pissa", "olora") or re.fullmatch(r"pissa_niter_\d+", str(value)):
+            return value
+        if value is False:
+            raise ValueError(f"false is peft's debugging setting (A and B random: the untrained adapter already changes the "
+                             f"model); use {offered}")
+        if value in ("eva", "corda", "lora_ga"):
+            raise ValueError(f"{value} is computed from the training data (activations or gradients) before training, "
+                             f"which is not wired here; use {offered}")
+        if value == "loftq":
+            raise ValueError(f"loftq quantizes the base itself and trains against that copy; for a 4-bit base use "
+                             f"model.load_in_4bit (QLoRA) with init true, or use {offered}")
+        raise ValueError(f"unknown init {value!r}; use {offered}")
 
 
 class OutputSection(_Section):

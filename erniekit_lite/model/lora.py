@@ -6,11 +6,17 @@ layer-0 MLP and the shared experts silently get no adapter (and `gate` or `all-l
 We therefore name the fused expert parameters ourselves (`target_parameters`) and create and load adapters with
 that rewrite switched off (`targets_as_written`). tests/test_moe_lora.py pins the upstream behaviour, so a peft
 upgrade that changes it fails a test instead of silently training less.
+
+LoRA variants (rsLoRA, DoRA, peft's initialisations, LoRA+) are checked here against what peft 0.21.2 supports on
+the weights they would reach (`check_variants`); PiSSA and OLoRA move part of each base weight into the adapter,
+and the final save converts such an adapter back to a plain LoRA on the unchanged base (`save_as_plain_lora`).
+tests/test_lora_variants.py pins the peft refusals.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections import Counter
 
@@ -21,6 +27,8 @@ from erniekit_lite.recipe import LoraSection
 EXPERT_PARAMS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 ROUTER = "gate"  # the MoE router module (`mlp.gate`): never adapted, frozen under LoRA
 GROUPS = ("attention", "dense MLP", "shared experts", "routed experts", "other")
+SETTINGS = "_erniekit_lora"  # the LoraSection an adapter was made from, kept on the PeftModel (LoRA+ reads it)
+INITIAL = "_erniekit_initial_adapter"  # PiSSA/OLoRA: the adapter's initial A and B, for `save_as_plain_lora`
 
 
 def is_moe(model) -> bool:
@@ -36,6 +44,7 @@ def lora_config(model, lora: LoraSection):
     unknown = [t for t in lora.targets if t not in names]
     if unknown:
         raise UserError(f"lora.targets: no module named {unknown} in this model; it has {sorted(_linear_names(model))}")
+    check_variants(model, lora)
     parameters, rank, alpha = [], {}, {}
     if is_moe(model) and lora.routed_experts:
         if lora.dropout:
@@ -48,9 +57,10 @@ def lora_config(model, lora: LoraSection):
             if present:
                 parameters.append(f"mlp.experts.{fused}")
             if len(present) > 1:
-                # Rank r per fused projection, as transformers 4's separate gate_proj/up_proj had (peft's own convention)
+                # Rank r per fused projection, as transformers 4's separate gate_proj/up_proj had (peft's own convention),
+                # at the scale of a rank-r adapter: alpha x 2 keeps alpha / r, alpha x sqrt(2) keeps rsLoRA's alpha / sqrt(r)
                 rank[rf".*\.{fused}"] = lora.r * len(parts)
-                alpha[rf".*\.{fused}"] = lora.alpha * len(parts)
+                alpha[rf".*\.{fused}"] = lora.alpha * (math.sqrt(len(parts)) if lora.use_rslora else len(parts))
     return LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -59,8 +69,41 @@ def lora_config(model, lora: LoraSection):
         target_parameters=parameters or None,
         rank_pattern=rank,
         alpha_pattern=alpha,
+        use_rslora=lora.use_rslora,
+        use_dora=lora.use_dora,
+        init_lora_weights=lora.init,
         task_type="CAUSAL_LM",
     )
+
+
+def mutates_base(init) -> bool:
+    """PiSSA and OLoRA take the adapter's initial product out of the base weights (peft changes them in place)."""
+    return isinstance(init, str) and (init.startswith("pissa") or init == "olora")
+
+
+def check_variants(model, lora: LoraSection) -> None:
+    """One line for each combination peft 0.21.2 refuses (or would get wrong) on this model."""
+    if is_moe(model) and lora.routed_experts:
+        # peft's ParamWrapper (LoRA on the fused 3-D expert weights) raises for use_dora and any LoRA variant, and its
+        # init reads `base_layer.weight`, which the experts module does not have
+        if lora.use_dora:
+            raise UserError("lora.use_dora: peft 0.21.2 has no DoRA for the MoE's fused routed-expert weights; set "
+                            "lora.routed_experts=false (DoRA on attention, dense MLP and shared experts) or lora.use_dora=false")
+        if lora.init not in (True, "gaussian"):
+            raise UserError(f"lora.init: peft 0.21.2 cannot start the MoE's fused routed-expert adapters as {lora.init} "
+                            "(true or gaussian only); set lora.routed_experts=false or lora.init=true")
+    if quantized(model) and lora.init not in (True, "gaussian"):
+        why = ("re-quantizes the residual weights, which an adapter saved for the unchanged base cannot reproduce"
+               if lora.init == "olora" else "needs the base weights in float (peft refuses a 4-bit base)")
+        raise UserError(f"lora.init: {lora.init} on a 4-bit base (model.load_in_4bit) {why}; use lora.init true or gaussian")
+    if lora.init == "orthogonal" and lora.r % 2:
+        raise UserError(f"lora.init: orthogonal needs an even lora.r (got {lora.r})")
+    if lora.use_dora and lora.init == "mica":
+        raise UserError("lora.use_dora: peft 0.21.2 cannot combine DoRA with lora.init mica (two LoRA variants)")
+
+
+def on_meta(model) -> bool:
+    return any(p.device.type == "meta" for p in model.parameters())
 
 
 @contextlib.contextmanager
@@ -82,11 +125,60 @@ def apply_lora(model, lora: LoraSection):
     from peft import get_peft_model
 
     config = lora_config(model, lora)
+    if on_meta(model):  # `validate` counts parameters on a weightless model: inits that read the weights cannot run
+        config.init_lora_weights = True
     with targets_as_written():
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=not zero3_unquantized(model))
     adapter_dtypes(peft_model)
     check_adapters(peft_model, config)
+    remember(peft_model, lora)
     return peft_model
+
+
+def remember(peft_model, lora: LoraSection) -> None:
+    """Keep what the trainer and the final save need: the settings (LoRA+), and for PiSSA/OLoRA the initial A and B."""
+    from peft import get_peft_model_state_dict
+
+    setattr(peft_model, SETTINGS, lora)
+    if mutates_base(peft_model.peft_config["default"].init_lora_weights):
+        initial = get_peft_model_state_dict(peft_model)
+        setattr(peft_model, INITIAL, {k: v.detach().to("cpu", copy=True) for k, v in initial.items() if ".lora_A." in k or ".lora_B." in k})
+
+
+def save_as_plain_lora(adapter_dir, initial: dict) -> bool:
+    """A PiSSA/OLoRA adapter saved in `adapter_dir` rewritten as a plain LoRA on the unchanged base; False when the
+    saved adapter is not one (already converted, or another init).
+
+    What peft's `save_pretrained(path_initial_model_for_weight_conversion=...)` does, done on the saved files so that
+    it also holds for gathered (FSDP, ZeRO-3) state dicts, keeps DoRA's magnitudes (peft's conversion drops every key
+    but lora_A/lora_B), and scales alpha_pattern right under rsLoRA: the trained weight W_res + s B A equals
+    W + s (B A - B0 A0) = W + s [B | -B0] [A ; A0], rank 2r; the config as peft writes it then: r x 2, alpha x 2
+    (x sqrt(2) with rsLoRA, so the scale stays), init_lora_weights true.
+    """
+    import json
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    adapter_dir = Path(adapter_dir)
+    config_path, weights_path = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
+    config = json.loads(config_path.read_text())
+    if not mutates_base(config.get("init_lora_weights")):
+        return False
+    tensors = load_file(weights_path)
+    for name, value in tensors.items():
+        if ".lora_A." in name:
+            tensors[name] = torch.cat([value, initial[name].to(value.dtype)], dim=0).contiguous()
+        elif ".lora_B." in name:
+            tensors[name] = torch.cat([value, -initial[name].to(value.dtype)], dim=1).contiguous()
+    scale = math.sqrt(2) if config.get("use_rslora") else 2
+    config.update(init_lora_weights=True, r=config["r"] * 2, lora_alpha=config["lora_alpha"] * scale,
+                  rank_pattern={k: v * 2 for k, v in (config.get("rank_pattern") or {}).items()},
+                  alpha_pattern={k: v * scale for k, v in (config.get("alpha_pattern") or {}).items()})
+    save_file(tensors, weights_path, metadata={"format": "pt"})
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return True
 
 
 def quantized(model) -> bool:
@@ -122,13 +214,29 @@ def load_adapter(model, path: str, trainable: bool = True):
     from peft import PeftConfig, PeftModel
 
     written = PeftConfig.from_pretrained(path)
-    # Adapters that name fused parameters were made for transformers 5 and must load as written;
-    # older per-expert adapters still need peft's rewrite.
-    context = targets_as_written() if getattr(written, "target_parameters", None) else contextlib.nullcontext()
+    # Adapters made for transformers 5 (ours: fused expert parameters named, or the routed experts left out) must load
+    # as written; only adapters of transformers 4's per-expert layout need peft's rewrite.
+    as_written = getattr(written, "target_parameters", None) or not per_expert_weights(path)
+    context = targets_as_written() if as_written else contextlib.nullcontext()
     with context:
         peft_model = PeftModel.from_pretrained(model, path, is_trainable=trainable)
     adapter_dtypes(peft_model, every=True)  # a QLoRA adapter computes as it trained, for inference too
     return peft_model
+
+
+def per_expert_weights(path) -> bool:
+    """Whether a saved adapter holds weights of single routed experts (`mlp.experts.N.`: transformers 4's layout).
+    Unreadable (no safetensors file): assumed so, which keeps peft's own loading."""
+    import re
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    file = Path(path) / "adapter_model.safetensors"
+    if not file.is_file():
+        return True
+    with safe_open(str(file), "pt") as f:
+        return any(re.search(r"\.experts\.\d+\.", key) for key in f.keys())
 
 
 def check_adapters(peft_model, config) -> None:

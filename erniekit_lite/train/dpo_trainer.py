@@ -17,6 +17,7 @@ from trl import DPOTrainer
 from trl.trainer.utils import FusedCausalLMOutput
 
 from erniekit_lite.train.checkpoints import CheckpointMixin
+from erniekit_lite.train.optimizer import LoraPlusMixin
 from erniekit_lite.train.scoring import score
 from erniekit_lite.train.trainer import HostBoundsMixin, ThroughputMixin
 
@@ -68,7 +69,7 @@ def pair_scores(model, kwargs: dict) -> FusedCausalLMOutput:
     )
 
 
-class ErnieDPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, DPOTrainer):
+class ErnieDPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, DPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._install_packed_forward()

@@ -4,8 +4,9 @@ Two departures from `SFTTrainer.compute_loss`, both because ERNIE's 103k-entry L
 - the LM head runs only at positions whose next token is trained, in memory-bounded chunks (`scoring.py`), so
   prompt tokens never pay for it; token accuracy comes from the same pass;
 - real-token accounting (tokens/s without padding, packing efficiency) per logged step and in `train_results.json`.
-Checkpoints are atomic and a diverged run stops before its bad step (`checkpoints.CheckpointMixin`); everything
-else (optimizer, schedule, logging, accumulation) is TRL and transformers.
+Checkpoints are atomic and a diverged run stops before its bad step (`checkpoints.CheckpointMixin`); LoRA+ builds
+the optimizer through peft (`optimizer.LoraPlusMixin`); a PiSSA/OLoRA adapter is saved as a plain LoRA at the end
+(`PlainLoraSaveMixin`); everything else (optimizer, schedule, logging, accumulation) is TRL and transformers.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import torch
 from trl import SFTTrainer
 
 from erniekit_lite.model.attention import remember_lengths
+from erniekit_lite.model.lora import INITIAL, save_as_plain_lora
 from erniekit_lite.train.checkpoints import CheckpointMixin
+from erniekit_lite.train.optimizer import LoraPlusMixin
 from erniekit_lite.train.scoring import add_scoring_forward
 
 
@@ -78,7 +81,19 @@ class HostBoundsMixin:
         return inputs
 
 
-class ErnieSFTTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, SFTTrainer):
+class PlainLoraSaveMixin:
+    """PiSSA/OLoRA changed the base weights in memory; the run's final adapter is rewritten as a plain LoRA on the
+    unchanged base (`lora.save_as_plain_lora`), so loading, merging, serving and export see an ordinary adapter.
+    Checkpoints (`_internal_call`) keep peft's own form, which resuming loads into the changed base it was made for."""
+
+    def save_model(self, output_dir=None, _internal_call: bool = False):
+        super().save_model(output_dir, _internal_call)
+        initial = getattr(self.model, INITIAL, None)
+        if initial is not None and not _internal_call and self.args.should_save:
+            save_as_plain_lora(output_dir if output_dir is not None else self.args.output_dir, initial)
+
+
+class ErnieSFTTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, PlainLoraSaveMixin, SFTTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         add_scoring_forward(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model)

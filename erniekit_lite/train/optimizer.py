@@ -1,0 +1,53 @@
+"""LoRA+ for every trainer (SFT, pt, DPO): the optimizer is peft's `create_loraplus_optimizer`, built with the
+Trainer's own optimizer class and arguments (train.optim, learning_rate, weight_decay, adam betas and epsilon).
+
+peft groups the trainable parameters: every `lora_B` and every 1-D parameter (DoRA's magnitudes) learns at
+learning_rate x `lora.plus_lr_ratio`, the rest (`lora_A`) at learning_rate; weight decay is train.weight_decay on
+both (peft's `loraplus_weight_decay`). The schedule scales each group's rate, so the ratio holds at every step.
+The ratio is read from the LoraSection that `model/lora.py` keeps on the PeftModel (`lora.SETTINGS`): SFT's adapter
+is made there, DPO's by TRL and tagged by `train/dpo.py`.
+"""
+
+from __future__ import annotations
+
+from erniekit_lite.errors import UserError
+from erniekit_lite.model.lora import SETTINGS
+
+
+def lora_plus_ratio(model) -> float | None:
+    lora = getattr(model, SETTINGS, None)
+    return getattr(lora, "plus_lr_ratio", None)
+
+
+class LoraPlusMixin:
+    def create_optimizer(self, model=None):
+        ratio = lora_plus_ratio(self.model)
+        if self.optimizer is not None or ratio is None:
+            return super().create_optimizer(model)
+        from peft.optimizers import create_loraplus_optimizer
+        from transformers.trainer_optimizer import is_optimizer_factory
+
+        opt_model = self.model if model is None else model
+        if self.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, kwargs = self.optimizer_cls_and_kwargs
+        else:
+            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        kwargs = dict(kwargs)
+        if is_optimizer_factory(optimizer_cls) or {"params", "model", "optimizer_dict"} & kwargs.keys():
+            optim = getattr(self.args.optim, "value", self.args.optim)
+            raise UserError(f"lora.plus_lr_ratio: train.optim {optim} builds its own parameter groups; LoRA+ needs a "
+                            "plain optimizer (adamw_torch, adamw_torch_fused, adamw_8bit, sgd, ...)")
+        lr = kwargs.pop("lr", self.args.learning_rate)
+        self.optimizer = create_loraplus_optimizer(
+            opt_model, optimizer_cls, lr=lr, loraplus_lr_ratio=ratio, loraplus_weight_decay=self.args.weight_decay, **kwargs
+        )
+        return self.optimizer
+
+    def train(self, *args, **kwargs):
+        # A DeepSpeed config with its own `optimizer` block makes DeepSpeed build the optimizer: create_optimizer
+        # (and with it LoRA+) would never run
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if lora_plus_ratio(self.model) is not None and plugin is not None and "optimizer" in (plugin.deepspeed_config or {}):
+            raise UserError("lora.plus_lr_ratio: the DeepSpeed config has its own optimizer block, which replaces the "
+                            "Trainer's optimizer (and LoRA+); remove that block or lora.plus_lr_ratio")
+        return super().train(*args, **kwargs)
