@@ -29,6 +29,13 @@ def plan(recipe: Recipe, log=print) -> dict:
         describe, units = describe_pairs, "pairs"
         truncated, dropped = data.train.stats.truncated, sum(data.train.stats.skipped.values())
         count = len(data.train.pairs)
+    elif recipe.method == "kto":
+        from erniekit_lite.data.prepare import describe_feedback, prepare_feedback
+
+        data = prepare_feedback(recipe.data, tokenizer, seed=args.seed, log=log, kl=args.loss_type != "apo_zero_unpaired")
+        describe, units = describe_feedback, "examples"
+        truncated, dropped = data.train.stats.truncated, sum(data.train.stats.skipped.values())
+        count = len(data.train.examples)
     elif recipe.method == "pt":
         from erniekit_lite.data.documents import describe_documents, prepare_documents
 
@@ -62,6 +69,9 @@ def plan(recipe: Recipe, log=print) -> dict:
         "packing_efficiency": round(data.train.packing_efficiency, 4),
         "optimizer_steps": steps,
     }
+    if recipe.method == "kto":
+        info["desirable"] = sum(e.desirable for e in data.train.examples)
+        info["undesirable"] = count - info["desirable"]
     log(describe(data))
     log(
         f"model: {arch['class']} ({recipe.model.path}), {arch['parameters']:,} parameters, "
@@ -142,7 +152,7 @@ def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: boo
     if attn == "auto":
         attn = resolve_attention(attn, recipe.data.packing) if cuda else "sdpa"  # flash-attn may not be installed there
     kwargs = dict(args.activation_checkpointing_kwargs or {})
-    if recipe.method == "dpo":
+    if recipe.method in ("dpo", "kto"):
         reference = "adapter" if recipe.lora is not None else "precomputed" if args.precompute_ref_log_probs else "copy"
     else:
         reference = "none"

@@ -540,7 +540,151 @@ def _short(value: Any) -> str:
 _PREFERENCE_PARSERS = {"erniekit": _erniekit_pref, "sharegpt": _sharegpt_pref, "trl": _trl_pref, "alpaca": _alpaca_pref}
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Unpaired feedback (KTO) records: a prompt (earlier turns as context) and one completion, labelled desirable (true)
+# or undesirable (false) in `label` or `kto_tag` (LLaMA-Factory's name). The completion is the last assistant turn.
+#
+#     trl       {"prompt": str | [{"role", "content"}, .., user message], "completion": str | [one assistant message],
+#                "label": bool, "system"?, "tools"?}                                       (TRL's unpaired preference)
+#     alpaca    {"instruction", "input"?, "output", "label" | "kto_tag", "system"?, "history"?: [[q, a], ...]}
+#     sharegpt  {"conversations": [{"from", "value"}, .., user, assistant], "label" | "kto_tag", "system"?, "tools"?}
+#     messages  {"messages": [{"role", "content"}, .., user, assistant], "label" | "kto_tag", "tools"?}
+#     erniekit  {"system"?, "src": [q1, .., qn], "tgt": [a1, .., an], "label" | "kto_tag": bool}   an answers qn
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Feedback:
+    history: list[Turn]  # earlier turns of the conversation, context only (Turn.train=False)
+    prompt: str  # the last user message
+    completion: str
+    desirable: bool
+    system: str | None = None
+
+
+FEEDBACK_FORMATS = ("trl", "alpaca", "sharegpt", "messages", "erniekit")
+FEEDBACK_LABELS = ("label", "kto_tag")
+
+
+def detect_feedback_format(record: Record) -> str:
+    data = record.data
+    if not isinstance(data, dict):
+        raise record.error(f"expected a JSON object per record, got {type(data).__name__}")
+    if "chosen" in data or "rejected" in data or ("response" in data and "sort" in data):
+        raise record.error("a preference pair (chosen and rejected responses); method kto takes one completion per record "
+                           "with a label: write each response as its own record, label true for the chosen one and false "
+                           "for the rejected one (or train the pairs with method dpo)")
+    if "prompt" in data and "completion" in data:
+        return "trl"
+    if "src" in data and "tgt" in data:
+        return "erniekit"
+    if "conversations" in data:
+        return "sharegpt"
+    if "messages" in data:
+        return "messages"
+    if "instruction" in data or "output" in data:
+        return "alpaca"
+    keys = ", ".join(sorted(data)) or "none"
+    raise record.error(
+        f"cannot tell the feedback format from the keys ({keys}); expected prompt/completion/label (trl), src/tgt/label "
+        "(erniekit), conversations/label (sharegpt), messages/label or instruction/output/label (alpaca; kto_tag also "
+        "names the label); or set format: in the recipe"
+    )
+
+
+def to_feedback(record: Record, fmt: str, default_system: str | None = None) -> Feedback:
+    """One labelled completion. Raises DataError (with file:line) for a malformed record, Skip for an untrainable one."""
+    if not isinstance(record.data, dict):
+        raise record.error(f"expected a JSON object per record, got {type(record.data).__name__}")
+    parser = _FEEDBACK_PARSERS.get(fmt)
+    if parser is None:
+        raise record.error(f"unknown feedback format '{fmt}'; expected one of {', '.join(FEEDBACK_FORMATS)}")
+    desirable = _feedback_label(record)
+    system, history, prompt, completion = parser(record)
+    if system is None:
+        system = default_system
+    if fmt in ("sharegpt", "trl", "messages"):  # after the default system, so a recipe's system prompt is kept
+        system = with_tools(system, _tools(record))
+    if not completion.strip():
+        raise Skip("empty completion")
+    return Feedback(history, prompt, completion, desirable, system)
+
+
+def _feedback_label(record: Record) -> bool:
+    """`label` or `kto_tag`: true or false (in a CSV cell, the text true or false)."""
+    given = [k for k in FEEDBACK_LABELS if record.data.get(k) is not None]
+    if not given:
+        raise record.error("missing field 'label' (or 'kto_tag'): true for a desirable completion, false for an undesirable one")
+    values = [record.data[k] for k in given]
+    if isinstance(values[0], str) and values[0].strip().lower() in ("true", "false"):  # CSV cells are text
+        values = [v.strip().lower() == "true" if isinstance(v, str) else v for v in values]
+    key, value = given[0], values[0]
+    if isinstance(value, list):
+        raise record.error(f"field '{key}' is a list ({_short(value)}); a KTO label is one true (desirable) or false "
+                           "(undesirable) for the completion (ERNIEKit's SFT 'label' is a 0/1 list marking trained turns, "
+                           "which method kto does not read)")
+    if not isinstance(value, bool):
+        raise record.error(f"field '{key}' must be true (desirable) or false (undesirable), got {_short(value)}")
+    if len(values) == 2 and values[1] != value:
+        raise record.error("fields 'label' and 'kto_tag' disagree; give one of them")
+    return value
+
+
+def _trl_feedback(record: Record) -> tuple:
+    prompt = _require(record, "prompt")
+    system = _opt_str(record, "system")
+    if isinstance(prompt, str):
+        history: list[Turn] = []
+    elif isinstance(prompt, list):
+        system, history, prompt = _split_prompt(record, _role_messages(record, prompt, "prompt"), system, "prompt")
+    else:
+        raise record.error(f"field 'prompt' must be a string or a list of {{role, content}} messages, got {type(prompt).__name__}")
+    return system, history, prompt, _trl_response(record, "completion")
+
+
+def _alpaca_feedback(record: Record) -> tuple:
+    conv = _alpaca(record)  # the history is context here, not trained
+    history = [Turn(t.user, t.assistant, False) for t in conv.turns[:-1]]
+    return conv.system, history, conv.turns[-1].user, conv.turns[-1].assistant
+
+
+def _erniekit_feedback(record: Record) -> tuple:
+    src, tgt = _str_list(record, "src"), _str_list(record, "tgt")
+    if not src or len(src) != len(tgt):
+        raise record.error(f"'src' has {len(src)} turns but 'tgt' has {len(tgt)}; expected one response per prompt, the "
+                           "last 'tgt' being the completion that 'label' judges")
+    history = [Turn(q, a, train=False) for q, a in zip(src[:-1], tgt[:-1])]
+    return _opt_str(record, "system"), history, src[-1], tgt[-1]
+
+
+def _sharegpt_feedback(record: Record) -> tuple:
+    _require(record, "conversations")
+    return _completion_last(record, _sharegpt_messages(record), _opt_str(record, "system"), "conversations")
+
+
+def _messages_feedback(record: Record) -> tuple:
+    return _completion_last(record, _role_messages(record, _require(record, "messages"), "messages"), None, "messages")
+
+
+def _completion_last(record: Record, messages: list[_Message], system: str | None, key: str) -> tuple:
+    """Messages ending with the assistant's completion (consecutive assistant messages joined, tool calls after
+    their text) -> (system, context turns, prompt, completion)."""
+    end = len(messages)
+    while end and messages[end - 1].role == "assistant":
+        end -= 1
+    if end == len(messages):
+        raise record.error(f"'{key}' must end with the assistant's completion, the message the label judges")
+    completion = "\n".join(with_calls(m.text, m.tool_calls) for m in messages[end:])
+    system, history, prompt = _split_prompt(record, messages[:end], system, key)
+    return system, history, prompt, completion
+
+
+_FEEDBACK_PARSERS = {"trl": _trl_feedback, "alpaca": _alpaca_feedback, "sharegpt": _sharegpt_feedback,
+                     "messages": _messages_feedback, "erniekit": _erniekit_feedback}
+
+
 __all__ = [
     "Conversation", "Turn", "with_tools", "with_calls", "detect_format", "to_conversation", "check_format", "DataError",
     "Preference", "Skip", "PREFERENCE_FORMATS", "detect_preference_format", "to_preference",
+    "Feedback", "FEEDBACK_FORMATS", "detect_feedback_format", "to_feedback",
 ]

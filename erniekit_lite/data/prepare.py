@@ -19,9 +19,11 @@ from typing import Callable
 
 from erniekit_lite.data import cache, mixing
 from erniekit_lite.data.formats import Skip, check_format, detect_format, detect_preference_format, to_conversation, to_preference
+from erniekit_lite.data.formats import detect_feedback_format, to_feedback
 from erniekit_lite.data.load import read_records
 from erniekit_lite.data.packing import Row, efficiency, one_per_row, pack
 from erniekit_lite.data.pairs import Pair, PairRow, PairStats, pack_pairs, tokenize_pairs
+from erniekit_lite.data.unpaired import Example, FeedbackRow, FeedbackStats, pack_feedback, tokenize_feedback
 from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import Sample, Tokenizer, TokenStats
 from erniekit_lite.errors import DataError
@@ -459,6 +461,122 @@ def describe_pairs(data: PreparedPairs) -> str:
         lines.append(f"  eval: {len(data.eval.pairs)} pairs in {len(data.eval.rows)} rows")
     return "\n".join(lines)
 
+
+
+@dataclass
+class FeedbackSplit:
+    rows: list[FeedbackRow]
+    examples: list[Example]
+    stats: FeedbackStats
+    sources: list[SourceReport] = field(default_factory=list)
+    max_length: int = 0
+    kl: bool = True  # rows hold each example's KL twin
+
+    @property
+    def packing_efficiency(self) -> float:
+        capacity = (2 if self.kl else 1) * self.max_length
+        return sum(len(r.input_ids) for r in self.rows) / max(1, len(self.rows) * capacity)
+
+
+@dataclass
+class PreparedFeedback:
+    train: FeedbackSplit
+    eval: FeedbackSplit | None
+    template: str
+
+
+def prepare_feedback(data: DataSection, tokenizer, seed: int = 42, log=print, kl: bool = True) -> PreparedFeedback:
+    """Unpaired feedback (KTO) -> examples packed whole into rows, each with its KL twin when `kl` (data/unpaired.py)."""
+    with _gc_paused():
+        return _prepare_feedback(data, tokenizer, seed, log, kl)
+
+
+def _prepare_feedback(data: DataSection, tokenizer, seed: int, log, kl: bool) -> PreparedFeedback:
+    tokenize = Tokenizer(tokenizer, template_for(tokenizer))
+    store = _Store(data, tokenizer, tokenize.template.name, log)
+    train = _feedback_split(data.train, data, tokenize, store, log, kl, pack_rows=not data.eval_split, seed=seed)
+    where = ", ".join(s.path for s in data.train)
+    if not train.examples:
+        reasons = ", ".join(f"{n} {why}" for why, n in train.stats.skipped.items()) or "none readable"
+        raise DataError(where, f"no trainable examples left after filtering ({reasons})")
+    evaluation = _feedback_split(data.eval, data, tokenize, store, log, kl) if data.eval else None
+    if data.eval_split:
+        held, kept = _hold_out(train.examples, data.eval_split, seed, train.sources[0].path)
+        evaluation = FeedbackSplit(pack_feedback(held, data.max_length, data.packing, kl), held, FeedbackStats(),
+                                   max_length=data.max_length, kl=kl)
+        train = FeedbackSplit(pack_feedback(kept, data.max_length, data.packing, kl), kept, train.stats, train.sources,
+                              data.max_length, kl)
+    if kl and len(train.examples) < 2:
+        raise DataError(where, "KTO estimates its KL term from each prompt paired with another example's completion: "
+                               "at least 2 training examples are needed (or train.loss_type: apo_zero_unpaired, which has none)")
+    return PreparedFeedback(train, evaluation, tokenize.template.name)
+
+
+def _feedback_split(sources: list[Source], data: DataSection, tokenize: Tokenizer, store: _Store, log, kl: bool,
+                    pack_rows: bool = True, seed: int = 42) -> FeedbackSplit:
+    key = store.key("kto", sources, {"max_length": data.max_length, "system": data.system})
+    entry = store.get(key, sources, "feedback format")
+    if entry is not None:
+        labels = entry.meta["desirable"]  # one character per example: "1" desirable, "0" not
+        examples = [Example(s, flag == "1") for s, flag in zip(entry.samples, labels)]
+        stats = FeedbackStats(kept=len(examples), truncated=entry.meta["stats"]["truncated"],
+                              skipped=Counter(dict(entry.meta["stats"]["skipped"])),  # stored as pairs: the message's order
+                              lengths=[len(e) for e in examples], desirable=labels.count("1"))
+        reports = _reports(entry.meta["sources"], sources)
+    else:
+        examples, stats, reports = _tokenized_feedback(sources, data, tokenize, log)
+        meta = {"truncated": stats.truncated, "skipped": list(stats.skipped.items())}
+        store.put(key, [e.sample for e in examples], {"stats": meta, "sources": [_report_meta(r) for r in reports],
+                                                      "desirable": "".join("1" if e.desirable else "0" for e in examples)})
+    examples = _mixed(examples, sources, reports, seed, len)
+    rows = pack_feedback(examples, data.max_length, data.packing, kl) if pack_rows else []
+    return FeedbackSplit(rows, examples, stats, reports, data.max_length, kl)
+
+
+def _tokenized_feedback(
+    sources: list[Source], data: DataSection, tokenize: Tokenizer, log
+) -> tuple[list[Example], FeedbackStats, list[SourceReport]]:
+    feedback, reports, skipped = [], [], Counter()
+    for source in sources:
+        records, fmt, detected = _read(source, detect_feedback_format, "feedback format", log)
+        before = len(feedback)
+        for record in records:
+            try:
+                feedback.append(to_feedback(record, fmt, data.system))
+            except Skip as why:
+                skipped[str(why)] += 1
+        reports.append(SourceReport(source.path, fmt, detected, len(records), len(feedback) - before))
+
+    def job(lo: int, hi: int) -> tuple[list[Example], FeedbackStats]:
+        return tokenize_feedback(tokenize, feedback[lo:hi], data.max_length)
+
+    examples, stats = [], FeedbackStats()
+    for part, part_stats in _in_shards(job, len(feedback), data.num_proc):
+        examples += part
+        stats.add(part_stats)
+    stats.skipped.update(skipped)
+    return examples, stats, reports
+
+
+def describe_feedback(data: PreparedFeedback) -> str:
+    s = data.train.stats
+    lines = [f"data: template {data.template}, unpaired feedback (KTO)"]
+    for src in data.train.sources:
+        lines.append(f"  {src.path} [{src.format}{' (auto)' if src.detected else ''}]: {src.records} records -> "
+                     f"{src.samples} examples" + _mix_note(src, "examples"))
+    desirable = sum(e.desirable for e in data.train.examples)
+    skipped = ", ".join(f"{n} {why}" for why, n in sorted(s.skipped.items())) or "none"
+    twins = ", each with its KL twin" if data.train.kl else ""
+    lines.append(
+        f"  train: {len(data.train.examples)} examples ({desirable} desirable, {len(data.train.examples) - desirable} "
+        f"undesirable) in {len(data.train.rows)} rows{twins}, packing efficiency {data.train.packing_efficiency:.1%}; "
+        f"truncated {s.truncated}; skipped: {skipped}"
+    )
+    if data.eval is not None:
+        held = sum(e.desirable for e in data.eval.examples)
+        lines.append(f"  eval: {len(data.eval.examples)} examples ({held} desirable, {len(data.eval.examples) - held} "
+                     f"undesirable) in {len(data.eval.rows)} rows")
+    return "\n".join(lines)
 
 def _mix_note(src, unit: str) -> str:
     if src.drawn is None:

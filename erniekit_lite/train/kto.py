@@ -1,0 +1,93 @@
+"""KTO (`method: kto`, TRL's KTOTrainer) on unpaired feedback: what it adds to the shared run (run.py).
+
+The data are labelled completions, each packed with its KL twin (data/unpaired.py); `train.loss_type:
+apo_zero_unpaired` has no KL term, so its rows hold the examples alone. The reference is DPO's: a new adapter is
+handed to TRL as a config, so the reference is the base with the adapter disabled (no copy); a LoRA run dir given
+as model.path keeps its adapter and TRL copies it as the reference; full fine-tuning keeps a frozen copy (or
+precomputes, `train.precompute_ref_log_probs`). PiSSA and OLoRA change the base itself: refused as for DPO.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+from erniekit_lite.data.prepare import PreparedFeedback, describe_feedback, prepare_feedback
+from erniekit_lite.data.unpaired import PackedFeedbackCollator, PaddedFeedbackCollator
+from erniekit_lite.errors import UserError
+from erniekit_lite.recipe import Recipe
+from erniekit_lite.train import run as runner
+
+
+def run(recipe: Recipe, log=print) -> Path:
+    check_lora(recipe)  # before anything loads or the run dir is claimed
+    return runner.run(recipe, method(recipe), log)
+
+
+def method(recipe: Recipe) -> runner.Method:
+    return replace(METHOD, prepare=partial(prepare_feedback, kl=with_kl(recipe)))
+
+
+def with_kl(recipe: Recipe) -> bool:
+    """Whether the loss has KTO's KL term (TRL: every loss_type but apo_zero_unpaired), so rows hold KL twins."""
+    return recipe.train.get("loss_type", "kto") != "apo_zero_unpaired"
+
+
+def check_lora(recipe: Recipe) -> None:
+    from erniekit_lite.model.lora import mutates_base
+
+    if recipe.lora is not None and mutates_base(recipe.lora.init):
+        raise UserError(f"lora.init: {recipe.lora.init} moves part of each base weight into the adapter, and KTO's reference "
+                        "is the base with the adapter disabled, which would then be the changed base; use lora.init true, "
+                        "gaussian, orthogonal or mica for kto")
+
+
+def rows_dataset(rows):
+    """Feedback rows as the `datasets.Dataset` the Trainer iterates."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"input_ids": [r.input_ids for r in rows], "labels": [r.labels for r in rows],
+                              "seq_lengths": [r.seq_lengths for r in rows], "desirable": [r.desirable for r in rows]})
+
+
+def build_trainer(model, tokenizer, args, data: PreparedFeedback, recipe: Recipe):
+    from erniekit_lite.model.lora import SETTINGS, check_adapters, lora_config, targets_as_written
+    from erniekit_lite.train.kto_trainer import ErnieKTOTrainer
+
+    collator = PackedFeedbackCollator(recipe.data.max_length) if recipe.data.packing else PaddedFeedbackCollator(tokenizer.pad_token_id)
+    config = lora_config(model, recipe.lora) if recipe.lora is not None else None
+    with targets_as_written():  # TRL calls get_peft_model itself
+        trainer = ErnieKTOTrainer(
+            model=model,
+            args=args,
+            train_dataset=rows_dataset(data.train.rows),
+            eval_dataset=rows_dataset(data.eval.rows) if data.eval is not None else None,
+            processing_class=tokenizer,
+            data_collator=collator,
+            peft_config=config,
+        )
+    if config is not None:
+        check_adapters(trainer.model, config)
+        setattr(trainer.model, SETTINGS, recipe.lora)  # LoRA+ (train/optimizer.py) reads it
+    return trainer
+
+
+METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+def last_rewards(trainer) -> dict:
+    """The KL and reward metrics of the last logged training step that has them, for train_results.json."""
+    logged = [h for h in trainer.state.log_history if "kl" in h]
+    return {k: logged[-1][k] for k in METRICS if logged and k in logged[-1]}
+
+
+def summary(metrics: dict) -> str:
+    margin = metrics.get("rewards/margins")
+    return (f"reward margin {margin:.3f}, " if margin is not None else "") + f"kl {metrics.get('kl', float('nan')):.3f}, "
+
+
+METHOD = runner.Method(
+    prepare=prepare_feedback, describe=describe_feedback, build_trainer=build_trainer,
+    trained=lambda data: len(data.train.examples), adapter_by_trainer=True, metrics=last_rewards, summary=summary,
+)

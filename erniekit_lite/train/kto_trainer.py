@@ -1,0 +1,128 @@
+"""TRL's KTOTrainer on padding-free packed rows of labelled completions and their KL twins.
+
+TRL's: the whole loss, `KTOTrainer._compute_loss` (Eq. 7 of the KTO paper for `loss_type: kto`, APO-zero's unpaired
+variant for `apo_zero_unpaired`; `desirable_weight` / `undesirable_weight`; the KL term as the clamped batch mean of
+policy minus reference log-probs of the mismatched pairs, not back-propagated), its metrics (`kl`,
+`rewards/chosen|rejected|margins`, `logps/*`, `logits/*`, `entropy`), the reference (the base with the adapter
+disabled for a new LoRA adapter, TRL's `use_adapter`; a frozen copy, TRL's `ref_model`, for full fine-tuning; or
+precomputed) and the router aux loss.
+
+Ours: the data and the forward. TRL tokenizes prompt/completion text and builds each example's KL completion by
+rotating completions by +1 within each block of `per_device_train_batch_size` examples in dataset order; our rows
+come tokenized and packed with each example's KL twin fixed inside its row (data/unpaired.py: rotation within each
+packed group). TRL then runs the model on padded [B, L] rows with full padding; ours runs it on one packed sequence
+per side (per-sample attention, `use_cache=False`) and scores only trained positions (pair_scoring.py: the same
+scoring path as DPO), returning TRL's padded [B, L-1] layout, so `_compute_loss` reads what it always reads. The
+examples are scored with grad (TRL's own forward call), the KL twins without (`_compute_kl_logps`), both through
+that path, and the reference passes too (`compute_ref_log_probs`, and TRL's own calls in `_compute_loss`).
+
+Because the pairs live inside rows, any row order keeps them: TRL's two KL preconditions (sequential sampling, more
+than one example per device batch) are about its in-batch pairing, so they are answered for it while TRL checks
+them and the recipe's own values (default: random row order, any batch size) are put back after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from accelerate.utils import is_peft_model
+from trl import KTOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import use_adapter
+
+from erniekit_lite.model.attention import remember_lengths
+from erniekit_lite.train.checkpoints import CheckpointMixin
+from erniekit_lite.train.optimizer import LoraPlusMixin
+from erniekit_lite.train.pair_scoring import add_packed_forward
+from erniekit_lite.train.trainer import HostBoundsMixin, ThroughputMixin
+
+NOT_MODEL_INPUTS = ("completion_mask", "label", "ref_logps", "ref_KL_logps", "token_slots")
+
+
+def side(batch: dict, kl: bool) -> dict:
+    """The model inputs of the examples (`kl` False) or of their KL twins (the `KL_` keys, without the prefix)."""
+    if kl:
+        return {k[3:]: v for k, v in batch.items() if k.startswith("KL_") and k != "KL_completion_mask"}
+    return {k: v for k, v in batch.items() if not k.startswith("KL_") and k not in NOT_MODEL_INPUTS}
+
+
+class ErnieKTOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, KTOTrainer):
+    def __init__(self, *positional, args, **kwargs):
+        requested = args.per_device_train_batch_size, args.train_sampling_strategy
+        args.per_device_train_batch_size, args.train_sampling_strategy = max(2, requested[0]), "sequential"
+        try:
+            super().__init__(*positional, args=args, **kwargs)
+        finally:
+            args.per_device_train_batch_size, args.train_sampling_strategy = requested
+        self._train_batch_size = args.train_batch_size  # the Trainer read it while TRL's values were in place
+        self._install_packed_forward()
+
+    def _install_packed_forward(self) -> None:
+        # Called again from `_precompute_ref_logps`, which TRL runs inside `__init__`, after its own patching
+        for model in (self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model, self.ref_model):
+            if model is not None and not getattr(model, "_erniekit_packed", False):
+                add_packed_forward(model)
+                model._erniekit_packed = True
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        return dataset  # already tokenized, paired with KL twins and packed by erniekit_lite.data.unpaired
+
+    def _set_signature_columns_if_needed(self):
+        self._signature_columns = ["input_ids", "labels", "seq_lengths", "desirable", "ref_logps", "ref_KL_logps"]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        real = int(inputs["attention_mask"].sum())
+        if self.calculate_KL and "KL_attention_mask" in inputs:  # the twins run through the model too
+            real += int(inputs["KL_attention_mask"].sum())
+        self.count_tokens(model, real, inputs.pop("token_slots", 0))
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def _scores(self, model, batch: dict, kl: bool) -> torch.Tensor:
+        """Summed completion log-probs per sequence of one side, through our packed forward (no grad here: TRL
+        scores the examples with grad itself)."""
+        inputs = side(batch, kl)
+        if "lengths" in inputs:
+            remember_lengths(inputs["cu_seq_lens_q"], inputs.pop("lengths"))
+        out = model(**inputs, use_cache=False, fused_lm_head=True)
+        if kl and "lengths" in batch:  # TRL's own call on the examples comes next
+            remember_lengths(batch["cu_seq_lens_q"], batch["lengths"])
+        return out.log_probs.sum(-1)
+
+    def _compute_kl_logps(self, model, batch):
+        """The KL twins' summed log-probs (policy, or reference under TRL's adapter switch), without grad as TRL's."""
+        if not self.calculate_KL:
+            return None
+        if "KL_logp_index" not in batch:  # TRL's own padded batch
+            return super()._compute_kl_logps(model, batch)
+        with torch.no_grad():
+            return self._scores(model, batch, kl=True)
+
+    def compute_ref_log_probs(self, model, inputs):
+        """TRL's reference pass (used to precompute), on our batch: (examples', twins') summed log-probs."""
+        if "logp_index" not in inputs:
+            return super().compute_ref_log_probs(model, inputs)
+        adapter = contextlib.nullcontext()
+        if self.ref_model is None and is_peft_model(self.model):
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            adapter = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
+        with (torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), adapter,
+              self.accelerator.autocast()):
+            examples = self._scores(model, inputs, kl=False)
+            twins = self._scores(model, inputs, kl=True) if self.calculate_KL else None
+        return examples, twins
+
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        """Reference log-probs per example and per twin, stored per row (a row holds whole examples, in collator order)."""
+        self._install_packed_forward()
+        model = self.ref_model or self.model
+        examples, twins = [], []
+        for row in dataset:
+            batch = self.data_collator([row])
+            batch = {k: v.to(self.accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items() if k != "token_slots"}
+            logps, kl_logps = self.compute_ref_log_probs(model, batch)
+            examples.append(logps.float().cpu().tolist())
+            twins.append(kl_logps.float().cpu().tolist() if kl_logps is not None else [])
+        dataset = dataset.add_column("ref_logps", examples)
+        return dataset.add_column("ref_KL_logps", twins) if self.calculate_KL else dataset
