@@ -65,6 +65,8 @@ BENCHES = [
           ("dpo_packing.py", "--steps", "1", "--samples", "40"), 20),
     Bench("dpo_packing-0.3b", "results-dpo_packing-cpu-0.3b-shape.txt",
           ("dpo_packing.py", "--released-shape", "--steps", "2", "--batch", "2", "--samples", "80", "--rounds", "3"), None, 35),
+    Bench("preference_methods", "results-preference_methods.txt", ("preference_methods.py", "--rounds", "3"),
+          ("preference_methods.py", "--steps", "1", "--samples", "20"), 10),
     Bench("gguf_agreement", "results-gguf_agreement.txt", ("gguf_agreement.py",),
           ("gguf_agreement.py", "--seeds", "1", "--outtypes", "f32,q8_0"), 12, writes_own=True, llama_cpp=True),
     Bench("sft-peers", "results-sft-peers-cpu-tiny.txt", ("sft.py", "--steps", "6", "--rounds", "3"),

@@ -148,6 +148,8 @@ def _train(args) -> int:
     _quiet_libraries()
     if r.method == "dpo":
         from erniekit_lite.train.dpo import run
+    elif r.method in ("orpo", "simpo"):
+        from erniekit_lite.train.reference_free import run
     elif r.method == "pt":
         from erniekit_lite.train.pt import run
     else:

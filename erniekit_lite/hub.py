@@ -27,13 +27,16 @@ from erniekit_lite.errors import UserError
 from erniekit_lite.model.load import adapter_base
 from erniekit_lite.plots import write_loss_plot
 from erniekit_lite.recipe import HubSection, Recipe
+from erniekit_lite.trainer_args import PAIR_METHODS
 
 # The first line of every card we write: a README.md without it is the user's, and is never overwritten
 CARD_MARK = "<!-- erniekit-lite model card: `erniekit-lite push` rewrites this file; delete this line to keep your edits -->"
 NOT_PUSHED = ("training_args.bin", "*.pt", "*.pth")  # only needed to resume: optimizer.pt, scheduler.pt, rng_state*.pth
 RETRY_WAITS = retry.WAITS  # seconds before the 2nd and 3rd try of a step the Hub failed transiently (tests shorten it)
 # TRL 1.16's defaults for what the card reports (reading them from TRL would import it: seconds, for a table cell)
-TRL_DEFAULTS = {"sft": {"learning_rate": 2e-5}, "pt": {"learning_rate": 2e-5}, "dpo": {"learning_rate": 1e-6, "beta": 0.1, "loss_type": ["sigmoid"]}}
+TRL_DEFAULTS = {"sft": {"learning_rate": 2e-5}, "pt": {"learning_rate": 2e-5}, "dpo": {"learning_rate": 1e-6, "beta": 0.1, "loss_type": ["sigmoid"]},
+                "orpo": {"learning_rate": 1e-6, "beta": 0.1},
+                "simpo": {"learning_rate": 1e-6, "beta": 0.1, "simpo_gamma": 0.5, "cpo_alpha": 0.0}}  # cpo_alpha: ours (trainer_args)
 
 
 def settings(repo_id: str, private: bool = False, merged: bool = False, revision: str | None = None) -> HubSection:
@@ -307,6 +310,11 @@ def _setup_rows(run: Path, recipe: Recipe, adapter: dict) -> list[tuple[str, str
     results, state = _json(run / "train_results.json"), _json(run / "trainer_state.json")
     if recipe.method == "dpo":
         method = f"DPO ({' + '.join(train['loss_type'])}, beta {train['beta']:g})"
+    elif recipe.method == "orpo":
+        method = f"ORPO (no reference model; odds-ratio weight beta {train['beta']:g}, NLL on the chosen responses)"
+    elif recipe.method == "simpo":
+        sft = f", NLL weight cpo_alpha {train['cpo_alpha']:g}" if train["cpo_alpha"] else ""
+        method = f"SimPO (no reference model; beta {train['beta']:g}, margin simpo_gamma {train['simpo_gamma']:g}{sft})"
     elif recipe.method == "pt":
         method = "continued pre-training (raw text, every token after each piece's first)"
     else:
@@ -322,11 +330,11 @@ def _setup_rows(run: Path, recipe: Recipe, adapter: dict) -> list[tuple[str, str
     rows.append(("learning rate", f"{train['learning_rate']:g}{schedule}"))
     if "global_step" in state:
         rows.append(("training", f"{state['global_step']} steps ({results.get('epoch', state.get('epoch', 0)):.2f} epochs)"))
-    rows.append(("max_length", f"{recipe.data.max_length} tokens per {'sequence' if recipe.method == 'dpo' else 'sample'}"))
+    rows.append(("max_length", f"{recipe.data.max_length} tokens per {'sequence' if recipe.method in PAIR_METHODS else 'sample'}"))
     packing = f"padding-free rows, {results['packing_efficiency']:.1%} filled" if "packing_efficiency" in results else "padding-free rows"
     rows.append(("packing", packing if recipe.data.packing else "no (padded rows)"))
     if "train_samples" in results:
-        unit = {"dpo": "preference pairs", "pt": "documents"}.get(recipe.method, "samples")
+        unit = "preference pairs" if recipe.method in PAIR_METHODS else "documents" if recipe.method == "pt" else "samples"
         rows.append(("samples", f"{results['train_samples']} {unit}"))
     # Local files by name only: their paths say nothing to a reader and may say too much about the machine
     sources = [

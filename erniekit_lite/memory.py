@@ -6,9 +6,9 @@ nothing is allocated. benchmarks/memory_check.py compares every component with m
 
     total = weights + gradients + optimizer + activations + logits + backward working set (+ DPO reference) + overhead
 
-Notation: T tokens per micro-batch per device = per_device_train_batch_size x data.max_length (x2 for DPO, whose
-rows hold whole pairs); h hidden, d head_dim, H heads, K kv_heads, I intermediate, V vocab, L layers; for the MoE
-E experts, k top-k, m moe_intermediate, S = shared_experts x m; r = bytes of model.dtype (the residual stream),
+Notation: T tokens per micro-batch per device = per_device_train_batch_size x data.max_length (x2 for DPO, ORPO
+and SimPO, whose rows hold whole pairs); h hidden, d head_dim, H heads, K kv_heads, I intermediate, V vocab, L
+layers; for the MoE E experts, k top-k, m moe_intermediate, S = shared_experts x m; r = bytes of model.dtype (the residual stream),
 b = bytes of matmul outputs (2 under bf16/fp16 autocast, else r).
 
 - weights: each parameter in its dtype: model.dtype, the MoE router in fp32 (transformers keeps it there), LoRA
@@ -46,15 +46,15 @@ b = bytes of matmul outputs (2 under bf16/fp16 autocast, else r).
   its input; or, when the plan says that does not fit (`head_keep` false), recomputes every chunk in backward and
   keeps the P scored hidden states (r*h) instead.
 - working set, the larger of: the LM-head phase (frozen head: one chunk in forward, 4CV, + 2bCV with bf16 output,
-  + 4CV for DPO's metrics, + 2Vh for autocast's copy of the head weight, made per call for a frozen weight;
+  + 4CV for the preference methods' metrics, + 2Vh for autocast's copy of the head weight, made per call for a frozen weight;
   trained head: its weight gradient beside the kept softmax (computed in place), 8CV when chunks are recomputed,
   and with several chunks at least 3 x V x h gradient bytes: a chunk's head-weight gradient, the running sum, the new sum); the layer phase, one
   recomputed layer (with checkpointing) + a quarter of a layer's activations (gradients in flight; fitted to the
   measurements) + 2 x the layer's parameters in gradient bytes (full FT) + the merged expert stack's gradient
   (expert LoRA), less the trained head's kept buffers, freed by then. QLoRA adds the largest dequantized linear
   weight (x2, bf16).
-- DPO: LoRA DPO's reference is the base with the adapter disabled: its no-grad forward (one layer's activations,
-  or one logits chunk at (8 + b) x CV) counts where it exceeds the working set. Full DPO adds a frozen
+- DPO (ORPO and SimPO have no reference): LoRA DPO's reference is the base with the adapter disabled: its no-grad
+  forward (one layer's activations, or one logits chunk at (8 + b) x CV) counts where it exceeds the working set. Full DPO adds a frozen
   copy of the model (not with precompute_ref_log_probs). Not yet measured.
 - overhead: 0.5 GiB (CUDA context, cuBLAS workspace: outside PyTorch's allocator) + 10% of the rest (caching-
   allocator fragmentation). An assumption, not measured on a GPU yet.
@@ -393,10 +393,10 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
     else:
         # A frozen head (LoRA, QLoRA): each chunk's gradient w.r.t. its hidden states is computed in forward and
         # kept (P x h in r); no logits outlive their chunk. The chunk's working set, at the end of the forward:
-        # the head's output, its fp32 exp (the same buffer in fp32), the gradient cast back to b, and for DPO's
-        # metrics a second fp32 buffer (scoring._head_chunks)
+        # the head's output, its fp32 exp (the same buffer in fp32), the gradient cast back to b, and for the
+        # preference methods' metrics (DPO, ORPO, SimPO) a second fp32 buffer (scoring._head_chunks)
         logits = 8 * scored + scored * shape.hidden * r
-        lm_phase = (4 + (2 * b if b != 4 else 0) + (4 if run.method == "dpo" else 0)) * chunk * vocab
+        lm_phase = (4 + (2 * b if b != 4 else 0) + (4 if run.method in ("dpo", "orpo", "simpo") else 0)) * chunk * vocab
         if weight_copies:
             lm_phase += 2 * vocab * shape.hidden  # autocast casts a frozen weight for every call (it caches trained ones only)
         transient = max(lm_phase, layer_phase)

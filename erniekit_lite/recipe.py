@@ -186,8 +186,9 @@ class HubSection(_Section):
 
 class Recipe(_Section):
     model: ModelSection
-    method: Literal["sft", "dpo", "pt"] = Field(
-        "sft", description="sft (chat turns), dpo (preference pairs) or pt (continued pre-training on raw text)."
+    method: Literal["sft", "dpo", "orpo", "simpo", "pt"] = Field(
+        "sft", description="sft (chat turns), dpo (preference pairs), orpo or simpo (preference pairs, no reference model) "
+        "or pt (continued pre-training on raw text)."
     )
     data: DataSection
     lora: LoraSection | None = Field(None, description="Omit for full fine-tuning.")
@@ -316,12 +317,25 @@ def _did_you_mean(key: str, candidates: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else f"; expected one of: {', '.join(candidates)}"
 
 
+def train_config_class(method: str):
+    """TRL's config class whose fields a method's `train:` holds (ORPO's and CPO's are in trl.experimental)."""
+    if method in ("orpo", "simpo"):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # trl.experimental warns once, at import, that its APIs may change
+            from trl.experimental.cpo import CPOConfig
+            from trl.experimental.orpo import ORPOConfig
+        return ORPOConfig if method == "orpo" else CPOConfig
+    from trl import DPOConfig, SFTConfig
+
+    return DPOConfig if method == "dpo" else SFTConfig
+
+
 def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int], method: str = "sft") -> None:
     import dataclasses
 
-    from trl import DPOConfig, SFTConfig
-
-    fields = {f.name: f for f in dataclasses.fields(DPOConfig if method == "dpo" else SFTConfig) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(train_config_class(method)) if f.init}
     valid = list(fields)
     for key, value in list(train.items()):
         where = _where(source, lines, ("train", key))

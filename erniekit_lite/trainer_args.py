@@ -1,4 +1,5 @@
-"""The Trainer arguments a recipe makes (TRL's SFTConfig / DPOConfig): read by `validate`'s plan and by training.
+"""The Trainer arguments a recipe makes (TRL's SFTConfig / DPOConfig / ORPOConfig / CPOConfig): read by `validate`'s
+plan and by training.
 
 Knows nothing about the plan or the training loop; `train/common.py` adds what only a run decides (CPU sharding,
 activation checkpointing by the memory free on the device).
@@ -9,13 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
-from erniekit_lite.recipe import Recipe
+from erniekit_lite.recipe import Recipe, train_config_class
+
+PAIR_METHODS = ("dpo", "orpo", "simpo")  # trained on preference pairs (data/pairs.py)
 
 
 def training_args(recipe: Recipe, out: Path):
-    """TRL's `SFTConfig` or `DPOConfig` for the recipe, its `train:` keys over erniekit-lite's defaults."""
+    """TRL's config for the recipe's method (`recipe.train_config_class`), its `train:` keys over erniekit-lite's
+    defaults."""
     import torch
-    from trl import DPOConfig, SFTConfig
 
     cuda = torch.cuda.is_available()
     settings = {
@@ -28,15 +31,24 @@ def training_args(recipe: Recipe, out: Path):
         **recipe.train,
         # owned by the recipe's own sections (see recipe.OWNED_TRAIN_KEYS)
         "output_dir": str(out),
-        "padding_free": False,  # our collators are padding-free; TRL's flag would reject a custom collator
         "remove_unused_columns": False,
         "prediction_loss_only": True,
     }
     for key in ("save_strategy", "eval_strategy", "logging_strategy"):
         if settings.get(key) is False:  # YAML 1.1 reads `save_strategy: no` as false
             settings[key] = "no"
+    if recipe.method in ("sft", "pt", "dpo"):
+        settings["padding_free"] = False  # our collators are padding-free; TRL's flag would reject a custom collator
     if recipe.method == "dpo":
         settings["max_length"] = None  # pairs are already cut to data.max_length per sequence
+    elif recipe.method in PAIR_METHODS:
+        settings["max_length"] = recipe.data.max_length  # per sequence, as pairs are cut (TRL reads it only to tokenize)
+        if recipe.method == "simpo":
+            if settings.get("loss_type", "simpo") != "simpo":
+                raise UserError(f"train.loss_type: method simpo is TRL's CPO loss_type simpo; leave loss_type out "
+                                f"(got {settings['loss_type']!r})")
+            settings["loss_type"] = "simpo"
+            settings.setdefault("cpo_alpha", 0.0)  # SimPO has no NLL term (TRL: loss_type simpo + cpo_alpha 0); > 0: CPO-SimPO
     else:
         settings["max_length"] = recipe.data.max_length
         settings["packing"] = False  # we pack ourselves, exactly; TRL must not repack
@@ -46,7 +58,7 @@ def training_args(recipe: Recipe, out: Path):
     if settings.get("bf16") and not cuda:
         settings["use_cpu"] = True  # transformers accepts bf16 without a GPU only so; accelerate then autocasts on CPU
     try:
-        args = (DPOConfig if recipe.method == "dpo" else SFTConfig)(**settings)
+        args = train_config_class(recipe.method)(**settings)
     except (ValueError, TypeError) as e:
         raise UserError(f"train: {str(e).strip().splitlines()[0]}") from None
     return args

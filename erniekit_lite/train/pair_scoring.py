@@ -1,0 +1,75 @@
+"""Preference pair rows scored in one packed forward: what TRL's DPO trainer (dpo_trainer.py) and its
+reference-free ORPO / CPO trainers (reference_free.py) share.
+
+`PackedPairCollator` (data/pairs.py) gives a batch both ways: the packed sequence the model runs on (`packed_*`,
+per-sample attention, `use_cache=False`) and TRL's padded [2B, L] layout (chosen rows first). `pair_scores` runs the
+model once over the packed row, scores only the trained positions (`scoring.score`), and scatters the per-token
+values into TRL's [2B, L-1] layout with `logp_index`; each trainer reads its per-sequence sums or means there.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from trl.trainer.utils import FusedCausalLMOutput
+
+from erniekit_lite.train.scoring import score
+
+
+def add_packed_forward(model) -> None:
+    """Wrap `model.forward` (for DPO, after TRL's fused-LM-head patch) so pair batches are scored by `pair_scores`."""
+    inner = model.forward
+
+    def forward(self, *args, **kwargs):
+        if "logp_index" not in kwargs:  # generation, or TRL's own padded batches
+            return inner(*args, **kwargs)
+        return pair_scores(self, kwargs)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def pair_scores(model, kwargs: dict) -> FusedCausalLMOutput:
+    """Per-token scores of a pair batch (`scoring.score`), in the [2B, L-1] layout of TRL's DPO loss."""
+    rows, width = kwargs["input_ids"].shape
+    if "packed_input_ids" in kwargs:  # one padding-free sequence, per-sample attention
+        labels = kwargs["packed_labels"]
+        inputs = {
+            "input_ids": kwargs["packed_input_ids"],
+            "position_ids": kwargs["packed_position_ids"],
+            **{k: kwargs[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")},
+        }
+    else:  # padded [2B, L] rows
+        labels = kwargs["pair_labels"]
+        inputs = {"input_ids": kwargs["input_ids"], "attention_mask": kwargs["attention_mask"]}
+    inputs["output_router_logits"] = kwargs.get("output_router_logits", False)
+    scores = score(model, labels, inputs)
+    index = kwargs["logp_index"]
+
+    def layout(values: torch.Tensor) -> torch.Tensor:
+        flat = values.new_zeros(rows * (width - 1)).index_put((index,), values)
+        return flat.view(rows, width - 1)
+
+    token = scores.log_probs
+    return FusedCausalLMOutput(
+        loss=-token.sum() / max(1, token.numel()),
+        log_probs=layout(token),
+        entropy=layout(scores.entropy.detach()),
+        log_sum_sq_probs=layout(scores.log_sum_sq_probs),
+        mean_logits=layout(scores.mean_logits),
+        is_top1=layout(scores.is_top1.to(token.dtype)).bool(),
+        label_mask=layout(torch.ones_like(token)).bool(),
+        aux_loss=scores.aux_loss,
+    )
+
+
+class PairRowsMixin:
+    """A TRL preference trainer fed our pair rows: its real tokens counted, our columns kept."""
+
+    def _set_signature_columns_if_needed(self):
+        self._signature_columns = ["input_ids", "labels", "seq_lengths"]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        self.count_tokens(model, int(inputs["attention_mask"].sum()), inputs.pop("token_slots", 0))
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -1,0 +1,280 @@
+"""ORPO and SimPO (TRL's experimental ORPO and CPO trainers) on packed pair rows: per-sequence log-probs equal each
+sequence alone; loss, metrics and LoRA gradients equal TRL's own padded computation; CLI runs learn the pairs."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from erniekit_lite.data.formats import Conversation, Turn
+from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator, Pair, pack_pairs
+from erniekit_lite.data.template import template_for
+from erniekit_lite.data.tokenize import IGNORE, Tokenizer
+from erniekit_lite.model.load import load_model
+from helpers import run_cli, write_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+PAIRS = ROOT / "recipes" / "data" / "identity_dpo.jsonl"
+PROMPTS = [("Who are you?", "I am a tiny ERNIE model.", "No."), ("2+2?", "4", "Five, probably, or maybe six."), ("写诗", "春风拂面。", "不会。")]
+COMPARED = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "nll_loss")
+
+
+@pytest.fixture(scope="module")
+def pairs(ernie_tokenizer):
+    tok = Tokenizer(ernie_tokenizer, template_for(ernie_tokenizer))
+    convs = [Conversation([Turn(q, a)], "Be brief.") for q, a, _ in PROMPTS] + [Conversation([Turn(q, r)], "Be brief.") for q, _, r in PROMPTS]
+    samples, _ = tok(convs, 256)
+    n = len(PROMPTS)
+    return [Pair(samples[i], samples[n + i]) for i in range(n)]
+
+
+def _dataset(rows):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"input_ids": [r.input_ids for r in rows], "labels": [r.labels for r in rows], "seq_lengths": [r.seq_lengths for r in rows]})
+
+
+def _trainer(method: str, model, tokenizer, rows, tmp_path, **config):
+    from erniekit_lite.recipe import train_config_class
+    from erniekit_lite.train.reference_free import ErnieCPOTrainer, ErnieORPOTrainer
+
+    args = train_config_class(method)(output_dir=str(tmp_path), report_to="none", bf16=False, max_length=256, remove_unused_columns=False,
+                                      **config)
+    trainer = (ErnieORPOTrainer if method == "orpo" else ErnieCPOTrainer)(
+        model=model, args=args, train_dataset=_dataset(rows), processing_class=tokenizer, data_collator=PackedPairCollator(256))
+    return trainer
+
+
+def _alone(model, sample) -> tuple[float, int, float]:
+    """(summed log-prob of the trained tokens, their count, mean logit over their positions): the sequence alone."""
+    ids = torch.tensor([sample.input_ids])
+    labels = torch.tensor(sample.labels[1:])
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+    trained = labels != IGNORE
+    logp = torch.log_softmax(logits, -1)[trained].gather(-1, labels[trained][:, None])
+    return logp.sum().item(), int(trained.sum()), logits[trained].mean().item()
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_per_sequence_logps_equal_each_sequence_alone(tmp_path, tiny_dense_dir, ernie_tokenizer, pairs, packing):
+    """ORPO's averages and CPO sigmoid's sums per sequence, from rows packed whole (one packed forward) or padded,
+    equal each sequence scored alone (1e-5); the logits metric is the mean logit over the responses' positions."""
+    model = load_model(str(tiny_dense_dir), "float32", "packed_sdpa").eval()
+    rows = pack_pairs(pairs, 256, packing=packing)
+    assert len(rows) == (1 if packing else len(pairs))
+    collate = PackedPairCollator(256) if packing else PaddedPairCollator(0)
+    batch = collate([vars(r) for r in rows])
+    orpo = _trainer("orpo", model, ernie_tokenizer, rows, tmp_path / "orpo")
+    cpo = _trainer("simpo", model, ernie_tokenizer, rows, tmp_path / "cpo", loss_type="sigmoid")
+    with torch.no_grad():
+        means = orpo.concatenated_forward(model, batch)
+        sums = cpo.concatenated_forward(model, batch)
+    # the collators keep whole pairs in order, chosen rows first: find each packed pair by its chosen ids
+    ids, starts = batch["input_ids"], batch["attention_mask"].sum(1)
+    order = [next(p for p in pairs if p.chosen.input_ids == ids[k, : starts[k]].tolist()) for k in range(len(pairs))]
+    assert sorted(map(id, order)) == sorted(map(id, pairs))
+    positions = {"chosen": 0, "rejected": 0}
+    logits_sum = {"chosen": 0.0, "rejected": 0.0}
+    for k, pair in enumerate(order):
+        for side, sample, column in (("chosen", pair.chosen, 0), ("rejected", pair.rejected, 1)):
+            total, n, mean_logit = _alone(model, sample)
+            assert abs(sums[column][k].item() - total) <= 1e-4
+            assert abs(means[column][k].item() - total / n) <= 1e-5
+            positions[side] += n
+            logits_sum[side] += mean_logit * n
+    for side, column in (("chosen", 2), ("rejected", 3)):
+        assert means[column].numel() == positions[side]  # one mean logit per scored position
+        assert abs(means[column].mean().item() - logits_sum[side] / positions[side]) <= 1e-5
+    # ORPO's NLL: the mean over every chosen response token of the batch
+    chosen_total = sum(_alone(model, p.chosen)[0] for p in pairs)
+    assert abs(means[4].item() + chosen_total / positions["chosen"]) <= 1e-5
+    assert sums[4].item() == pytest.approx(means[4].item(), abs=1e-6)  # CPO's cpo_alpha term: the same NLL
+
+
+def _trl_batch(pairs):
+    """The pairs as TRL's ORPO / CPO tokenize them (`tokenize_row`), padded by TRL's own collator: prompt + response ids,
+    labels -100 on the prompt. Our labels end a turn with `</s>` where the input has `<|end_of_sentence|>` (as ERNIEKit
+    trains): TRL's labels are given as ours, so both score the same targets."""
+    from trl.experimental.utils import DPODataCollatorWithPadding
+
+    examples = []
+    for pair in pairs:
+        example = {}
+        for name, sample in (("chosen", pair.chosen), ("rejected", pair.rejected)):
+            start = next(i for i, label in enumerate(sample.labels) if label != IGNORE)
+            assert all(label != IGNORE for label in sample.labels[start:])  # one trained answer, at the end
+            example["prompt_input_ids"] = sample.input_ids[:start]
+            example["prompt_attention_mask"] = [1] * start
+            example[f"{name}_input_ids"] = sample.input_ids
+            example[f"{name}_attention_mask"] = [1] * len(sample)
+            example[f"{name}_labels"] = sample.labels
+        examples.append(example)
+    return DPODataCollatorWithPadding(pad_token_id=0)(examples)
+
+
+def _lora_model(tiny_dense_dir):
+    from erniekit_lite.model.lora import apply_lora
+    from erniekit_lite.recipe import LoraSection
+
+    torch.manual_seed(0)
+    model = apply_lora(load_model(str(tiny_dense_dir), "float32", "packed_sdpa"), LoraSection(r=4, dropout=0.0))
+    with torch.no_grad():  # the trained LoRA B starts at zero: give A a gradient too
+        for name, p in model.named_parameters():
+            if "lora_B" in name and p.requires_grad:
+                p.normal_(0, 0.05)
+    return model.eval()
+
+
+def _loss_metrics_grads(trainer, model, batch):
+    trained = [p for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+    loss, metrics = trainer.get_batch_loss_metrics(model, batch, train_eval="train")
+    loss.backward()
+    return loss.item(), metrics, [p.grad.clone() for p in trained]
+
+
+def _compare(trl, ours, keys):
+    (trl_loss, trl_metrics, trl_grads), (our_loss, our_metrics, our_grads) = trl, ours
+    assert abs(trl_loss - our_loss) <= 1e-5
+    assert max((a - b).abs().max().item() for a, b in zip(trl_grads, our_grads)) <= 1e-5
+    assert max(g.abs().max().item() for g in our_grads) > 1e-3  # the gradients compared are not all zero
+    for key in keys:
+        assert abs(trl_metrics[key] - our_metrics[key]) <= 1e-5, key
+
+
+def test_orpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_tokenizer, pairs):
+    """TRL's ORPO loss and metrics (its `get_batch_loss_metrics` and `odds_ratio_loss` on its own padded batch and
+    `concatenated_forward`) equal ours on packed rows, LoRA gradients included, with one difference by design: TRL's
+    ORPO takes the NLL over prompt + response (trl#1516); ours over the response, as TRL's CPO does. The TRL side
+    takes its NLL so (the cross-entropy of its own logits against the chosen labels) for the comparison."""
+    from trl.experimental.orpo import ORPOTrainer
+
+    model = _lora_model(tiny_dense_dir)
+    rows = pack_pairs(pairs, 256)
+    trainer = _trainer("orpo", model, ernie_tokenizer, rows, tmp_path, beta=0.1)
+    padded = _trl_batch(pairs)
+    prompt_nll = []
+
+    def trl_forward(self, model, batch):
+        out = list(ORPOTrainer.concatenated_forward(self, model, batch))
+        prompt_nll.append(out[4].item())
+        width = out[2].shape[1] + 1  # TRL pads chosen and rejected to one width; its chosen logits are shifted
+        labels = F.pad(batch["chosen_labels"], (0, width - batch["chosen_labels"].shape[1]), value=IGNORE)
+        out[4] = F.cross_entropy(out[2].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE)
+        return tuple(out)
+
+    ours = _loss_metrics_grads(trainer, model, PackedPairCollator(256)([vars(r) for r in rows]))
+    trainer.concatenated_forward = types.MethodType(trl_forward, trainer)
+    trl = _loss_metrics_grads(trainer, model, padded)
+    _compare(trl, ours, COMPARED + ("log_odds_ratio", "log_odds_chosen"))
+    assert abs(ours[1]["rewards/margins"]) > 1e-4 and abs(ours[1]["log_odds_chosen"]) > 1e-3  # the check has teeth
+    assert abs(prompt_nll[0] - trl[1]["nll_loss"]) > 1e-2  # TRL's own ORPO NLL (prompt included) is another number
+
+
+@pytest.mark.parametrize(("loss_type", "cpo_alpha"), [("simpo", 0.0), ("simpo", 0.5), ("sigmoid", 1.0)],
+                         ids=["simpo", "cpo-simpo", "cpo-sigmoid"])
+def test_cpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_tokenizer, pairs, loss_type, cpo_alpha):
+    """TRL's CPO loss and metrics (SimPO: length-normalised log-probs, margin simpo_gamma; cpo_alpha x NLL of the
+    chosen responses) on its own padded batch and forward equal ours on packed rows, LoRA gradients included."""
+    from trl.experimental.cpo import CPOTrainer
+
+    model = _lora_model(tiny_dense_dir)
+    rows = pack_pairs(pairs, 256)
+    trainer = _trainer("simpo", model, ernie_tokenizer, rows, tmp_path, loss_type=loss_type, cpo_alpha=cpo_alpha, beta=2.0, simpo_gamma=1.0)
+    ours = _loss_metrics_grads(trainer, model, PackedPairCollator(256)([vars(r) for r in rows]))
+    trainer.concatenated_forward = types.MethodType(CPOTrainer.concatenated_forward, trainer)
+    trl = _loss_metrics_grads(trainer, model, _trl_batch(pairs))
+    _compare(trl, ours, COMPARED)
+    assert abs(ours[1]["rewards/margins"]) > 1e-4
+    assert (ours[1]["nll_loss"] > 0) == (cpo_alpha > 0)  # TRL logs 0 when cpo_alpha is 0
+
+
+def _recipe(tmp_path: Path, model_dir, method: str, lora=True, data=None, **train) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    train = {"beta": 0.1, "learning_rate": 5e-3, "max_steps": 30, "per_device_train_batch_size": 2, "activation_checkpointing": False,
+             "logging_steps": 5, "save_steps": 30, "seed": 0, "lr_scheduler_type": "cosine", "eval_on_start": True,
+             "eval_strategy": "steps", "eval_steps": 30, **train}
+    return write_recipe(tmp_path / f"{method}.yaml", model_dir, method=method, data={"train": [str(PAIRS)], "eval": [str(PAIRS)], **(data or {})},
+                        train=train, lora={"r": 8, "alpha": 16, "dropout": 0.0} if lora else None)
+
+
+def _evals(out: Path) -> tuple[dict, dict]:
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    evals = [h for h in history if "eval_loss" in h]
+    return evals[0], evals[-1]
+
+
+@pytest.mark.parametrize(("method", "train"), [("orpo", {"beta": 0.1}), ("simpo", {"beta": 2.0, "simpo_gamma": 1.0})])
+def test_lora_run_learns_the_preferences(tmp_path, capsys, tiny_own_dir, method, train):
+    code, out, err = run_cli(capsys, "train", _recipe(tmp_path, tiny_own_dir, method, **train))
+    assert code == 0, err
+    run = tmp_path / "out"
+    results = json.loads((run / "train_results.json").read_text())
+    # eval set = the training pairs: the tuned policy prefers the chosen answers, by a wider margin than at the start
+    before, after = _evals(run)
+    assert (before["step"], after["step"]) == (0, 30)
+    assert results["eval_rewards/accuracies"] > 0.9
+    assert after["eval_rewards/margins"] > before["eval_rewards/margins"] + 0.05
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "train_tokens_per_second", "packing_efficiency"):
+        assert key in results
+    assert "reward accuracy" in out
+    assert (run / "adapter_config.json").is_file() and not (run / "ref").exists()
+    card = (run / "README.md").read_text()
+    assert {"orpo": "ORPO (no reference model; odds-ratio weight beta 0.1", "simpo": "SimPO (no reference model; beta 2"}[method] in card
+    assert "preference pairs" in card
+
+
+def test_full_simpo_and_moe_orpo_train(tmp_path, capsys, tiny_own_dir, tiny_moe_dir):
+    """Full fine-tuning trains the LM head through the same scores; on the MoE the router aux loss is on (the model
+    config's coefficient, as in SFT and DPO) and the expert load is recorded."""
+    code, out, err = run_cli(capsys, "train", _recipe(tmp_path / "full", tiny_own_dir, "simpo", lora=False, max_steps=3, logging_steps=1,
+                                                      learning_rate=1e-4, eval_strategy="no", eval_on_start=False, save_steps=3))
+    assert code == 0, err
+    assert (tmp_path / "full" / "out" / "model.safetensors").is_file()
+    code, out, err = run_cli(capsys, "train", _recipe(tmp_path / "moe", tiny_moe_dir, "orpo", max_steps=2, logging_steps=1,
+                                                      eval_strategy="no", eval_on_start=False, save_steps=2))
+    assert code == 0, err
+    assert "router aux loss coefficient 0.001, logged as aux_loss" in out
+    history = json.loads((tmp_path / "moe" / "out" / "trainer_state.json").read_text())["log_history"]
+    assert all(h["aux_loss"] > 0 for h in history if "loss" in h)
+    assert (tmp_path / "moe" / "out" / "expert_load.json").is_file()
+
+
+def test_validate_and_simpo_loss_type(tmp_path, capsys, tiny_own_dir):
+    code, out, err = run_cli(capsys, "validate", _recipe(tmp_path, tiny_own_dir, "orpo"))
+    assert code == 0, err
+    assert "8 pairs in 2 rows" in out and "512 tokens per micro-batch" in out  # 2 rows of whole pairs, 2 x max_length each
+    code, out, err = run_cli(capsys, "validate", _recipe(tmp_path, tiny_own_dir, "simpo", loss_type="sigmoid"))
+    assert code == 2 and "train.loss_type: method simpo is TRL's CPO loss_type simpo" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run_cli(capsys, "validate", _recipe(tmp_path, tiny_own_dir, "orpo", simpo_gamma=1.0))
+    assert code == 2 and "unknown key 'simpo_gamma' in train" in err  # ORPOConfig's fields only
+
+
+def test_trl_experimental_configs_as_relied_on(tmp_path):
+    """What DEVELOPERS.md says of TRL 1.16's ORPOConfig / CPOConfig, and what `method: simpo` makes of CPOConfig."""
+    import dataclasses
+
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    from erniekit_lite.recipe import from_dict, train_config_class
+    from erniekit_lite.trainer_args import training_args
+
+    assert train_config_class("orpo") is ORPOConfig and train_config_class("simpo") is CPOConfig
+    for config in (ORPOConfig, CPOConfig):
+        fields = {f.name: f.default for f in dataclasses.fields(config)}
+        assert not {"padding_free", "router_aux_loss_coef", "precompute_ref_log_probs"} & set(fields)
+        assert (fields["learning_rate"], fields["beta"]) == (1e-6, 0.1)
+    cpo = {f.name: f.default for f in dataclasses.fields(CPOConfig)}
+    assert (cpo["loss_type"], cpo["cpo_alpha"], cpo["simpo_gamma"]) == ("sigmoid", 1.0, 0.5)
+    assert ORPOTrainer.loss_is_scaled_for_ga is False and CPOTrainer.loss_is_scaled_for_ga is False
+    raw = {"model": {"path": "m"}, "method": "simpo", "data": {"train": ["x.jsonl"]}, "output": {"dir": str(tmp_path / "o")}}
+    args = training_args(from_dict(raw), tmp_path / "o")
+    assert (args.loss_type, args.cpo_alpha, args.simpo_gamma, args.max_length) == ("simpo", 0.0, 0.5, 2048)  # data.max_length
+    assert training_args(from_dict({**raw, "train": {"cpo_alpha": 0.5}}), tmp_path / "o").cpo_alpha == 0.5  # CPO-SimPO
