@@ -278,3 +278,15 @@ def test_trl_experimental_configs_as_relied_on(tmp_path):
     args = training_args(from_dict(raw), tmp_path / "o")
     assert (args.loss_type, args.cpo_alpha, args.simpo_gamma, args.max_length) == ("simpo", 0.0, 0.5, 2048)  # data.max_length
     assert training_args(from_dict({**raw, "train": {"cpo_alpha": 0.5}}), tmp_path / "o").cpo_alpha == 0.5  # CPO-SimPO
+
+
+@pytest.mark.parametrize("method", ["orpo", "simpo"])
+def test_lora_plus_groups(tmp_path, tiny_dense_dir, ernie_tokenizer, pairs, method):
+    """lora.plus_lr_ratio (LoRA+, train/optimizer.py) reaches these trainers as SFT's: B matrices at lr x ratio."""
+    from erniekit_lite.model.lora import apply_lora
+    from erniekit_lite.recipe import LoraSection
+
+    model = apply_lora(load_model(str(tiny_dense_dir), "float32", "packed_sdpa"), LoraSection(r=4, dropout=0.0, plus_lr_ratio=4))
+    trainer = _trainer(method, model, ernie_tokenizer, pack_pairs(pairs, 256), tmp_path, learning_rate=1e-4)
+    lrs = {group["lr"] for group in trainer.create_optimizer().param_groups if group["params"]}
+    assert lrs == {1e-4, 4e-4}

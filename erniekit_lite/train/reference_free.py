@@ -18,8 +18,9 @@ TRL's loss reads from it:
   configs have no such field; TRL's own rule reads `output_router_logits`, false in ERNIE's released config).
 
 There is no reference model and no reference pass. New LoRA adapters are made as for SFT (model/lora.py), not by
-TRL. TRL's `__init__` tokenizes raw prompt / chosen / rejected text with three `Dataset.map`s; our rows are
-tokenized and packed already (data/pairs.py), so it is handed a view whose `map` returns it unchanged.
+TRL, so lora.init and lora.plus_lr_ratio (LoRA+) apply as for SFT. TRL's `__init__` tokenizes raw prompt / chosen /
+rejected text with three `Dataset.map`s; our rows are tokenized and packed already (data/pairs.py), so it is handed
+a view whose `map` returns it unchanged.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from erniekit_lite.train import dpo
 from erniekit_lite.train import run as runner
 from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.common import rows_dataset
+from erniekit_lite.train.optimizer import LoraPlusMixin
 from erniekit_lite.train.pair_scoring import PairRowsMixin, add_packed_forward
 from erniekit_lite.train.trainer import HostBoundsMixin, ThroughputMixin
 
@@ -109,12 +111,12 @@ class ReferenceFreeMixin(PairRowsMixin):
         return result + (out.aux_loss,)
 
 
-class ErnieORPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, ReferenceFreeMixin, ORPOTrainer):
+class ErnieORPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, ReferenceFreeMixin, ORPOTrainer):
     average_log_prob = True  # the odds ratio of average log-probs
     with_nll = True
 
 
-class ErnieCPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, ReferenceFreeMixin, CPOTrainer):
+class ErnieCPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, ReferenceFreeMixin, CPOTrainer):
     """`method: simpo` (loss_type simpo, trainer_args.py); the other CPO losses work alike."""
 
     @property
