@@ -85,7 +85,8 @@ def resolve(target: str, data_file: str, max_samples: int | None) -> tuple[Model
         from erniekit_lite import recipe as recipes
 
         recipe = recipes.load(target)
-        fmt = "auto" if recipe.method == "dpo" else recipe_format(recipe.data, data_file)
+        # eval --data reads conversations: only an SFT recipe's format says how (pairs, feedback and raw text do not)
+        fmt = recipe_format(recipe.data, data_file) if recipe.method == "sft" else "auto"
         source = Source(path=data_file, format=fmt, max_samples=max_samples)
         data = DataSection(train=[source], max_length=recipe.data.max_length, overlong=recipe.data.overlong, system=recipe.data.system)
         return recipe.model, data
