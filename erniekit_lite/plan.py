@@ -94,7 +94,7 @@ def plan(recipe: Recipe, log=print) -> dict:
     info["fits_gpu_gb"] = gpu
     for line in memory.format_lines(est, run, gpu):
         log(line)
-    if recipe.lora is None:  # a trained head: `train` keeps its chunks instead of recomputing them when there is room
+    if recipe.lora is None and recipe.method != "rm":  # a trained LM head (a reward model has none): `train` keeps its chunks instead of recomputing them when there is room
         kept, _ = memory_estimate(recipe, args, arch, cuda, head_keep=True)
         info["memory_gb_head_kept"] = round(kept.total / memory.GIB, 2)
         log(f"  LM head trains: the estimate recomputes its logit chunks in backward; keeping them instead (what train "
@@ -158,7 +158,7 @@ def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: boo
         reference = "none"
     run = memory.Run(
         tokens=tokens,
-        scored=tokens,  # an upper bound: every position trained
+        scored=0 if recipe.method == "rm" else tokens,  # an upper bound: every position trained (rm: no LM head, one score per sequence)
         dtype_bytes=2 if recipe.model.dtype in ("bfloat16", "float16") else 4,
         autocast=autocast,
         load_in_4bit=recipe.model.load_in_4bit,
@@ -192,8 +192,13 @@ def architecture(path: str, recipe: Recipe) -> dict:
         from erniekit_lite.model.load import missing_source
 
         raise UserError(missing_source(path, e) or f"model.path: {path}: could not read the model config: {str(e).strip().splitlines()[0]}") from None
+    auto = AutoModelForCausalLM
+    if recipe.method == "rm":  # the base's body under a new one-output `score` head (model/reward.py)
+        from erniekit_lite.model.reward import AutoRewardModel as auto, check_start
+
+        check_start(recipe.model.path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+        model = auto.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
     total = sum(p.numel() for p in model.parameters())
     trainable = total
     if recipe.lora is not None:

@@ -66,8 +66,10 @@ def load_model(
     trust_remote_code: bool = False,
     trainable_adapter: bool = True,
     load_in_4bit: bool = False,
+    model_class=None,
 ):
-    """A causal LM from a Hub id, a model dir, or a LoRA output dir (base + adapter); `load_in_4bit` for QLoRA."""
+    """A causal LM from a Hub id, a model dir, or a LoRA output dir (base + adapter); `load_in_4bit` for QLoRA.
+    `model_class`: another auto class to load with (a reward model: `model.reward.AutoRewardModel`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -76,7 +78,7 @@ def load_model(
     base = adapter_base(path)
     check_source(base or path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = (model_class or AutoModelForCausalLM).from_pretrained(
             base or path,
             dtype=getattr(torch, DTYPES[dtype]),
             attn_implementation=attn_implementation,

@@ -29,6 +29,7 @@ ROUTER = "gate"  # the MoE router module (`mlp.gate`): never adapted, frozen und
 GROUPS = ("attention", "dense MLP", "shared experts", "routed experts", "other")
 SETTINGS = "_erniekit_lora"  # the LoraSection an adapter was made from, kept on the PeftModel (LoRA+ reads it)
 INITIAL = "_erniekit_initial_adapter"  # PiSSA/OLoRA: the adapter's initial A and B, for `save_as_plain_lora`
+HEAD = "score"  # a reward model's head (model/reward.py): trained in full, no adapter
 
 
 def is_moe(model) -> bool:
@@ -36,6 +37,7 @@ def is_moe(model) -> bool:
 
 
 def lora_config(model, lora: LoraSection):
+    import torch
     from peft import LoraConfig
 
     if ROUTER in lora.targets and is_moe(model):
@@ -45,6 +47,7 @@ def lora_config(model, lora: LoraSection):
     if unknown:
         raise UserError(f"lora.targets: no module named {unknown} in this model; it has {sorted(_linear_names(model))}")
     check_variants(model, lora)
+    reward = isinstance(getattr(model, HEAD, None), torch.nn.Module)
     parameters, rank, alpha = [], {}, {}
     if is_moe(model) and lora.routed_experts:
         if lora.dropout:
@@ -72,7 +75,9 @@ def lora_config(model, lora: LoraSection):
         use_rslora=lora.use_rslora,
         use_dora=lora.use_dora,
         init_lora_weights=lora.init,
-        task_type="CAUSAL_LM",
+        # A reward model (model/reward.py): its new `score` head trains in full beside the adapters (and is saved with them)
+        task_type="SEQ_CLS" if reward else "CAUSAL_LM",
+        modules_to_save=[HEAD] if reward else None,
     )
 
 

@@ -46,7 +46,10 @@ def load_for_training(recipe: Recipe, log=print, apply_lora: bool = True):
     # New adapters start from random weights: seeded here, they follow train.seed (the Trainer seeds only later)
     set_seed(recipe.train.get("seed", TrainingArguments.seed))
     attn = resolve_attention(recipe.model.attn_implementation, recipe.data.packing)
-    model = load_model(recipe.model.path, recipe.model.dtype, attn, recipe.model.trust_remote_code, load_in_4bit=recipe.model.load_in_4bit)
+    load = load_model
+    if recipe.method == "rm":  # the base's body under a new one-output `score` head
+        from erniekit_lite.model.reward import load_model as load
+    model = load(recipe.model.path, recipe.model.dtype, attn, recipe.model.trust_remote_code, load_in_4bit=recipe.model.load_in_4bit)
     if recipe.lora is not None and hasattr(model, "peft_config"):
         raise UserError("lora: model.path is already a LoRA output dir; omit lora: to keep training that adapter")
     if recipe.lora is not None and apply_lora:
