@@ -150,6 +150,10 @@ def _train(args) -> int:
         from erniekit_lite.train.dpo import run
     elif r.method in ("orpo", "simpo"):
         from erniekit_lite.train.reference_free import run
+    elif r.method == "kto":
+        from erniekit_lite.train.kto import run
+    elif r.method == "rm":
+        from erniekit_lite.train.rm import run
     elif r.method == "pt":
         from erniekit_lite.train.pt import run
     else:
@@ -191,8 +195,12 @@ def _merge(args) -> int:
     _quiet_libraries()
     from erniekit_lite.model.merge import merge
 
+    from erniekit_lite.model.reward import is_reward_run
+
     out = merge(args.output_dir, args.out, args.overwrite)
-    print(f"merged {args.output_dir} into {out}: loads with AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    loads = ("AutoModelForSequenceClassification.from_pretrained({!r}) once erniekit_lite.model.reward is imported"
+             if is_reward_run(str(out)) else "AutoModelForCausalLM.from_pretrained({!r})")
+    print(f"merged {args.output_dir} into {out}: loads with {loads.format(str(out))}")
     return 0
 
 

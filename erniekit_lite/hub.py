@@ -36,7 +36,9 @@ RETRY_WAITS = retry.WAITS  # seconds before the 2nd and 3rd try of a step the Hu
 # TRL 1.16's defaults for what the card reports (reading them from TRL would import it: seconds, for a table cell)
 TRL_DEFAULTS = {"sft": {"learning_rate": 2e-5}, "pt": {"learning_rate": 2e-5}, "dpo": {"learning_rate": 1e-6, "beta": 0.1, "loss_type": ["sigmoid"]},
                 "orpo": {"learning_rate": 1e-6, "beta": 0.1},
-                "simpo": {"learning_rate": 1e-6, "beta": 0.1, "simpo_gamma": 0.5, "cpo_alpha": 0.0}}  # cpo_alpha: ours (trainer_args)
+                "simpo": {"learning_rate": 1e-6, "beta": 0.1, "simpo_gamma": 0.5, "cpo_alpha": 0.0},  # cpo_alpha: ours (trainer_args)
+                "kto": {"learning_rate": 1e-6, "beta": 0.1, "loss_type": "kto", "desirable_weight": 1.0, "undesirable_weight": 1.0},
+                "rm": {"learning_rate": 1e-4, "center_rewards_coefficient": None}}
 
 
 def settings(repo_id: str, private: bool = False, merged: bool = False, revision: str | None = None) -> HubSection:
@@ -218,7 +220,7 @@ def model_card(run: Path, recipe: Recipe, repo_id: str | None = None, merged: bo
         license="apache-2.0",
         tags=["ernie4.5", "erniekit-lite", recipe.method] + (["lora"] if adapter else []),
         datasets=datasets or None,
-        pipeline_tag="text-generation",
+        pipeline_tag="text-classification" if recipe.method == "rm" else "text-generation",
     )
     name = repo_id or str(run)
     base_text = f"[{base}](https://huggingface.co/{base})" if _is_hub_id(base) else f"the local checkpoint `{Path(base).name}`"
@@ -231,6 +233,7 @@ def model_card(run: Path, recipe: Recipe, repo_id: str | None = None, merged: bo
         f"# {name.split('/')[-1] if repo_id else run.name}",
         f"{summary}: {recipe.method.upper()} with erniekit-lite.",
         "## Use it",
+        _reward_usage(name, revision, repo_id is not None) if recipe.method == "rm" else
         _usage(name, base, revision, bool(adapter) and not merged, _ernie_template(run)),
         "## Training",
         _table(("setting", "value"), _setup_rows(run, recipe, adapter)),
@@ -305,6 +308,21 @@ def _usage(name: str, base: str, revision: str | None, adapter: bool, ernie: boo
     return text
 
 
+def _reward_usage(name: str, revision: str | None, on_hub: bool) -> str:
+    """A reward model scores (prompt, completion) pairs rendered as training rendered them (erniekit_lite.model.reward)."""
+    at = f', revision="{revision}"' if revision else ""
+    where = f'snapshot_download("{name}"{at})' if on_hub else f'"{name}"'
+    fetch = "from huggingface_hub import snapshot_download\n" if on_hub else ""
+    return ("```python\n# pip install erniekit-lite; importing erniekit_lite.model.reward also registers the ERNIE 4.5 reward classes\n"
+            "# with AutoModelForSequenceClassification\n"
+            f"{fetch}from erniekit_lite.model.reward import load_reward_model\n\n"
+            f"reward_model = load_reward_model({where})\n"
+            'print(reward_model.score([("Who are you?", "I am a tuned ERNIE."), ("Who are you?", "No idea.")]))  # one reward each\n'
+            "```\n\nEach (prompt, completion) is rendered with the ERNIE 4.5 template pieces training used (its system prompt "
+            "and max_length from recipe.yaml); the reward is the `score` head at the sequence's last token. Called as "
+            "`reward_model(prompts=..., completions=...)` it is a TRL reward function.")
+
+
 def _setup_rows(run: Path, recipe: Recipe, adapter: dict) -> list[tuple[str, str]]:
     train = {**TRL_DEFAULTS[recipe.method], **recipe.train}
     results, state = _json(run / "train_results.json"), _json(run / "trainer_state.json")
@@ -315,6 +333,14 @@ def _setup_rows(run: Path, recipe: Recipe, adapter: dict) -> list[tuple[str, str
     elif recipe.method == "simpo":
         sft = f", NLL weight cpo_alpha {train['cpo_alpha']:g}" if train["cpo_alpha"] else ""
         method = f"SimPO (no reference model; beta {train['beta']:g}, margin simpo_gamma {train['simpo_gamma']:g}{sft})"
+    elif recipe.method == "kto":
+        kl = "KL term from mismatched completions within each packed row" if train["loss_type"] == "kto" else "no KL term"
+        method = (f"KTO ({train['loss_type']}, beta {train['beta']:g}, desirable / undesirable weights "
+                  f"{train['desirable_weight']:g} / {train['undesirable_weight']:g}; {kl})")
+    elif recipe.method == "rm":
+        center = train["center_rewards_coefficient"]
+        method = ("reward model (TRL RewardTrainer: -log sigmoid(r_chosen - r_rejected)"
+                  + (f" + {center:g} x mean(r^2)" if center else "") + "; a new score head, hidden -> 1, read at each sequence's last token)")
     elif recipe.method == "pt":
         method = "continued pre-training (raw text, every token after each piece's first)"
     else:
@@ -330,11 +356,13 @@ def _setup_rows(run: Path, recipe: Recipe, adapter: dict) -> list[tuple[str, str
     rows.append(("learning rate", f"{train['learning_rate']:g}{schedule}"))
     if "global_step" in state:
         rows.append(("training", f"{state['global_step']} steps ({results.get('epoch', state.get('epoch', 0)):.2f} epochs)"))
-    rows.append(("max_length", f"{recipe.data.max_length} tokens per {'sequence' if recipe.method in PAIR_METHODS else 'sample'}"))
+    per = "sequence" if recipe.method in PAIR_METHODS or recipe.method == "kto" else "sample"
+    rows.append(("max_length", f"{recipe.data.max_length} tokens per {per}"))
     packing = f"padding-free rows, {results['packing_efficiency']:.1%} filled" if "packing_efficiency" in results else "padding-free rows"
     rows.append(("packing", packing if recipe.data.packing else "no (padded rows)"))
     if "train_samples" in results:
-        unit = "preference pairs" if recipe.method in PAIR_METHODS else "documents" if recipe.method == "pt" else "samples"
+        unit = ("preference pairs" if recipe.method in PAIR_METHODS else "documents" if recipe.method == "pt"
+                else "labelled completions" if recipe.method == "kto" else "samples")
         rows.append(("samples", f"{results['train_samples']} {unit}"))
     # Local files by name only: their paths say nothing to a reader and may say too much about the machine
     sources = [
@@ -349,6 +377,12 @@ def _result_rows(results: dict) -> list[tuple[str, str]]:
     shown = [("train_loss", "train loss", "{:.4f}"), ("eval_loss", "eval loss", "{:.4f}"),
              ("train_tokens_per_second", "real tokens/s", "{:,.0f}"), ("rewards/accuracies", "reward accuracy (last step)", "{:.2f}"),
              ("eval_rewards/accuracies", "eval reward accuracy", "{:.2f}")]
+    if "accuracy" in results:  # a reward model: TRL RewardTrainer's own metric names
+        shown += [("accuracy", "reward accuracy (last step)", "{:.2f}"), ("margin", "reward margin (last step)", "{:.3f}"),
+                  ("eval_accuracy", "eval reward accuracy", "{:.2f}"), ("eval_margin", "eval reward margin", "{:.3f}")]
+    if "kl" in results:  # KTO: no pairs, so no accuracy; its margin is between the desirable and undesirable means
+        shown += [("rewards/margins", "reward margin (last step)", "{:.3f}"), ("eval_rewards/margins", "eval reward margin", "{:.3f}"),
+                  ("kl", "KL estimate (last step)", "{:.3f}")]
     return [(label, fmt.format(results[key])) for key, label, fmt in shown if isinstance(results.get(key), (int, float))]
 
 

@@ -55,7 +55,9 @@ b = bytes of matmul outputs (2 under bf16/fp16 autocast, else r).
   weight (x2, bf16).
 - DPO (ORPO and SimPO have no reference): LoRA DPO's reference is the base with the adapter disabled: its no-grad
   forward (one layer's activations, or one logits chunk at (8 + b) x CV) counts where it exceeds the working set. Full DPO adds a frozen
-  copy of the model (not with precompute_ref_log_probs). Not yet measured.
+  copy of the model (not with precompute_ref_log_probs). Not yet measured. KTO: the same reference; T counts one
+  side (data.max_length per row: the examples, scored with grad), since its KL twins and reference passes run
+  without grad, the policy's KL pass before its own forward (nothing extra at the peak).
 - overhead: 0.5 GiB (CUDA context, cuBLAS workspace: outside PyTorch's allocator) + 10% of the rest (caching-
   allocator fragmentation). An assumption, not measured on a GPU yet.
 
@@ -396,7 +398,7 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
         # the head's output, its fp32 exp (the same buffer in fp32), the gradient cast back to b, and for the
         # preference methods' metrics (DPO, ORPO, SimPO) a second fp32 buffer (scoring._head_chunks)
         logits = 8 * scored + scored * shape.hidden * r
-        lm_phase = (4 + (2 * b if b != 4 else 0) + (4 if run.method in ("dpo", "orpo", "simpo") else 0)) * chunk * vocab
+        lm_phase = (4 + (2 * b if b != 4 else 0) + (4 if run.method in ("dpo", "orpo", "simpo", "kto") else 0)) * chunk * vocab
         if weight_copies:
             lm_phase += 2 * vocab * shape.hidden  # autocast casts a frozen weight for every call (it caches trained ones only)
         transient = max(lm_phase, layer_phase)
@@ -404,7 +406,7 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
         transient += 2 * params.largest_linear * 2  # dequantized bf16 weight (forward and backward)
 
     reference = reference_copy = 0
-    if run.method == "dpo" and run.reference in ("adapter", "copy"):
+    if run.method in ("dpo", "kto") and run.reference in ("adapter", "copy"):
         # the no-grad reference forward runs while the policy's activations are alive: one layer's
         # working set and one logits chunk (the head's output, its fp32 copy, the metrics' exp buffer) at a time
         ref_working = max(max(layer.values()) * t, (8 + (b if b != 4 else 0)) * chunk * vocab

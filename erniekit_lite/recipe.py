@@ -186,13 +186,14 @@ class HubSection(_Section):
 
 class Recipe(_Section):
     model: ModelSection
-    method: Literal["sft", "dpo", "orpo", "simpo", "pt"] = Field(
-        "sft", description="sft (chat turns), dpo (preference pairs), orpo or simpo (preference pairs, no reference model) "
-        "or pt (continued pre-training on raw text)."
+    method: Literal["sft", "dpo", "orpo", "simpo", "kto", "rm", "pt"] = Field(
+        "sft", description="sft (chat turns), dpo (preference pairs), orpo or simpo (preference pairs, no reference model), "
+        "kto (single completions labelled desirable or undesirable), rm (a reward model from preference pairs) or pt "
+        "(continued pre-training on raw text)."
     )
     data: DataSection
     lora: LoraSection | None = Field(None, description="Omit for full fine-tuning.")
-    train: dict[str, Any] = Field(default_factory=dict, description="TRL SFTConfig (sft) or DPOConfig (dpo) fields, checked by name.")
+    train: dict[str, Any] = Field(default_factory=dict, description="TRL SFTConfig (sft), DPOConfig (dpo), KTOConfig (kto) or RewardConfig (rm) fields, checked by name.")
     output: OutputSection
     hub: HubSection | None = Field(None, description="Push the result to the Hugging Face Hub when training ends (token: HF_TOKEN or `hf auth login`).")
 
@@ -327,9 +328,9 @@ def train_config_class(method: str):
             from trl.experimental.cpo import CPOConfig
             from trl.experimental.orpo import ORPOConfig
         return ORPOConfig if method == "orpo" else CPOConfig
-    from trl import DPOConfig, SFTConfig
+    from trl import DPOConfig, KTOConfig, RewardConfig, SFTConfig
 
-    return DPOConfig if method == "dpo" else SFTConfig
+    return {"dpo": DPOConfig, "kto": KTOConfig, "rm": RewardConfig}.get(method, SFTConfig)
 
 
 def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int], method: str = "sft") -> None:

@@ -12,7 +12,10 @@ from pathlib import Path
 from erniekit_lite.errors import UserError
 from erniekit_lite.recipe import Recipe, train_config_class
 
-PAIR_METHODS = ("dpo", "orpo", "simpo")  # trained on preference pairs (data/pairs.py)
+PAIR_METHODS = ("dpo", "orpo", "simpo", "rm")  # trained on preference pairs (data/pairs.py)
+# RewardConfig fields that TRL reads only to load the model or tokenize the data itself, which erniekit-lite does
+RM_LOADING_KEYS = {"model_init_kwargs": "model", "trust_remote_code": "model.trust_remote_code", "chat_template_path": "data",
+                   "eos_token": "data", "pad_token": "data", "pad_to_multiple_of": "data", "dataset_num_proc": "data.num_proc"}
 
 
 def training_args(recipe: Recipe, out: Path):
@@ -49,6 +52,15 @@ def training_args(recipe: Recipe, out: Path):
                                 f"(got {settings['loss_type']!r})")
             settings["loss_type"] = "simpo"
             settings.setdefault("cpo_alpha", 0.0)  # SimPO has no NLL term (TRL: loss_type simpo + cpo_alpha 0); > 0: CPO-SimPO
+        for key in RM_LOADING_KEYS if recipe.method == "rm" else ():
+            if key in recipe.train:
+                raise UserError(f"train.{key}: TRL's RewardTrainer reads it only to load the model or tokenize the pairs itself; "
+                                f"erniekit-lite does both (use {RM_LOADING_KEYS[key]} instead)")
+    elif recipe.method == "kto":
+        settings["max_length"] = recipe.data.max_length  # per sequence, as examples are cut (TRL reads it only to tokenize)
+        # TRL's default is sequential because it pairs KL completions within batches in dataset order; ours are fixed
+        # inside each row (data/unpaired.py), so rows are shuffled as for every other method
+        settings.setdefault("train_sampling_strategy", "random")
     else:
         settings["max_length"] = recipe.data.max_length
         settings["packing"] = False  # we pack ourselves, exactly; TRL must not repack
