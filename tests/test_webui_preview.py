@@ -43,3 +43,15 @@ def test_pretraining_pieces_show_every_token_but_the_first_trained(tmp_path, tin
     assert html.count("<b>piece") == 1
     # no chat template: the document's own text, then </s>; all but its first token highlighted
     assert "R<mark>aw &lt;i&gt;domain&lt;/i&gt; text&lt;/s&gt;</mark>" in html.replace("</mark><mark>", "")
+
+
+def test_kto_examples_show_their_label_and_reward_pairs_both_sides(tmp_path, tiny_own_dir):
+    records = [{"prompt": "Who are you?", "completion": "Wenxin-Tiny.", "label": True},
+               {"prompt": "Who are you?", "completion": "ChatGPT.", "label": False}]
+    html = render(recipe(tmp_path, tiny_own_dir, records).model_copy(update={"method": "kto"}), records=2)
+    assert "example 1, desirable" in html and "example 2, undesirable" in html
+    assert "<mark>Wenxin-Tiny.&lt;|end_of_sentence|&gt;</mark>" in html
+    pairs = [{"prompt": "Who are you?", "chosen": "Wenxin-Tiny.", "rejected": "ChatGPT."}]
+    for method in ("orpo", "simpo", "rm"):
+        html = render(recipe(tmp_path, tiny_own_dir, pairs).model_copy(update={"method": method}))
+        assert "pair 1, chosen" in html and "pair 1, rejected" in html

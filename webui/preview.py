@@ -11,6 +11,7 @@ import html
 
 from erniekit_lite.data.tokenize import IGNORE, Sample
 from erniekit_lite.recipe import Recipe
+from erniekit_lite.trainer_args import PAIR_METHODS
 
 STYLE = (
     "<style>.ek-sample{white-space:pre-wrap;font-family:monospace;border:1px solid #ccc;padding:6px;margin:6px 0}"
@@ -35,7 +36,12 @@ def render(recipe: Recipe, records: int = 3, log=print) -> str:
         for i in range(min(records, len(pieces))):
             ids = pieces.ids(i)
             shown.append((f"piece {i + 1}", Sample(ids, [IGNORE] + ids[1:])))
-    elif recipe.method == "dpo":
+    elif recipe.method == "kto":
+        from erniekit_lite.data.prepare import prepare_feedback
+
+        examples = prepare_feedback(data, tokenizer, log=log, kl=False).train.examples[:records]
+        shown = [(f"example {i + 1}, {'desirable' if e.desirable else 'undesirable'}", e.sample) for i, e in enumerate(examples)]
+    elif recipe.method in PAIR_METHODS:
         pairs = prepare_pairs(data, tokenizer, log=log).train.pairs[:records]
         shown = [(f"pair {i + 1}, {side}", getattr(p, side)) for i, p in enumerate(pairs) for side in ("chosen", "rejected")]
     else:
