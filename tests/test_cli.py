@@ -141,7 +141,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, tiny_own_dir):
         capsys, "train", recipe_file(tmp_path, tiny_own_dir), "train.lerning_rate=1e-3"
     )
     assert "data.max_length: Input should be a valid integer" in _bad(capsys, "validate", recipe_file(tmp_path, tiny_own_dir), "data.max_length=big")
-    assert "could not load the tokenizer" in _bad(capsys, "validate", recipe_file(tmp_path, tmp_path / "no-model"))
+    assert "no-model: no such directory here, and not a valid Hugging Face Hub repo id" in _bad(capsys, "validate", recipe_file(tmp_path, tmp_path / "no-model"))
 
 
 def test_empty_dataset_after_filtering(tmp_path, capsys, tiny_own_dir):

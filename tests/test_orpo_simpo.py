@@ -173,7 +173,8 @@ def test_orpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_toke
     trainer.concatenated_forward = types.MethodType(trl_forward, trainer)
     trl = _loss_metrics_grads(trainer, model, padded)
     _compare(trl, ours, COMPARED + ("log_odds_ratio", "log_odds_chosen"))
-    assert abs(ours[1]["rewards/margins"]) > 1e-4 and abs(ours[1]["log_odds_chosen"]) > 1e-3  # the check has teeth
+    # the check has teeth: the values compared to 1e-5 are larger than that (the margin measured 8e-5 to over 1e-4, by run)
+    assert abs(ours[1]["rewards/margins"]) > 2e-5 and abs(ours[1]["log_odds_chosen"]) > 1e-3
     assert abs(prompt_nll[0] - trl[1]["nll_loss"]) > 1e-2  # TRL's own ORPO NLL (prompt included) is another number
 
 
