@@ -26,12 +26,10 @@ def load(path: str, adapter: str | None = None):
         raise UserError(f"--adapter: {adapter}: not a LoRA adapter dir (no adapter_config.json)")
     if adapter is not None and adapter_base(path) is not None:
         raise UserError(f"{path} already holds an adapter; give its base as PATH, or drop --adapter")
-    from erniekit_lite.model.reward import is_reward_run
+    from erniekit_lite.model.reward import refuse_reward_run
 
     for given in (path, adapter):
-        if given is not None and is_reward_run(given):
-            raise UserError(f"{given}: a reward model (method: rm) scores answers and does not generate; score with "
-                            "erniekit_lite.model.reward.load_reward_model(PATH).score([(prompt, answer), ...])")
+        refuse_reward_run(given, "chat")
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     model = load_model(path, dtype, "sdpa", trainable_adapter=False)
     if adapter is not None:

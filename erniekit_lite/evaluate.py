@@ -116,6 +116,9 @@ def check_model_path(path: str) -> None:
         raise UserError(f"{path}: is a file; {expected}")
     if local.is_dir() and not any((local / name).is_file() for name in ("config.json", "adapter_config.json")):
         raise UserError(f"{path}: not a model dir (no config.json or adapter_config.json); {expected}")
+    from erniekit_lite.model.reward import refuse_reward_run
+
+    refuse_reward_run(path, "eval")
 
 
 def output_paths(out: str | None, generate: bool) -> tuple[Path, Path | None]:

@@ -118,6 +118,9 @@ def finished(run: str) -> Path:
         if (path / "recipe.yaml").is_file():
             raise UserError(f"{run}: a run that has not finished (no model saved yet); export a checkpoint-N dir of it, or finish it with --resume")
         raise UserError(f"{run}: not a model dir (no config.json or adapter_config.json)")
+    from erniekit_lite.model.reward import refuse_reward_run
+
+    refuse_reward_run(run, "export")
     return path
 
 

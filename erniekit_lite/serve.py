@@ -89,12 +89,14 @@ def servable(run: str, log=print) -> str:
     """A model dir an engine loads: the run itself, or for a LoRA run its merge (made once, beside the run)."""
     from erniekit_lite.model.load import adapter_base
     from erniekit_lite.model.merge import MARKER, merge
+    from erniekit_lite.model.reward import refuse_reward_run
 
     local = Path(run).expanduser()
     if not local.exists():
         if "/" in run and not run.startswith((".", "/")) and not local.parent.is_dir():
             return run  # a Hub id: the engine downloads it
         raise UserError(f"{run}: no such directory (expected a run output dir, a model dir or a Hub id)")
+    refuse_reward_run(str(local), "serve")
     if adapter_base(str(local)) is None:
         if not (local / "config.json").is_file():
             raise UserError(f"{run}: no config.json or adapter_config.json; not a finished run or a model dir")

@@ -369,8 +369,13 @@ def test_bad_input_is_one_line(lora_run, tiny_dense_dir, tmp_path, capsys):
         reward.load_reward_model(str(tiny_dense_dir))
 
     capsys.readouterr()  # the loads' progress bars
-    code, _, err = run_cli(capsys, "chat", run, "--prompt", "hi")
-    assert code == 2 and "a reward model (method: rm)" in err and len(err.strip().splitlines()) == 1
+    # Every command that generates or scores text as a causal LM refuses it in one line, before writing anything
+    for command in (["chat", run, "--prompt", "hi"], ["serve", run], ["eval", run, "--data", str(PAIRS)],
+                    ["export", run, "--to", "gguf", "--out", str(tmp_path / "gguf")]):
+        code, _, err = run_cli(capsys, *command)
+        assert code == 2 and "a reward model (method: rm)" in err and f"`{command[0]}` cannot use" in err, (command, err)
+        assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "gguf").exists() and not Path(str(run) + ".merged").exists()
     cases = [
         ({"data": {"train": [str(PAIRS.parent / "identity.jsonl")]}}, "preference"),  # SFT data, no pairs
         ({"train": {"chat_template_path": "x.jinja"}}, "train.chat_template_path"),

@@ -118,6 +118,13 @@ def is_reward_config(config) -> bool:
     return any(name.endswith("ForSequenceClassification") for name in (getattr(config, "architectures", None) or []))
 
 
+def refuse_reward_run(path: str | None, command: str) -> None:
+    """The commands that generate or score text as a causal LM (chat, serve, export, eval) refuse a reward model."""
+    if path is not None and is_reward_run(path):
+        raise UserError(f"{path}: a reward model (method: rm) scores answers and does not generate, so `{command}` cannot use "
+                        "it; score with erniekit_lite.model.reward.load_reward_model(PATH).score([(prompt, answer), ...])")
+
+
 def is_reward_run(path: str) -> bool:
     """Whether a local dir holds a reward model (full, or a reward adapter) saved by `method: rm`; reads two small
     JSON files, loads nothing. False for anything else, Hub ids included."""
