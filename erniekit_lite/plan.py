@@ -94,6 +94,8 @@ def plan(recipe: Recipe, log=print) -> dict:
     info["fits_gpu_gb"] = gpu
     for line in memory.format_lines(est, run, gpu):
         log(line)
+    if recipe.method in ("orpo", "simpo"):
+        info["memory_gb_as_dpo"] = round(log_saved_vs_dpo(recipe, args, arch, run, est, log) / memory.GIB, 2)
     if recipe.lora is None and recipe.method != "rm":  # a trained LM head (a reward model has none): `train` keeps its chunks instead of recomputing them when there is room
         kept, _ = memory_estimate(recipe, args, arch, cuda, head_keep=True)
         info["memory_gb_head_kept"] = round(kept.total / memory.GIB, 2)
@@ -112,6 +114,19 @@ def plan(recipe: Recipe, log=print) -> dict:
     for note in gpu_notes + est.notes:
         log(f"note: {note}")
     return info
+
+
+def log_saved_vs_dpo(recipe: Recipe, args, arch: dict, run, est, log) -> int:
+    """ORPO and SimPO have no reference: what DPO on the same rows would plan, and the pass it would add. Returns
+    DPO's total."""
+    import dataclasses
+
+    reference = "adapter" if recipe.lora is not None else "copy"  # DPO's default (not precompute_ref_log_probs)
+    dpo = memory.estimate(arch["shape"], arch["memory"], dataclasses.replace(run, method="dpo", reference=reference))
+    held = "the no-grad reference pass (the adapter disabled)" if recipe.lora is not None else "a frozen copy of the model and its pass"
+    log(f"  vs DPO on the same rows: DPO would plan {dpo.total / memory.GIB:.1f} GiB, {(dpo.total - est.total) / 2**20:,.0f} "
+        f"MiB more for {held}, and one more no-grad forward of every row per step")
+    return dpo.total
 
 
 def gpu_only_settings(recipe: Recipe, cuda: bool) -> list[str]:

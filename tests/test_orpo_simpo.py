@@ -291,3 +291,23 @@ def test_lora_plus_groups(tmp_path, tiny_dense_dir, ernie_tokenizer, pairs, meth
     trainer = _trainer(method, model, ernie_tokenizer, pack_pairs(pairs, 256), tmp_path, learning_rate=1e-4)
     lrs = {group["lr"] for group in trainer.create_optimizer().param_groups if group["params"]}
     assert lrs == {1e-4, 4e-4}
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_validate_plans_what_dropping_the_reference_saves(tmp_path, tiny_own_dir, lora):
+    """validate on ORPO/SimPO prints DPO's plan for the same rows: exactly what `validate` gives the DPO recipe, and
+    with full fine-tuning more by the frozen reference copy DPO holds."""
+    from erniekit_lite import recipe as recipes
+    from erniekit_lite.plan import plan
+
+    lines: list[str] = []
+    orpo = plan(recipes.load(_recipe(tmp_path / "orpo", tiny_own_dir, "orpo", lora=lora)), log=lines.append)
+    dpo = plan(recipes.load(_recipe(tmp_path / "dpo", tiny_own_dir, "dpo", lora=lora)), log=lambda *a: None)
+    assert orpo["memory_gb_as_dpo"] == dpo["memory_gb"]
+    said = next(line for line in lines if "vs DPO on the same rows" in line)
+    assert f"DPO would plan {dpo['memory_gb']:.1f} GiB" in said and "no-grad forward of every row" in said
+    more = int(said.split("GiB, ")[1].split(" MiB more")[0].replace(",", ""))
+    if lora:
+        assert "adapter disabled" in said and more >= 0 and dpo["memory_gb"] >= orpo["memory_gb"]
+    else:  # the tiny model's fp32 copy: a few MiB
+        assert "frozen copy of the model" in said and more > 0
