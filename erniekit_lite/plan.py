@@ -111,6 +111,9 @@ def plan(recipe: Recipe, log=print) -> dict:
                     "sharded states plus three gathered layers; not measured)"
                 ]
                 break
+    if recipe.lora is not None and recipe.lora.use_dora:
+        gpu_notes = gpu_notes + ["lora.use_dora: not in the estimate: peft forms each adapted weight's full matrix (and "
+                                 "its norm) in that layer's forward and backward, one layer at a time; not measured"]
     for note in gpu_notes + est.notes:
         log(f"note: {note}")
     return info

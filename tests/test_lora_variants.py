@@ -322,6 +322,8 @@ def test_validate_plans_inits_that_read_the_weights(tmp_path, capsys, tiny_own_d
         assert code == 0, err
         counts.append(next(line for line in out.splitlines() if "trainable (LoRA" in line))
     assert len(set(counts)) == 1
+    code, out, err = run_cli(capsys, "validate", write_recipe(tmp_path / "recipe.yaml", tiny_own_dir, lora={"use_dora": True}))
+    assert code == 0 and "note: lora.use_dora: not in the estimate" in out, err  # the plan says what it leaves out
 
 
 def moe(tiny_moe_dir):
