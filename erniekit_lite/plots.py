@@ -1,9 +1,30 @@
-"""loss.png: the training (and eval) loss of a run, drawn from the log_history the Trainer saves in trainer_state.json."""
+"""loss.png: the training (and eval) loss of a run, drawn from the log_history the Trainer saves in trainer_state.json;
+and `HEADLINE`, what each method logs that says how it goes besides the loss."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+# Each method's headline metrics: the Trainer's log keys (TRL's names; evaluation logs them with an `eval_` prefix).
+# The web UI's live plot shows them next to the loss. sft and pt: the loss is the headline. A method missing here
+# shows the loss alone; the keys are not checked against the recipe's methods, so an entry may come first.
+HEADLINE: dict[str, tuple[str, ...]] = {
+    "sft": (),
+    "pt": (),
+    "dpo": ("rewards/accuracies", "rewards/margins"),
+    "orpo": ("rewards/accuracies", "rewards/margins"),
+    "simpo": ("rewards/accuracies", "rewards/margins"),
+    "kto": ("rewards/margins", "kl"),  # KTO logs no accuracy: its examples are unpaired
+    "rm": ("accuracy", "margin"),
+    "grpo": ("reward", "reward_std", "completions/mean_length", "kl"),
+}
+
+
+def headline_keys(method: str) -> tuple[str, ...]:
+    """The log keys of `method`'s headline metrics, the training ones then their evaluation twins."""
+    keys = HEADLINE.get(method, ())
+    return (*keys, *(f"eval_{k}" for k in keys))
 
 
 def write_loss_plot(run_dir: str | Path, path: str | Path | None = None) -> Path | None:

@@ -3,9 +3,12 @@ recipe module's one-line messages."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
+import gradio as gr
 import pytest
+import yaml
 
 from erniekit_lite import recipe as recipes
 from erniekit_lite.errors import RecipeError
@@ -94,3 +97,137 @@ def test_labels_carry_the_keys_own_help():
     assert helps["data.max_length"] == recipes.DataSection.model_fields["max_length"].description
     assert helps["train.learning_rate"] == "The initial learning rate for AdamW."  # TRL's help, first sentence
     assert all(helps.values())
+
+
+# Each method's own fields: shown for that method only, in sync with the YAML, and dropped with the method.
+
+OWN_FIELDS = {
+    "sft": set(), "pt": set(),
+    "dpo": {"train.beta", "train.loss_type"},
+    "orpo": {"train.beta"},
+    "simpo": {"train.beta", "train.simpo_gamma", "train.cpo_alpha"},
+    "kto": {"train.beta", "train.desirable_weight", "train.undesirable_weight"},
+    "rm": {"train.center_rewards_coefficient"},
+}
+# A recipe of each method with its own keys set (values unlike TRL's defaults), and the form's edit of them
+OWN_VALUES = {
+    "sft": ({}, {}),
+    "pt": ({}, {}),
+    "dpo": ({"beta": 0.25, "loss_type": ["sigmoid", "sft"]}, {"train.beta": 0.5, "train.loss_type": ["ipo"]}),
+    "orpo": ({"beta": 0.3}, {"train.beta": 0.05}),
+    "simpo": ({"beta": 2.5, "simpo_gamma": 1.25, "cpo_alpha": 0.2}, {"train.simpo_gamma": 0.75, "train.cpo_alpha": None}),
+    "kto": ({"beta": 0.2, "desirable_weight": 1.5, "undesirable_weight": 2.0, "loss_type": "kto"},
+            {"train.desirable_weight": 1.0, "train.undesirable_weight": 1.25}),
+    "rm": ({"center_rewards_coefficient": 0.01}, {"train.center_rewards_coefficient": 0.02}),
+}
+COMMON_TRAIN = {"learning_rate": 0.001, "max_steps": 7, "logging_steps": 1}
+
+
+def method_yaml(method: str, train: dict) -> str:
+    data = "recipes/data/pt_demo.jsonl" if method == "pt" else "recipes/data/identity_kto.jsonl" if method == "kto" \
+        else "recipes/data/identity.jsonl" if method == "sft" else "recipes/data/identity_dpo.jsonl"
+    return yaml.safe_dump({"model": {"path": "runs/tiny-ernie"}, "method": method, "data": {"train": [data]},
+                           "lora": {"r": 4}, "output": {"dir": f"runs/{method}"}, "train": {**COMMON_TRAIN, **train}},
+                          sort_keys=False)
+
+
+@pytest.mark.parametrize("method", list(OWN_FIELDS))
+def test_the_form_shows_the_methods_own_fields_only(method):
+    from webui.train_tab import fill
+
+    updates = fill(forms.parse(method_yaml(method, OWN_VALUES[method][0]), "r.yaml"))
+    *fields, note = updates
+    visible = {f.key for f, u in zip(forms.FIELDS, fields) if u["visible"]}
+    common = {f.key for f in forms.FIELDS if not f.methods}
+    assert visible == common | OWN_FIELDS[method]
+    beta = fields[field_index("train.beta")]
+    if method == "orpo":  # the help is the method's TRL config's: ORPO's beta is the paper's lambda
+        assert beta["info"] == "Parameter controlling the relative ratio loss weight in the ORPO loss. In the paper, it is denoted by λ."
+    elif method == "dpo":
+        assert beta["info"] == "Parameter controlling the deviation from the reference model."
+    if method == "kto":  # no recipe key names KTO's label: the note says which record fields hold it
+        assert note == {"__type__": "update", "visible": True, "value": (
+            "KTO reads each record's label from its `label` or `kto_tag` field: true for a desirable completion, false "
+            "for an undesirable one (no recipe key: the field names are fixed).")}
+    elif method != "simpo":
+        assert note["visible"] is False
+
+
+@pytest.mark.parametrize("method", list(OWN_FIELDS))
+def test_method_fields_round_trip_between_yaml_and_form(method):
+    own, edits = OWN_VALUES[method]
+    recipe = forms.parse(method_yaml(method, own), "r.yaml")
+    form = forms.values(recipe)
+    shown = {f.key: form[field_index(f.key)] for f in forms.FIELDS if f.methods and form[field_index(f.key)] is not None}
+    assert shown == {f"train.{k}": v for k, v in own.items() if f"train.{k}" in OWN_FIELDS[method]}  # kto's loss_type: no field
+    assert all(form[field_index(k)] is None for k in {f.key for f in forms.FIELDS if f.methods} - OWN_FIELDS[method])
+    assert forms.apply(recipe, form) == recipe  # unedited: unchanged
+
+    for key, value in edits.items():
+        form[field_index(key)] = value
+    text = forms.apply(recipe, form).to_yaml()
+    again = forms.parse(text, "r.yaml")
+    expected = {**COMMON_TRAIN, **own, **{k.removeprefix("train."): v for k, v in edits.items()}}
+    assert again.train == {k: v for k, v in expected.items() if v is not None}
+    assert again.method == method and forms.values(again) == form
+
+
+def test_a_single_loss_type_stays_as_written():
+    recipe = forms.parse(method_yaml("dpo", {"loss_type": "sigmoid"}), "r.yaml")
+    form = forms.values(recipe)
+    assert form[field_index("train.loss_type")] == ["sigmoid"]
+    assert forms.apply(recipe, form).train["loss_type"] == "sigmoid"
+    form[field_index("train.loss_type")] = []  # none chosen: TRL's default
+    assert "loss_type" not in forms.apply(recipe, form).train
+
+
+@pytest.mark.parametrize(("old", "new"), list(itertools.permutations(OWN_FIELDS, 2)))
+def test_switching_the_method_in_the_form_gives_a_recipe_that_trains(old, new, tmp_path):
+    """Every switch gives a recipe that validates and makes its TRL config; the old method's own keys are gone
+    (between sft and pt, one config class, all stay)."""
+    from erniekit_lite.trainer_args import training_args
+
+    own = {"router_aux_loss_coef": 0.001, "loss_type": "dft"} if old in ("sft", "pt") else OWN_VALUES[old][0]
+    recipe = forms.parse(method_yaml(old, own), "r.yaml")
+    form = forms.values(recipe)
+    form[field_index("method")] = new
+    switched = forms.apply(recipe, form)
+    assert switched.train == ({**COMMON_TRAIN, **own} if {old, new} == {"sft", "pt"} else COMMON_TRAIN)
+    assert forms.parse(switched.to_yaml(), "r.yaml") == switched
+    args = training_args(switched, tmp_path)
+    assert (args.learning_rate, args.max_steps, args.logging_steps) == (0.001, 7, 1)
+    if new in ("dpo", "kto", "orpo", "simpo"):
+        assert args.beta == 0.1  # TRL's default, not the old method's beta
+
+
+def test_switching_the_method_says_what_it_removed_and_refills_the_form():
+    from webui.train_tab import edit
+
+    text = method_yaml("dpo", {"beta": 0.25, "loss_type": ["ipo"]})
+    form = forms.values(forms.parse(text, "r.yaml"))
+    form[field_index("method")] = "simpo"  # the form still holds DPO's beta and loss_type: neither is written
+    new_text, status, *updates = edit(text, "r.yaml", form)
+    simpo = forms.parse(new_text, "r.yaml")
+    assert simpo.method == "simpo" and simpo.train == COMMON_TRAIN
+    assert status == "method simpo: removed train.beta, train.loss_type (dpo's own settings; simpo's start from TRL's defaults)"
+    *fields, note = updates
+    assert {f.key: (u["visible"], u["value"]) for f, u in zip(forms.FIELDS, fields) if f.methods} == {
+        "train.beta": (True, None), "train.loss_type": (False, None), "train.simpo_gamma": (True, None),
+        "train.cpo_alpha": (True, None), "train.desirable_weight": (False, None),
+        "train.undesirable_weight": (False, None), "train.center_rewards_coefficient": (False, None)}
+    assert note["value"] == "SimPO is TRL's CPO with `loss_type: simpo`, set for you: leave `train.loss_type` out."
+
+    form = forms.values(simpo)
+    form[field_index("train.simpo_gamma")] = 0.5  # an edit within the method: the form is not refilled
+    new_text, status, *updates = edit(simpo.to_yaml(), "r.yaml", form)
+    assert forms.parse(new_text, "r.yaml").train == {**COMMON_TRAIN, "simpo_gamma": 0.5} and status == ""
+    assert updates == [gr.skip()] * len(updates)
+    assert edit(new_text, "r.yaml", forms.values(forms.parse(new_text, "r.yaml")))[:2] == [gr.skip(), gr.skip()]
+
+
+def test_the_form_never_writes_a_field_its_method_hides():
+    recipe = forms.parse(method_yaml("kto", OWN_VALUES["kto"][0]), "r.yaml")
+    form = forms.values(recipe)
+    form[field_index("train.simpo_gamma")] = 3.0  # a stale value in a hidden field
+    form[field_index("train.loss_type")] = ["ipo"]
+    assert forms.apply(recipe, form) == recipe

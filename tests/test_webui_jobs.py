@@ -117,22 +117,52 @@ def test_one_job_at_a_time_and_any_page_sees_it(runner, tmp_path, monkeypatch):
     assert start_button["interactive"] is False and stop_button["interactive"] is True
 
 
-def test_dpo_reward_accuracy_and_moe_expert_load_are_shown_when_logged(runner, tmp_path, monkeypatch):
+def test_the_methods_headline_metrics_and_moe_expert_load_are_shown_when_logged(runner, tmp_path, monkeypatch):
     from PIL import Image
 
     from webui.train_tab import job_view
 
+    # Every method's metrics logged at once: each job's plot takes its own method's (erniekit_lite.plots.HEADLINE)
+    monkeypatch.setenv("FAKE_LOG_EXTRA", '{"rewards/accuracies": 0.75, "rewards/margins": 0.5, "kl": 0.125, '
+                                         '"accuracy": 0.625, "margin": 1.5, "mean_token_accuracy": 0.3}')
     runner.start(recipe_text(steps=2), "a.yaml", "runs/fake").process.wait(timeout=30)
-    _, _, rewards, expert_load, *_ = job_view(tmp_path, runner)
-    assert rewards["visible"] is False and expert_load["visible"] is False  # SFT on a dense model: neither
+    _, _, headline, expert_load, *_ = job_view(tmp_path, runner)
+    assert headline["visible"] is False and expert_load["visible"] is False  # SFT (the loss is its headline), dense
 
-    monkeypatch.setenv("FAKE_LOG_EXTRA", '{"rewards/accuracies": 0.75, "aux_loss": 0.01}')
+    shown = {}
+    for method in ("dpo", "orpo", "simpo", "kto", "rm", "pt"):
+        runner.start(recipe_text(steps=2), "a.yaml", "runs/fake", method).process.wait(timeout=30)
+        _, loss, headline, *_ = job_view(tmp_path, runner)
+        assert loss["value"].tolist() == [10.0, 5.0]  # this job's run only, not the previous ones in the same dir
+        frame = headline["value"]
+        shown[method] = (headline["visible"], headline["title"], sorted(set(zip(frame["series"], frame["value"]))),
+                         sorted(frame["step"].tolist()))
+    pair = (True, "dpo: rewards/accuracies, rewards/margins", [("rewards/accuracies", 0.75), ("rewards/margins", 0.5)], [1, 1, 2, 2])
+    assert shown == {
+        "dpo": pair,
+        "orpo": (True, "orpo: rewards/accuracies, rewards/margins", *pair[2:]),
+        "simpo": (True, "simpo: rewards/accuracies, rewards/margins", *pair[2:]),
+        "kto": (True, "kto: rewards/margins, kl", [("kl", 0.125), ("rewards/margins", 0.5)], [1, 1, 2, 2]),
+        "rm": (True, "rm: accuracy, margin", [("accuracy", 0.625), ("margin", 1.5)], [1, 1, 2, 2]),
+        "pt": (False, "pt: loss", [], []),
+    }
+
     Image.new("RGB", (4, 4)).save(tmp_path / "runs" / "fake" / "expert_load.png")
     runner.start(recipe_text(steps=2), "a.yaml", "runs/fake").process.wait(timeout=30)
-    _, loss, rewards, expert_load, *_ = job_view(tmp_path, runner)
-    assert loss["value"].tolist() == [10.0, 5.0]  # this job's run only, not the previous one in the same dir
-    assert rewards["visible"] is True and rewards["value"]["value"].tolist() == [0.75, 0.75]
+    *_, expert_load, _, _, _ = job_view(tmp_path, runner)
     assert expert_load["visible"] is True and expert_load["value"] == str(tmp_path / "runs" / "fake" / "expert_load.png")
+
+
+def test_eval_metrics_join_the_headline_plot(tmp_path):
+    lines = [{"event": "start", "step": 0, "max_steps": 4, "time": 1.0},
+             {"event": "log", "step": 2, "max_steps": 4, "time": 2.0, "rewards/margins": 0.5, "kl": 0.25},
+             {"event": "log", "step": 2, "max_steps": 4, "time": 2.5, "eval_rewards/margins": 0.375, "eval_kl": 0.0625,
+              "eval_loss": 0.4}]
+    (tmp_path / "progress.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    frame = progress.read(tmp_path, since=0).headline("kto")
+    assert frame.values.tolist() == [[2, 0.5, "rewards/margins"], [2, 0.25, "kl"], [2, 0.375, "eval_rewards/margins"],
+                                     [2, 0.0625, "eval_kl"]]
+    assert progress.read(tmp_path, since=0).headline("sft").empty
 
 
 def test_stop_saves_a_checkpoint(runner, tmp_path, monkeypatch):

@@ -1,13 +1,22 @@
-"""The Train tab's form: the common recipe keys as fields, kept in sync with the YAML editor.
+"""The Train tab's form: the common recipe keys as fields, plus each method's own `train:` keys (DPO's beta and
+loss_type, SimPO's simpo_gamma, KTO's weights, ...) shown only while that method is chosen; kept in sync with the
+YAML editor.
 
 YAML -> form: the text is read by `erniekit_lite.recipe.load`, so a mistake is its one-line message with the line.
 Form -> YAML: the values are set on the recipe's dump, validated by `recipe.from_dict` and written by
 `Recipe.to_yaml` (the full resolved recipe; comments in the YAML do not survive a form edit).
+
+Changing the method drops the `train:` keys that belong to the old method (see `kept_on_switch`): a DPO beta is no
+SimPO beta, and SFT has none; the new method's own keys start from TRL's defaults, and the status line names what
+was removed (`dropped`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +39,25 @@ from erniekit_lite.recipe import (
 class Field:
     key: str  # dotted recipe key; three are not plain keys: see `values`
     label: str
-    kind: str  # text | paths | choice | bool | int | number
+    kind: str  # text | paths | choice | choices (several) | bool | int | number
     choices: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ()  # shown only for these methods; () for every method
+
+
+METHODS = get_args(Recipe.model_fields["method"].annotation)  # every method the recipe takes
+
+
+def _dpo_loss_types() -> tuple[str, ...]:
+    """The values DPOConfig's loss_type help lists (`'sigmoid'`, `'ipo'`, ...), in its order."""
+    from trl import DPOConfig
+
+    help_ = next(f.metadata.get("help", "") for f in dataclasses.fields(DPOConfig) if f.name == "loss_type")
+    return tuple(dict.fromkeys(re.findall(r"`'(\w+)'`", help_)))
 
 
 FIELDS = (
     Field("model.path", "model path", "text"),
-    Field("method", "method", "choice", get_args(Recipe.model_fields["method"].annotation)),  # every method the recipe takes
+    Field("method", "method", "choice", METHODS),
     Field("data.train", "data files (one per line)", "paths"),
     Field("data.format", "data format (of every file)", "choice", FORMATS),
     Field("data.max_length", "max length (tokens)", "int"),
@@ -50,20 +71,45 @@ FIELDS = (
     Field("train.per_device_train_batch_size", "batch size (rows per device)", "int"),
     Field("train.logging_steps", "log every N steps", "int"),
     Field("output.dir", "output dir", "text"),
+    # Each method's own train: keys (TRL's config field names; help from the method's config class)
+    Field("train.beta", "beta", "number", methods=("dpo", "orpo", "simpo", "kto")),
+    Field("train.loss_type", "loss type (several: summed, see loss_weights)", "choices", _dpo_loss_types(), methods=("dpo",)),
+    Field("train.simpo_gamma", "SimPO gamma (target reward margin)", "number", methods=("simpo",)),
+    Field("train.cpo_alpha", "cpo_alpha (blank: 0, pure SimPO; > 0: CPO-SimPO)", "number", methods=("simpo",)),
+    Field("train.desirable_weight", "desirable weight", "number", methods=("kto",)),
+    Field("train.undesirable_weight", "undesirable weight", "number", methods=("kto",)),
+    Field("train.center_rewards_coefficient", "center rewards coefficient", "number", methods=("rm",)),
 )
 _SECTIONS = {"model": ModelSection, "data": DataSection, "lora": LoraSection, "output": OutputSection}
 
 
-def help_text(field: Field) -> str:
-    """The one help string the key already has: its recipe `Field(description=...)`, or TRL's help for train: keys."""
+def shown(field: Field, method: str) -> bool:
+    """Whether the form shows `field` while `method` is chosen."""
+    return not field.methods or method in field.methods
+
+
+def method_note(method: str) -> str:
+    """What the form says about a method beyond its fields (Markdown; "" for none)."""
+    if method == "kto":
+        from erniekit_lite.data.formats import FEEDBACK_LABELS
+
+        names = " or ".join(f"`{name}`" for name in FEEDBACK_LABELS)
+        return (f"KTO reads each record's label from its {names} field: true for a desirable completion, false for an "
+                "undesirable one (no recipe key: the field names are fixed).")
+    if method == "simpo":
+        return "SimPO is TRL's CPO with `loss_type: simpo`, set for you: leave `train.loss_type` out."
+    return ""
+
+
+def help_text(field: Field, method: str | None = None) -> str:
+    """The one help string the key already has: its recipe `Field(description=...)`, or the help of the TRL config
+    field of `method` (default: the first method that shows the field) for train: keys. A short help is given
+    whole, a long one up to its first full stop."""
     section, _, key = field.key.partition(".")
     if section == "train":
-        import dataclasses
-
-        from trl import SFTConfig
-
-        help_ = next(f.metadata.get("help", "") for f in dataclasses.fields(SFTConfig) if f.name == key)
-        return help_.split(". ")[0].rstrip(".") + "."
+        method = method if method in (field.methods or METHODS) else (field.methods or ("sft",))[0]
+        help_ = next(f.metadata.get("help", "") for f in dataclasses.fields(recipes.train_config_class(method)) if f.name == key)
+        return help_ if len(help_) <= 120 else help_.split(". ")[0].rstrip(".") + "."
     if field.key == "data.format":
         return Source.model_fields["format"].description
     if not key:
@@ -84,7 +130,8 @@ def parse(text: str, name: str) -> Recipe:
 
 
 def values(recipe: Recipe) -> list[Any]:
-    """The form's values, in FIELDS order. None in a train: field means the key is not set (TRL's default)."""
+    """The form's values, in FIELDS order. None in a train: field means the key is not set (TRL's default), and
+    in a field the method does not show."""
     formats = {s.format for s in recipe.data.train}
     lora = recipe.lora or LoraSection()
     special = {
@@ -99,17 +146,29 @@ def values(recipe: Recipe) -> list[Any]:
         section, _, key = field.key.partition(".")
         if field.key in special:
             out.append(special[field.key])
+        elif not shown(field, recipe.method):
+            out.append(None)
         elif section == "train":
-            out.append(recipe.train.get(key))
+            value = recipe.train.get(key)
+            out.append([value] if field.kind == "choices" and isinstance(value, str) else value)
         else:
             out.append(getattr(getattr(recipe, section), key) if key else getattr(recipe, section))
     return out
 
 
 def apply(recipe: Recipe, form: list[Any]) -> Recipe:
-    """`recipe` with the form's values, validated like a recipe file (RecipeError naming the key)."""
+    """`recipe` with the form's values, validated like a recipe file (RecipeError naming the key).
+
+    Fields the chosen method does not show are left out. When the form changes the method, the old method's own
+    train: keys are dropped (`kept_on_switch`) and its fields' values, still in the form, are not written.
+    """
     raw = recipe.model_dump(mode="json")
-    given = dict(zip((f.key for f in FIELDS), (_typed(f, v) for f, v in zip(FIELDS, form))))
+    method = form[[f.key for f in FIELDS].index("method")]
+    fields = [f for f in FIELDS if shown(f, method) and not (f.methods and method != recipe.method)]
+    given = {f.key: _typed(f, v) for f, v in zip(FIELDS, form) if f in fields}
+    if method != recipe.method:
+        kept = kept_on_switch(recipe.method, method)
+        raw["train"] = {k: v for k, v in raw["train"].items() if k in kept}
     previous = {s["path"]: s for s in raw["data"]["train"]}  # a listed file keeps its split and max_samples
     fmt = given.pop("data.format")
     raw["data"]["train"] = [
@@ -123,9 +182,35 @@ def apply(recipe: Recipe, form: list[Any]) -> Recipe:
             raw[section] = value
         elif value is None and section == "train":
             raw["train"].pop(name, None)
+        elif section == "train" and value == [raw["train"].get(name)]:  # `loss_type: sigmoid` stays as written
+            continue
         else:
             raw[section][name] = value
     return recipes.from_dict(raw, source="form")
+
+
+@functools.cache
+def _config_fields(method: str) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(recipes.train_config_class(method)) if f.init)
+
+
+def kept_on_switch(old: str, new: str) -> frozenset[str]:
+    """The train: keys that survive a change of method from `old` to `new`: all of them between methods trained
+    with one TRL config class (sft and pt: SFTConfig), else those that every method's config has (learning_rate,
+    max_steps, ...). The rest are the old method's own (beta, loss_type, ...): meaningless or different for the
+    new one (SimPO's beta 2.0 is no DPO beta; SFTConfig and DPOConfig both have a loss_type, with other values)."""
+    if recipes.train_config_class(old) is recipes.train_config_class(new):
+        return _config_fields(new)
+    return frozenset.intersection(*(_config_fields(m) for m in METHODS))
+
+
+def dropped(before: Recipe, after: Recipe) -> str:
+    """The status line for an edit that changed the method: which train: keys it removed ("" for none)."""
+    gone = [f"train.{k}" for k in before.train if k not in after.train]
+    if before.method == after.method or not gone:
+        return ""
+    return (f"method {after.method}: removed {', '.join(gone)} ({before.method}'s own settings; {after.method}'s start "
+            "from TRL's defaults)")
 
 
 def _typed(field: Field, value: Any) -> Any:
@@ -133,6 +218,8 @@ def _typed(field: Field, value: Any) -> Any:
         return [line.strip() for line in (value or "").splitlines() if line.strip()]
     if field.kind == "int" and isinstance(value, float) and value.is_integer():
         return int(value)
+    if field.kind == "choices":
+        return list(value) if value else None  # none chosen: not set (TRL's default)
     if field.kind == "text":
         return (value or "").strip()
     return value

@@ -50,6 +50,7 @@ class Job:
     log_file: Path
     process: subprocess.Popen
     started: float
+    method: str = "sft"  # the recipe's: which headline metrics the page plots
     stop_requested: bool = False
 
     def running(self) -> bool:
@@ -109,7 +110,7 @@ class Runner:
         self._lock = threading.Lock()  # two tabs may press Start at once
         self._stops_at_exit = False
 
-    def start(self, recipe_text: str, name: str, output_dir: str) -> Job:
+    def start(self, recipe_text: str, name: str, output_dir: str, method: str = "sft") -> Job:
         with self._lock:
             if self.job is not None and self.job.running():
                 if self.job.stop_requested:
@@ -138,7 +139,7 @@ class Runner:
             finally:
                 if lock is not None:
                     os.close(lock)
-            self.job = Job(self.root, recipe_file, output_dir, log_file, process, started)
+            self.job = Job(self.root, recipe_file, output_dir, log_file, process, started, method)
             threading.Thread(target=_end_leftovers, args=(process,), daemon=True).start()
             if not self._stops_at_exit:
                 atexit.register(self._stop_at_exit)

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from erniekit_lite.plots import headline_keys
 from erniekit_lite.train.callbacks import PROGRESS
 
 
@@ -32,6 +33,11 @@ class Progress:
 
         rows = [(e["step"], e[k], k) for e in self.logs for k in keys if isinstance(e.get(k), (int, float))]
         return pd.DataFrame(rows, columns=["step", "value", "series"])
+
+    def headline(self, method: str):
+        """The curve of `method`'s headline metrics (erniekit_lite.plots.HEADLINE), training and eval; empty for a
+        method whose headline is the loss."""
+        return self.curve(*headline_keys(method))
 
 
 def read(out_dir: Path, since: float) -> Progress:

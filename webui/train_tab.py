@@ -1,8 +1,8 @@
 """Train tab: pick or upload a recipe, edit it as a form or as YAML, validate, preview the data, start and stop
-training, and follow it live (progress, loss curve, DPO reward accuracy, MoE expert load, log tail).
+training, and follow it live (progress, loss curve, the method's headline metrics, MoE expert load, log tail).
 
 The YAML text is the single source of truth: a form edit rewrites it, a YAML edit refills the form, and Validate,
-Preview and Start read it.
+Preview and Start read it. The form shows the chosen method's own fields only (forms.FIELDS' `methods`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import gradio as gr
 
 from erniekit_lite.errors import UserError
+from erniekit_lite.plots import HEADLINE
 from webui import forms, preview
 from webui.jobs import Runner
 from webui.paths import confine, confine_recipe, recipe_files
@@ -27,6 +28,8 @@ LAYOUT = (
     ("lora", "lora.r", "lora.alpha"),
     ("train.learning_rate", "train.max_steps", "train.num_train_epochs"),
     ("train.per_device_train_batch_size", "train.logging_steps", "output.dir"),
+    ("train.beta", "train.loss_type", "train.simpo_gamma", "train.cpo_alpha"),  # each method's own: one row shows
+    ("train.desirable_weight", "train.undesirable_weight", "train.center_rewards_coefficient"),
 )
 CSS = ".ek-track{background:#e5e7eb;border-radius:4px;height:14px}.ek-bar{background:#f97316;height:14px;border-radius:4px}"
 
@@ -43,7 +46,9 @@ def build(demo: gr.Blocks, root: Path, runner: Runner) -> None:
                 for keys in LAYOUT:
                     with gr.Row():
                         by_key.update({f.key: _component(f) for f in forms.FIELDS if f.key in keys})
+                note = gr.Markdown(visible=False, elem_id="method-note")  # what a method needs beyond its fields
                 fields = [by_key[f.key] for f in forms.FIELDS]
+                form = [*fields, note]  # what `fill` updates
             with gr.Column():
                 text = gr.Code(language="yaml", label="recipe (YAML, editable)", lines=28, max_lines=28, elem_id="recipe-yaml")
         status = gr.Textbox(label="status", interactive=False, elem_id="train-status")
@@ -58,19 +63,20 @@ def build(demo: gr.Blocks, root: Path, runner: Runner) -> None:
         progress_html = gr.HTML(elem_id="progress")
         with gr.Row():
             loss = gr.LinePlot(x="step", y="value", color="series", title="loss", elem_id="loss-plot")
-            rewards = gr.LinePlot(x="step", y="value", color="series", title="reward accuracy (DPO)", visible=False)
+            headline = gr.LinePlot(x="step", y="value", color="series", title="headline metrics", visible=False,
+                                   elem_id="headline-plot")
             expert_load = gr.Image(label="expert load (MoE)", type="filepath", visible=False)
         log = gr.Textbox(label="log (last lines)", lines=15, max_lines=15, interactive=False, autoscroll=True, elem_id="log")
 
-        unchanged = [gr.skip()] * (len(fields) + 3)  # for [text, name, *fields, status]
+        unchanged = [gr.skip()] * (len(form) + 3)  # for [text, name, *form, status]
 
         def open_file(file: Path):
             content = file.read_text(encoding="utf-8")
             try:
                 recipe = forms.parse(content, file.name)
             except UserError as e:  # show the text anyway, so it can be fixed in the editor
-                return [content, file.name, *[gr.skip()] * len(fields), f"error: {e}"]
-            return [content, file.name, *forms.values(recipe), f"{file.name}: loaded"]
+                return [content, file.name, *[gr.skip()] * len(form), f"error: {e}"]
+            return [content, file.name, *fill(recipe), f"{file.name}: loaded"]
 
         def choose(path: str | None):
             try:
@@ -87,18 +93,12 @@ def build(demo: gr.Blocks, root: Path, runner: Runner) -> None:
 
         def yaml_edited(content: str, file_name: str):
             try:
-                return [*forms.values(forms.parse(content, file_name)), ""]
+                return [*fill(forms.parse(content, file_name)), ""]
             except UserError as e:
-                return [*[gr.skip()] * len(fields), f"error: {e}"]
+                return [*[gr.skip()] * len(form), f"error: {e}"]
 
-        def form_edited(content: str, file_name: str, *form):
-            try:
-                recipe = forms.parse(content, file_name)
-                if forms.values(recipe) == list(form):  # e.g. a field left unedited: the YAML stays as written
-                    return gr.skip(), gr.skip()
-                return forms.apply(recipe, list(form)).to_yaml(), ""
-            except UserError as e:
-                return gr.skip(), f"error: {e}"
+        def form_edited(content: str, file_name: str, *values):
+            return edit(content, file_name, list(values))
 
         def validate(content: str, file_name: str):
             from erniekit_lite.plan import plan
@@ -121,49 +121,81 @@ def build(demo: gr.Blocks, root: Path, runner: Runner) -> None:
                 return gr.skip(), f"error: {e}"
 
         def start(content: str, file_name: str):
-            from erniekit_lite.train import rundir
+            return start_job(root, runner, content, file_name)
 
-            try:
-                recipe = forms.parse(content, file_name)
-                confine_recipe(root, recipe)
-                rundir.check(recipe)  # what `train` checks first, answered before a process is started
-                job = runner.start(content, file_name, recipe.output.dir)
-            except UserError as e:
-                return f"error: {e}"
-            return f"started: {job.recipe_file} -> {recipe.output.dir}"
-
-        loaded = [text, name, *fields, status]
+        loaded = [text, name, *form, status]
         choice.input(choose, choice, loaded)
         upload.upload(uploaded, upload, loaded)
         text.input(yaml_edited, [text, name], [*fields, status], trigger_mode="always_last")
         for field in fields:
             # blur too: a value pasted or filled in without keystrokes fires no input event in Gradio's textbox
             triggers = [field.input] + ([field.blur] if hasattr(field, "blur") else [])
-            gr.on(triggers, form_edited, [text, name, *fields], [text, status], trigger_mode="always_last")
+            gr.on(triggers, form_edited, [text, name, *fields], [text, status, *form], trigger_mode="always_last")
         validate_button.click(validate, [text, name], plan_text)
         preview_button.click(show_preview, [text, name], [preview_html, status])
         start_button.click(start, [text, name], status)
         stop_button.click(runner.stop, None, status)
-        shown = [progress_html, loss, rewards, expert_load, log, start_button, stop_button]
+        shown = [progress_html, loss, headline, expert_load, log, start_button, stop_button]
         demo.load(running_recipe, None, loaded)
         demo.load(lambda: job_view(root, runner), None, shown)
         gr.Timer(POLL_SECONDS).tick(lambda: job_view(root, runner), None, shown)
 
 
+def fill(recipe) -> list:
+    """Updates for the form (forms.FIELDS, then the method note) showing `recipe`: each field's value, shown only
+    for the methods it belongs to, with the help of the recipe's method's TRL config."""
+    updates = [gr.update(value=value, visible=forms.shown(field, recipe.method), info=forms.help_text(field, recipe.method))
+               for field, value in zip(forms.FIELDS, forms.values(recipe))]
+    note = forms.method_note(recipe.method)
+    return [*updates, gr.update(value=note, visible=bool(note))]
+
+
+def edit(content: str, file_name: str, values: list) -> list:
+    """A form edit: [the new YAML, the status line, *updates of the form]. The YAML stays as written when the edit
+    changes nothing (e.g. a field left unedited); a change of method refills the form, showing the new method's
+    fields, and the status line names the train: keys it removed."""
+    skip_form = [gr.skip()] * (len(forms.FIELDS) + 1)
+    try:
+        recipe = forms.parse(content, file_name)
+        changed = forms.apply(recipe, values)
+    except UserError as e:
+        return [gr.skip(), f"error: {e}", *skip_form]
+    if changed == recipe:
+        return [gr.skip(), gr.skip(), *skip_form]
+    if changed.method == recipe.method:
+        return [changed.to_yaml(), "", *skip_form]
+    return [changed.to_yaml(), forms.dropped(recipe, changed), *fill(changed)]
+
+
+def start_job(root: Path, runner: Runner, content: str, file_name: str) -> str:
+    """Start pressed: the editor's recipe, checked as `train` checks it first, becomes the server's job; the status line."""
+    from erniekit_lite.train import rundir
+
+    try:
+        recipe = forms.parse(content, file_name)
+        confine_recipe(root, recipe)
+        rundir.check(recipe)  # what `train` checks first, answered before a process is started
+        job = runner.start(content, file_name, recipe.output.dir, recipe.method)
+    except UserError as e:
+        return f"error: {e}"
+    return f"started: {job.recipe_file} -> {recipe.output.dir}"
+
+
 def job_view(root: Path, runner: Runner) -> list:
     """The server's job, whichever page started it (this is what reattaches a reloaded page): progress bar, loss
-    curve, reward accuracy (DPO), expert-load heatmap (MoE), log tail, and which of Start/Stop can be pressed."""
+    curve, the method's headline metrics (erniekit_lite.plots.HEADLINE), expert-load heatmap (MoE), log tail, and
+    which of Start/Stop can be pressed."""
     job = runner.job
     if job is None:
         return ["<p>No training job yet.</p>", gr.skip(), gr.skip(), gr.skip(), "",
                 gr.update(interactive=True), gr.update(interactive=False)]
     p = job.progress()
     picture = root / job.output_dir / "expert_load.png"
-    accuracy = p.curve("rewards/accuracies", "eval_rewards/accuracies")
+    metrics, title = p.headline(job.method), ", ".join(HEADLINE.get(job.method, ())) or "loss"
     return [
         _progress_html(job, p),
         p.curve("loss", "eval_loss"),
-        gr.update(value=accuracy, visible=not accuracy.empty),
+        gr.update(value=metrics, visible=not metrics.empty, title=f"{job.method}: {title}"),
         gr.update(value=str(picture) if picture.is_file() else None, visible=picture.is_file()),
         job.log_tail(),
         gr.update(interactive=not job.running()),
@@ -172,13 +204,16 @@ def job_view(root: Path, runner: Runner) -> list:
 
 
 def _component(field: forms.Field):
-    label, info = field.label, forms.help_text(field)
+    label, info, visible = field.label, forms.help_text(field), not field.methods  # a method's own: shown by `fill`
     if field.kind == "choice":
         return gr.Dropdown(list(field.choices), label=label, info=info)
+    if field.kind == "choices":
+        return gr.Dropdown(list(field.choices), label=label, info=info, multiselect=True, allow_custom_value=True,
+                           visible=visible, elem_id=field.key.replace(".", "-"))
     if field.kind == "bool":
         return gr.Checkbox(label=label, info=info)
     if field.kind in ("int", "number"):
-        return gr.Number(label=label, info=info, precision=0 if field.kind == "int" else None,
+        return gr.Number(label=label, info=info, precision=0 if field.kind == "int" else None, visible=visible,
                          elem_id=field.key.replace(".", "-"))
     return gr.Textbox(label=label, info=info, lines=2 if field.kind == "paths" else 1, elem_id=field.key.replace(".", "-"))
 
