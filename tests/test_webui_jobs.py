@@ -524,3 +524,54 @@ def test_real_cli_click_storm_while_training_leaves_a_checkpoint_that_loads(real
     with torch.no_grad():
         tuned_logits, base_logits = tuned(input_ids=ids).logits, base(input_ids=ids).logits
     assert torch.isfinite(tuned_logits).all() and not torch.allclose(tuned_logits, base_logits)  # the trained adapter
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["dpo", "orpo", "simpo", "kto", "rm", "pt"])
+def test_a_quickstart_recipe_trains_from_the_web_ui_and_plots_its_headline_metrics(tmp_path, monkeypatch, tiny_own_dir, method):
+    """recipes/quickstart-METHOD.yaml, shortened in the form and started as the Start button does, trains with the
+    real CLI; the page's plots hold exactly what the Trainer logged: the loss, and the method's headline metrics."""
+    import math
+    import shutil
+    from pathlib import Path
+
+    from erniekit_lite.plots import HEADLINE
+    from webui import forms
+    from webui.train_tab import job_view, start_job
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "recipes" / "data", tmp_path / "recipes" / "data")
+    shutil.copytree(tiny_own_dir, tmp_path / "runs" / "tiny-ernie")  # the recipe's model.path, inside the UI's root
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    name = f"quickstart-{method}.yaml"
+    recipe = forms.parse((root / "recipes" / name).read_text(encoding="utf-8"), name)
+    form = forms.values(recipe)
+    keys = [f.key for f in forms.FIELDS]
+    form[keys.index("train.max_steps")], form[keys.index("train.logging_steps")] = 3, 1
+    text = forms.apply(recipe, form).to_yaml()
+
+    runner = Runner(tmp_path)
+    try:
+        assert start_job(tmp_path, runner, text, name).startswith("started: ")
+        assert runner.job.process.wait(timeout=600) == 0, runner.job.log_tail(40)
+    finally:
+        if runner.job is not None and runner.job.running():
+            runner.job.process.kill()
+    assert runner.job.outcome() == f"finished: 3 steps; the model is in runs/quickstart-{method}"
+    _, loss, headline, *_ = job_view(tmp_path, runner)
+
+    history = json.loads((tmp_path / "runs" / f"quickstart-{method}" / "trainer_state.json").read_text())["log_history"]
+    logged = [h for h in history if "loss" in h]
+    assert [h["step"] for h in logged] == [1, 2, 3]
+    assert loss["value"].tolist() == [h["loss"] for h in logged]
+    frame = headline["value"]
+    expected = [(h["step"], h[k], k) for h in logged for k in HEADLINE[method] if k in h]
+    assert list(frame.itertuples(index=False, name=None)) == expected
+    if method == "pt":
+        assert expected == [] and headline["visible"] is False
+    else:
+        assert headline["visible"] is True and {k for _, _, k in expected} == set(HEADLINE[method])
+        assert all(math.isfinite(v) for _, v, _ in expected)
+        accuracies = [v for _, v, k in expected if k in ("rewards/accuracies", "accuracy")]
+        assert all(0 <= v <= 1 for v in accuracies) and len(accuracies) == (0 if method == "kto" else 3)
