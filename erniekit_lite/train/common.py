@@ -108,3 +108,29 @@ def rows_dataset(rows):
     return Dataset.from_dict(
         {"input_ids": [r.input_ids for r in rows], "labels": [r.labels for r in rows], "seq_lengths": [r.seq_lengths for r in rows]}
     )
+
+
+def check_reference_lora(recipe: Recipe) -> None:
+    """Methods whose reference is the base with the adapter disabled (DPO, KTO, GRPO): PiSSA and OLoRA move part of
+    each base weight into the adapter, so that reference would be the changed base. Said before anything loads."""
+    from erniekit_lite.model.lora import mutates_base
+
+    if recipe.lora is not None and mutates_base(recipe.lora.init):
+        raise UserError(f"lora.init: {recipe.lora.init} moves part of each base weight into the adapter, and {recipe.method.upper()}'s "
+                        "reference is the base with the adapter disabled, which would then be the changed base; use lora.init "
+                        f"true, gaussian, orthogonal or mica for {recipe.method}")
+
+
+def trl_trainer(trainer_class, model, tokenizer, args, train_dataset, eval_dataset, collator, recipe: Recipe):
+    """A TRL trainer that adds the recipe's adapter itself (given a peft config, its reference is then the base with
+    the adapter disabled: no copy), with the adapters checked and LoRA+'s settings attached."""
+    from erniekit_lite.model.lora import SETTINGS, check_adapters, lora_config, targets_as_written
+
+    config = lora_config(model, recipe.lora) if recipe.lora is not None else None
+    with targets_as_written():  # TRL calls get_peft_model itself
+        trainer = trainer_class(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                                processing_class=tokenizer, data_collator=collator, peft_config=config)
+    if config is not None:
+        check_adapters(trainer.model, config)
+        setattr(trainer.model, SETTINGS, recipe.lora)  # LoRA+ (train/optimizer.py) reads it
+    return trainer

@@ -10,47 +10,22 @@ from pathlib import Path
 
 from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator
 from erniekit_lite.data.prepare import PreparedPairs, describe_pairs, prepare_pairs
-from erniekit_lite.errors import UserError
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import run as runner
-from erniekit_lite.train.common import rows_dataset
+from erniekit_lite.train.common import check_reference_lora, rows_dataset, trl_trainer
 
 
 def run(recipe: Recipe, log=print) -> Path:
-    check_lora(recipe)  # before anything loads or the run dir is claimed
+    check_reference_lora(recipe)  # before anything loads or the run dir is claimed
     return runner.run(recipe, METHOD, log)
-
-
-def check_lora(recipe: Recipe) -> None:
-    from erniekit_lite.model.lora import mutates_base
-
-    if recipe.lora is not None and mutates_base(recipe.lora.init):
-        raise UserError(f"lora.init: {recipe.lora.init} moves part of each base weight into the adapter, and DPO's reference "
-                        "is the base with the adapter disabled, which would then be the changed base; use lora.init true, "
-                        "gaussian, orthogonal or mica for dpo")
 
 
 def build_trainer(model, tokenizer, args, data: PreparedPairs, recipe: Recipe):
     from erniekit_lite.train.dpo_trainer import ErnieDPOTrainer
 
-    from erniekit_lite.model.lora import SETTINGS, check_adapters, lora_config, targets_as_written
-
     collator = PackedPairCollator(recipe.data.max_length) if recipe.data.packing else PaddedPairCollator(tokenizer.pad_token_id)
-    config = lora_config(model, recipe.lora) if recipe.lora is not None else None
-    with targets_as_written():  # TRL calls get_peft_model itself
-        trainer = ErnieDPOTrainer(
-            model=model,
-            args=args,
-            train_dataset=rows_dataset(data.train.rows),
-            eval_dataset=rows_dataset(data.eval.rows) if data.eval is not None else None,
-            processing_class=tokenizer,
-            data_collator=collator,
-            peft_config=config,
-        )
-    if config is not None:
-        check_adapters(trainer.model, config)
-        setattr(trainer.model, SETTINGS, recipe.lora)  # LoRA+ (train/optimizer.py) reads it
-    return trainer
+    return trl_trainer(ErnieDPOTrainer, model, tokenizer, args, rows_dataset(data.train.rows),
+                       rows_dataset(data.eval.rows) if data.eval is not None else None, collator, recipe)
 
 
 def last_rewards(trainer) -> dict:

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from erniekit_lite.data.prepare import PreparedFeedback, describe_feedback, prepare_feedback
 from erniekit_lite.data.unpaired import PackedFeedbackCollator, PaddedFeedbackCollator
-from erniekit_lite.errors import UserError
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import run as runner
+from erniekit_lite.train.common import check_reference_lora, trl_trainer
 
 
 def run(recipe: Recipe, log=print) -> Path:
-    check_lora(recipe)  # before anything loads or the run dir is claimed
+    check_reference_lora(recipe)  # before anything loads or the run dir is claimed
     return runner.run(recipe, method(recipe), log)
 
 
@@ -34,15 +34,6 @@ def with_kl(recipe: Recipe) -> bool:
     return recipe.train.get("loss_type", "kto") != "apo_zero_unpaired"
 
 
-def check_lora(recipe: Recipe) -> None:
-    from erniekit_lite.model.lora import mutates_base
-
-    if recipe.lora is not None and mutates_base(recipe.lora.init):
-        raise UserError(f"lora.init: {recipe.lora.init} moves part of each base weight into the adapter, and KTO's reference "
-                        "is the base with the adapter disabled, which would then be the changed base; use lora.init true, "
-                        "gaussian, orthogonal or mica for kto")
-
-
 def rows_dataset(rows):
     """Feedback rows as the `datasets.Dataset` the Trainer iterates."""
     from datasets import Dataset
@@ -52,25 +43,11 @@ def rows_dataset(rows):
 
 
 def build_trainer(model, tokenizer, args, data: PreparedFeedback, recipe: Recipe):
-    from erniekit_lite.model.lora import SETTINGS, check_adapters, lora_config, targets_as_written
     from erniekit_lite.train.kto_trainer import ErnieKTOTrainer
 
     collator = PackedFeedbackCollator(recipe.data.max_length) if recipe.data.packing else PaddedFeedbackCollator(tokenizer.pad_token_id)
-    config = lora_config(model, recipe.lora) if recipe.lora is not None else None
-    with targets_as_written():  # TRL calls get_peft_model itself
-        trainer = ErnieKTOTrainer(
-            model=model,
-            args=args,
-            train_dataset=rows_dataset(data.train.rows),
-            eval_dataset=rows_dataset(data.eval.rows) if data.eval is not None else None,
-            processing_class=tokenizer,
-            data_collator=collator,
-            peft_config=config,
-        )
-    if config is not None:
-        check_adapters(trainer.model, config)
-        setattr(trainer.model, SETTINGS, recipe.lora)  # LoRA+ (train/optimizer.py) reads it
-    return trainer
+    return trl_trainer(ErnieKTOTrainer, model, tokenizer, args, rows_dataset(data.train.rows),
+                       rows_dataset(data.eval.rows) if data.eval is not None else None, collator, recipe)
 
 
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
