@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 # Each method's headline metrics: the Trainer's log keys (TRL's names; evaluation logs them with an `eval_` prefix).
-# The web UI's live plot shows them next to the loss. sft and pt: the loss is the headline. A method missing here
+# The web UI's live plot and loss.png show them next to the loss. sft and pt: the loss is the headline. A method missing here
 # shows the loss alone; the keys are not checked against the recipe's methods, so an entry may come first.
 HEADLINE: dict[str, tuple[str, ...]] = {
     "sft": (),
@@ -27,15 +27,32 @@ def headline_keys(method: str) -> tuple[str, ...]:
     return (*keys, *(f"eval_{k}" for k in keys))
 
 
-def write_loss_plot(run_dir: str | Path, path: str | Path | None = None) -> Path | None:
-    """Draw the run's loss curve to `path` (default RUN_DIR/loss.png); None when no loss was logged."""
+def panels(history: list[dict], method: str | None = None) -> list[tuple[str, dict[str, list[tuple[int, float]]]]]:
+    """What loss.png draws from a log_history: (title, {"train" | "eval": [(step, value), ...]}) for the loss, then
+    for each headline metric of `method` (HEADLINE) that was logged. Without `method`, the first HEADLINE entry whose
+    metrics were all logged is taken (dpo, orpo and simpo log the same ones); none matching: the loss alone."""
+    def points(key: str) -> list[tuple[int, float]]:
+        return [(h["step"], h[key]) for h in history if isinstance(h.get(key), (int, float))]
+
+    if method is None:
+        logged = {k for h in history for k in h}
+        method = next((m for m, keys in HEADLINE.items() if keys and set(keys) <= logged), "sft")
+    out = []
+    for key in ("loss", *HEADLINE.get(method, ())):
+        curves = {label: found for label, found in (("train", points(key)), ("eval", points(f"eval_{key}"))) if found}
+        if curves:
+            out.append((key, curves))
+    return out
+
+
+def write_loss_plot(run_dir: str | Path, path: str | Path | None = None, method: str | None = None) -> Path | None:
+    """Draw the run's loss curve, and beside it the method's headline metrics (`panels`), to `path` (default
+    RUN_DIR/loss.png); None when no loss was logged."""
     state = Path(run_dir) / "trainer_state.json"
     if not state.is_file():
         return None
-    history = json.loads(state.read_text(encoding="utf-8")).get("log_history", [])
-    train = [(h["step"], h["loss"]) for h in history if "loss" in h]
-    evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
-    if not train and not evals:
+    drawn = panels(json.loads(state.read_text(encoding="utf-8")).get("log_history", []), method)
+    if not drawn or drawn[0][0] != "loss":
         return None
 
     import matplotlib
@@ -44,16 +61,20 @@ def write_loss_plot(run_dir: str | Path, path: str | Path | None = None) -> Path
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for points, label in ((train, "train"), (evals, "eval")):
-        if points:
-            steps, losses = zip(*points)
-            ax.plot(steps, losses, marker="o" if len(points) < 30 else None, label=label)  # few points: show each
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    columns = min(3, len(drawn))
+    rows = -(-len(drawn) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(7 if columns == 1 else 5 * columns, 4 * rows), squeeze=False)
+    for ax, (title, curves) in zip(axes.flat, drawn):
+        for label, found in curves.items():
+            steps, values = zip(*found)
+            ax.plot(steps, values, marker="o" if len(found) < 30 else None, label=label)  # few points: show each
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    for ax in list(axes.flat)[len(drawn):]:
+        ax.set_visible(False)
     fig.tight_layout()
     out = Path(path) if path is not None else Path(run_dir) / "loss.png"
     fig.savefig(out, dpi=100)

@@ -165,6 +165,30 @@ def test_eval_metrics_join_the_headline_plot(tmp_path):
     assert progress.read(tmp_path, since=0).headline("sft").empty
 
 
+def test_loss_png_draws_the_same_headline_metrics_found_from_the_log():
+    """loss.png (erniekit_lite.plots) reads the same HEADLINE: its panels, for a run dir that does not say its method."""
+    from erniekit_lite.plots import panels
+
+    def history(**metrics):
+        return [{"step": 1, "loss": 2.0, **metrics}, {"step": 2, "loss": 1.0, **metrics}]
+
+    def shown(h, method=None):
+        return [(title, {label: [v for _, v in found] for label, found in curves.items()}) for title, curves in panels(h, method)]
+
+    both = {"rewards/accuracies": 0.5, "rewards/margins": 0.25}
+    assert shown(history(**both, kl=9.0)) == [("loss", {"train": [2.0, 1.0]}), ("rewards/accuracies", {"train": [0.5, 0.5]}),
+                                              ("rewards/margins", {"train": [0.25, 0.25]})]
+    assert shown(history(**{"rewards/margins": 0.25, "kl": 0.125})) == [
+        ("loss", {"train": [2.0, 1.0]}), ("rewards/margins", {"train": [0.25, 0.25]}), ("kl", {"train": [0.125, 0.125]})]
+    assert shown(history(accuracy=0.75, margin=3.0, mean_token_accuracy=0.1)) == [
+        ("loss", {"train": [2.0, 1.0]}), ("accuracy", {"train": [0.75, 0.75]}), ("margin", {"train": [3.0, 3.0]})]
+    grpo = {"reward": 0.5, "reward_std": 0.25, "completions/mean_length": 12.0, "kl": 0.0}
+    assert [title for title, _ in shown(history(**grpo))] == ["loss", "reward", "reward_std", "completions/mean_length", "kl"]
+    assert shown(history(mean_token_accuracy=0.5)) == [("loss", {"train": [2.0, 1.0]})]  # sft: the loss alone
+    assert shown(history(**both), method="sft") == [("loss", {"train": [2.0, 1.0]})]  # a method given is taken
+    assert shown([*history(), {"step": 2, "eval_loss": 1.5}]) == [("loss", {"train": [2.0, 1.0], "eval": [1.5]})]
+
+
 def test_stop_saves_a_checkpoint(runner, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_STEP", "0.1")
     job = runner.start(recipe_text(steps=1000), "a.yaml", "runs/fake")
@@ -535,7 +559,7 @@ def test_a_quickstart_recipe_trains_from_the_web_ui_and_plots_its_headline_metri
     import shutil
     from pathlib import Path
 
-    from erniekit_lite.plots import HEADLINE
+    from erniekit_lite.plots import HEADLINE, panels
     from webui import forms
     from webui.train_tab import job_view, start_job
 
@@ -575,3 +599,8 @@ def test_a_quickstart_recipe_trains_from_the_web_ui_and_plots_its_headline_metri
         assert all(math.isfinite(v) for _, v, _ in expected)
         accuracies = [v for _, v, k in expected if k in ("rewards/accuracies", "accuracy")]
         assert all(0 <= v <= 1 for v in accuracies) and len(accuracies) == (0 if method == "kto" else 3)
+    # loss.png, written as training ends, draws the same curves: the loss, then each headline metric
+    run = tmp_path / "runs" / f"quickstart-{method}"
+    assert (run / "loss.png").read_bytes().startswith(b"\x89PNG")
+    assert panels(history) == [("loss", {"train": [(h["step"], h["loss"]) for h in logged]})] + [
+        (k, {"train": [(step, v) for step, v, key in expected if key == k]}) for k in HEADLINE[method]]
