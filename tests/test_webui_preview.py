@@ -1,8 +1,11 @@
-"""Web UI data preview: records rendered through the training pipeline, trained tokens highlighted, HTML escaped."""
+"""Web UI data preview: records rendered through the training pipeline, trained tokens highlighted, HTML escaped;
+a bad record of any method is its file:line and field."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from erniekit_lite import recipe as recipes
 from webui.preview import render
@@ -55,3 +58,23 @@ def test_kto_examples_show_their_label_and_reward_pairs_both_sides(tmp_path, tin
     for method in ("orpo", "simpo", "rm"):
         html = render(recipe(tmp_path, tiny_own_dir, pairs).model_copy(update={"method": method}))
         assert "pair 1, chosen" in html and "pair 1, rejected" in html
+
+
+@pytest.mark.parametrize(("method", "bad", "message"), [
+    ("kto", {"prompt": "a", "completion": "c", "label": "maybe"},
+     "field 'label' must be true (desirable) or false (undesirable), got 'maybe'"),
+    ("pt", {"text": 5}, "'text' must be a string (got int)"),
+    ("dpo", {"prompt": "a", "chosen": "b"}, "missing field 'rejected'"),
+    ("orpo", {"prompt": "a", "chosen": "b"}, "missing field 'rejected'"),
+    ("simpo", {"prompt": "a", "chosen": "b"}, "missing field 'rejected'"),
+    ("rm", {"prompt": "a", "chosen": "b", "rejected": ["x"]}, "rejected[0] must be an object with 'role' and 'content'"),
+])
+def test_a_bad_record_is_its_file_line_and_field_for_every_method(tmp_path, tiny_own_dir, method, bad, message):
+    """The preview reads records as training does: the first bad one stops it with FILE:LINE and the field."""
+    from erniekit_lite.errors import DataError
+
+    good = {"kto": {"prompt": "a", "completion": "b", "label": True}, "pt": {"text": "ok"}}.get(
+        method, {"prompt": "a", "chosen": "b", "rejected": "c"})
+    with pytest.raises(DataError) as e:
+        render(recipe(tmp_path, tiny_own_dir, [good, bad]).model_copy(update={"method": method}), log=lambda line: None)
+    assert str(e.value) == f"{tmp_path / 'data.jsonl'}:2: {message}"
