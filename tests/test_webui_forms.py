@@ -231,3 +231,40 @@ def test_the_form_never_writes_a_field_its_method_hides():
     form[field_index("train.simpo_gamma")] = 3.0  # a stale value in a hidden field
     form[field_index("train.loss_type")] = ["ipo"]
     assert forms.apply(recipe, form) == recipe
+
+
+def test_the_served_app_swaps_the_method_fields(tmp_path, monkeypatch):
+    """Through a running server (gradio_client, as a page calls it): the DPO quick start fills DPO's fields, and
+    choosing kto in the form rewrites the YAML without them and shows KTO's fields and its label note."""
+    import shutil
+    import socket
+
+    from gradio_client import Client
+
+    from webui import app
+
+    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo = app.build()
+    demo.queue().launch(server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        # outputs as the client gets them: [text, *fields, note, status] (the file-name state is not sent)
+        text, *fields, note, status = client.predict("recipes/quickstart-dpo.yaml", api_name="/choose")
+        assert status == "quickstart-dpo.yaml: loaded"
+        own = {f.key: (u["visible"], u["value"]) for f, u in zip(forms.FIELDS, fields) if f.methods}
+        assert {k: v for k, v in own.items() if v[0]} == {"train.beta": (True, 0.1), "train.loss_type": (True, ["sigmoid"])}
+        form = [u["value"] for u in fields]
+        form[field_index("method")] = "kto"
+        new_text, status, *fields, note = client.predict(text, *form, api_name="/form_edited")
+    finally:
+        demo.close()
+    assert status == "method kto: removed train.beta, train.loss_type (dpo's own settings; kto's start from TRL's defaults)"
+    kto = forms.parse(new_text, "quickstart-dpo.yaml")
+    assert kto.method == "kto" and "beta" not in kto.train and kto.train["learning_rate"] == 0.005
+    assert [f.key for f, u in zip(forms.FIELDS, fields) if f.methods and u["visible"]] == [
+        "train.beta", "train.desirable_weight", "train.undesirable_weight"]
+    assert note["visible"] is True and "`label` or `kto_tag`" in note["value"]
