@@ -255,28 +255,39 @@ def _pair_split(sources: list[Source], data: DataSection, tokenize: Tokenizer, s
 def _tokenized_pairs(
     sources: list[Source], data: DataSection, tokenize: Tokenizer, log
 ) -> tuple[list[Pair], PairStats, list[SourceReport]]:
-    prefs, reports, skipped = [], [], Counter()
-    for source in sources:
-        records, fmt, detected = _read(source, detect_preference_format, "preference format", log)
+    def check(source: Source, fmt: str) -> None:
         if fmt == "messages":
             raise DataError(source.path, "format 'messages' holds no preference pairs; use erniekit, sharegpt, trl or alpaca")
-        before = len(prefs)
+
+    return _read_and_tokenize(sources, data, tokenize, log, detect_preference_format, "preference format", to_preference,
+                              tokenize_pairs, PairStats(), check)
+
+
+def _read_and_tokenize(sources: list[Source], data: DataSection, tokenize: Tokenizer, log, detect, what: str, convert,
+                       tokenize_all, stats, check=lambda source, fmt: None):
+    """Pairs or feedback: each source's records read in its format (`detect`ed when auto) and converted, untrainable
+    ones counted by reason, then tokenized in shards (`data.num_proc`); `stats` gathers the shards' counts."""
+    items, reports, skipped = [], [], Counter()
+    for source in sources:
+        records, fmt, detected = _read(source, detect, what, log)
+        check(source, fmt)
+        before = len(items)
         for record in records:
             try:
-                prefs.append(to_preference(record, fmt, data.system))
+                items.append(convert(record, fmt, data.system))
             except Skip as why:
                 skipped[str(why)] += 1
-        reports.append(SourceReport(source.path, fmt, detected, len(records), len(prefs) - before))
+        reports.append(SourceReport(source.path, fmt, detected, len(records), len(items) - before))
 
-    def job(lo: int, hi: int) -> tuple[list[Pair], PairStats]:
-        return tokenize_pairs(tokenize, prefs[lo:hi], data.max_length)
+    def job(lo: int, hi: int):
+        return tokenize_all(tokenize, items[lo:hi], data.max_length)
 
-    pairs, stats = [], PairStats()
-    for part, part_stats in _in_shards(job, len(prefs), data.num_proc):
-        pairs += part
+    tokenized = []
+    for part, part_stats in _in_shards(job, len(items), data.num_proc):
+        tokenized += part
         stats.add(part_stats)
     stats.skipped.update(skipped)
-    return pairs, stats, reports
+    return tokenized, stats, reports
 
 
 def _report_meta(report: SourceReport) -> dict:
@@ -536,26 +547,8 @@ def _feedback_split(sources: list[Source], data: DataSection, tokenize: Tokenize
 def _tokenized_feedback(
     sources: list[Source], data: DataSection, tokenize: Tokenizer, log
 ) -> tuple[list[Example], FeedbackStats, list[SourceReport]]:
-    feedback, reports, skipped = [], [], Counter()
-    for source in sources:
-        records, fmt, detected = _read(source, detect_feedback_format, "feedback format", log)
-        before = len(feedback)
-        for record in records:
-            try:
-                feedback.append(to_feedback(record, fmt, data.system))
-            except Skip as why:
-                skipped[str(why)] += 1
-        reports.append(SourceReport(source.path, fmt, detected, len(records), len(feedback) - before))
-
-    def job(lo: int, hi: int) -> tuple[list[Example], FeedbackStats]:
-        return tokenize_feedback(tokenize, feedback[lo:hi], data.max_length)
-
-    examples, stats = [], FeedbackStats()
-    for part, part_stats in _in_shards(job, len(feedback), data.num_proc):
-        examples += part
-        stats.add(part_stats)
-    stats.skipped.update(skipped)
-    return examples, stats, reports
+    return _read_and_tokenize(sources, data, tokenize, log, detect_feedback_format, "feedback format", to_feedback,
+                              tokenize_feedback, FeedbackStats())
 
 
 def describe_feedback(data: PreparedFeedback) -> str:
