@@ -260,6 +260,9 @@ def test_the_served_app_swaps_the_method_fields(tmp_path, monkeypatch):
         form = [u["value"] for u in fields]
         form[field_index("method")] = "kto"
         new_text, status, *fields, note = client.predict(text, *form, api_name="/form_edited")
+        # and back in the YAML editor: simpo, written by hand, refills the form with SimPO's fields
+        *by_yaml, yaml_note, yaml_status = client.predict(
+            new_text.replace("method: kto", "method: simpo"), api_name="/yaml_edited")
     finally:
         demo.close()
     assert status == "method kto: removed train.beta, train.loss_type (dpo's own settings; kto's start from TRL's defaults)"
@@ -268,3 +271,6 @@ def test_the_served_app_swaps_the_method_fields(tmp_path, monkeypatch):
     assert [f.key for f, u in zip(forms.FIELDS, fields) if f.methods and u["visible"]] == [
         "train.beta", "train.desirable_weight", "train.undesirable_weight"]
     assert note["visible"] is True and "`label` or `kto_tag`" in note["value"]
+    assert yaml_status == "" and yaml_note["value"].startswith("SimPO is TRL's CPO")
+    assert [f.key for f, u in zip(forms.FIELDS, by_yaml) if f.methods and u["visible"]] == [
+        "train.beta", "train.simpo_gamma", "train.cpo_alpha"]

@@ -126,7 +126,7 @@ def build(demo: gr.Blocks, root: Path, runner: Runner) -> None:
         loaded = [text, name, *form, status]
         choice.input(choose, choice, loaded)
         upload.upload(uploaded, upload, loaded)
-        text.input(yaml_edited, [text, name], [*fields, status], trigger_mode="always_last")
+        text.input(yaml_edited, [text, name], [*form, status], trigger_mode="always_last")
         for field in fields:
             # blur too: a value pasted or filled in without keystrokes fires no input event in Gradio's textbox
             triggers = [field.input] + ([field.blur] if hasattr(field, "blur") else [])
