@@ -175,22 +175,8 @@ def prepare_documents(data: DataSection, tokenizer, seed: int = 42, log=print) -
 
 def _mixed_indices(sources: list[Source], reports: list[SourceReport], pieces: Pieces, seed: int) -> list[int]:
     """All pieces, or the weighted mix of the sources' pieces (mixing.py), with what each source gave."""
-    if sources[0].weight is None:
-        return list(range(len(pieces)))
-    for source, report in zip(sources, reports):
-        if report.pieces == 0:
-            raise DataError(source.path, f"weight {source.weight:g} is set but this source has no text to train on")
-    sizes = [r.pieces for r in reports]
-    picked = mixing.draw(sizes, [s.weight for s in sources], seed)
-    out, start, tokens = [], 0, []
-    for size, indices in zip(sizes, picked):
-        chosen = [start + i for i in indices]
-        tokens.append(sum(pieces.lengths[i] for i in chosen))
-        out += chosen
-        start += size
-    for report, indices, count in zip(reports, picked, tokens):
-        report.drawn, report.token_share = len(indices), count / max(1, sum(tokens))
-    return out
+    return mixing.mix(list(range(len(pieces))), sources, [r.pieces for r in reports], reports, seed,
+                      lambda i: pieces.lengths[i])
 
 
 def describe_documents(data: PreparedDocuments) -> str:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import random
 
+from erniekit_lite.errors import DataError
+
 
 def shares(weights: list[float]) -> list[float]:
     total = sum(weights)
@@ -49,4 +51,24 @@ def mix(items: list, sizes: list[int], weights: list[float], seed: int) -> list:
     for size, indices in zip(sizes, draw(sizes, weights, seed)):
         out += [items[start + i] for i in indices]
         start += size
+    return out
+
+
+def mix(items: list, sources: list, sizes: list[int], reports: list, seed: int, tokens) -> list:
+    """The weighted mix of the sources' items (in source order, `sizes` per source) when the sources have weights;
+    each report gets `drawn` and `token_share`. `tokens(item)` counts an item's tokens."""
+    if sources[0].weight is None:
+        return items
+    for source, size in zip(sources, sizes):
+        if size == 0:
+            raise DataError(source.path, f"weight {source.weight:g} is set but nothing in this source is left to train on")
+    picked = draw(sizes, [s.weight for s in sources], seed)
+    out, start, per_source = [], 0, []
+    for size, indices in zip(sizes, picked):
+        chosen = [items[start + i] for i in indices]
+        per_source.append(sum(tokens(x) for x in chosen))
+        out += chosen
+        start += size
+    for report, indices, count in zip(reports, picked, per_source):
+        report.drawn, report.token_share = len(indices), count / max(1, sum(per_source))
     return out

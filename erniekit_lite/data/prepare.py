@@ -108,24 +108,7 @@ def _split(sources: list[Source], data: DataSection, tokenize: Tokenizer, store:
 
 
 def _mixed(items: list, sources: list[Source], reports: list[SourceReport], seed: int, tokens) -> list:
-    """The weighted mix of the sources' items (mixing.py) when the sources have weights; the reports say what each
-    source gave. `tokens(item)` counts an item's tokens."""
-    if sources[0].weight is None:
-        return items
-    for source, report in zip(sources, reports):
-        if report.samples == 0:
-            raise DataError(source.path, f"weight {source.weight:g} is set but nothing in this source is left to train on")
-    sizes = [r.samples for r in reports]
-    picked = mixing.draw(sizes, [s.weight for s in sources], seed)
-    out, start, per_source = [], 0, []
-    for size, indices in zip(sizes, picked):
-        chosen = [items[start + i] for i in indices]
-        per_source.append(sum(tokens(x) for x in chosen))
-        out += chosen
-        start += size
-    for report, indices, count in zip(reports, picked, per_source):
-        report.drawn, report.token_share = len(indices), count / max(1, sum(per_source))
-    return out
+    return mixing.mix(items, sources, [r.samples for r in reports], reports, seed, tokens)
 
 
 def _tokenized_split(
