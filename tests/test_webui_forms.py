@@ -145,6 +145,10 @@ def test_the_form_shows_the_methods_own_fields_only(method):
         assert beta["info"] == "Parameter controlling the relative ratio loss weight in the ORPO loss. In the paper, it is denoted by λ."
     elif method == "dpo":
         assert beta["info"] == "Parameter controlling the deviation from the reference model."
+    elif method == "rm":  # the first sentence: not cut at "Eq. 2"
+        assert fields[field_index("train.center_rewards_coefficient")]["info"] == (
+            "Coefficient to incentivize the reward model to output mean-zero rewards (proposed by [this paper]"
+            "(https://huggingface.co/papers/2312.09244), Eq. 2).")
     if method == "kto":  # no recipe key names KTO's label: the note says which record fields hold it
         assert note == {"__type__": "update", "visible": True, "value": (
             "KTO reads each record's label from its `label` or `kto_tag` field: true for a desirable completion, false "

@@ -109,7 +109,7 @@ def help_text(field: Field, method: str | None = None) -> str:
     if section == "train":
         method = method if method in (field.methods or METHODS) else (field.methods or ("sft",))[0]
         help_ = next(f.metadata.get("help", "") for f in dataclasses.fields(recipes.train_config_class(method)) if f.name == key)
-        return help_ if len(help_) <= 120 else help_.split(". ")[0].rstrip(".") + "."
+        return help_ if len(help_) <= 120 else re.split(r"\. (?=[A-Z])", help_)[0].rstrip(".") + "."  # not at "Eq. 2"
     if field.key == "data.format":
         return Source.model_fields["format"].description
     if not key:
