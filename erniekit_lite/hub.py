@@ -38,7 +38,8 @@ TRL_DEFAULTS = {"sft": {"learning_rate": 2e-5}, "pt": {"learning_rate": 2e-5}, "
                 "orpo": {"learning_rate": 1e-6, "beta": 0.1},
                 "simpo": {"learning_rate": 1e-6, "beta": 0.1, "simpo_gamma": 0.5, "cpo_alpha": 0.0},  # cpo_alpha: ours (trainer_args)
                 "kto": {"learning_rate": 1e-6, "beta": 0.1, "loss_type": "kto", "desirable_weight": 1.0, "undesirable_weight": 1.0},
-                "rm": {"learning_rate": 1e-4, "center_rewards_coefficient": None}}
+                "rm": {"learning_rate": 1e-4, "center_rewards_coefficient": None},
+                "grpo": {"learning_rate": 1e-6, "beta": 0.0, "loss_type": "dapo", "num_generations": 8, "max_completion_length": 512}}
 
 
 def settings(repo_id: str, private: bool = False, merged: bool = False, revision: str | None = None) -> HubSection:
@@ -343,6 +344,10 @@ def _setup_rows(run: Path, recipe: Recipe, adapter: dict) -> list[tuple[str, str
                   + (f" + {center:g} x mean(r^2)" if center else "") + "; a new score head, hidden -> 1, read at each sequence's last token)")
     elif recipe.method == "pt":
         method = "continued pre-training (raw text, every token after each piece's first)"
+    elif recipe.method == "grpo":
+        rewards = ", ".join(f"{r.name or r.function or 'reward model'} x {r.weight:g}" for r in recipe.rewards or [])
+        method = (f"GRPO ({train['loss_type']}, {train['num_generations']} completions per prompt of up to "
+                  f"{train['max_completion_length']} tokens, beta {train['beta']:g}; rewards: {rewards})")
     else:
         method = "SFT (loss on assistant turns)"
     if adapter:
@@ -356,13 +361,13 @@ def _setup_rows(run: Path, recipe: Recipe, adapter: dict) -> list[tuple[str, str
     rows.append(("learning rate", f"{train['learning_rate']:g}{schedule}"))
     if "global_step" in state:
         rows.append(("training", f"{state['global_step']} steps ({results.get('epoch', state.get('epoch', 0)):.2f} epochs)"))
-    per = "sequence" if recipe.method in PAIR_METHODS or recipe.method == "kto" else "sample"
+    per = "sequence" if recipe.method in PAIR_METHODS or recipe.method == "kto" else "prompt" if recipe.method == "grpo" else "sample"
     rows.append(("max_length", f"{recipe.data.max_length} tokens per {per}"))
     packing = f"padding-free rows, {results['packing_efficiency']:.1%} filled" if "packing_efficiency" in results else "padding-free rows"
     rows.append(("packing", packing if recipe.data.packing else "no (padded rows)"))
     if "train_samples" in results:
         unit = ("preference pairs" if recipe.method in PAIR_METHODS else "documents" if recipe.method == "pt"
-                else "labelled completions" if recipe.method == "kto" else "samples")
+                else "labelled completions" if recipe.method == "kto" else "prompts" if recipe.method == "grpo" else "samples")
         rows.append(("samples", f"{results['train_samples']} {unit}"))
     # Local files by name only: their paths say nothing to a reader and may say too much about the machine
     sources = [

@@ -184,16 +184,49 @@ class HubSection(_Section):
         return value
 
 
+REWARD_NAMES = ("exact_answer", "think_format", "length")  # built-in GRPO rewards (erniekit_lite/rewards.py)
+
+
+class RewardEntry(_Section):
+    name: Literal[REWARD_NAMES] | None = Field(
+        None, description="A built-in reward: exact_answer (the final number or \\boxed{} equals the reference's), "
+        "think_format (exactly one <think>...</think> before the answer), length (a penalty beyond args.target tokens)."
+    )
+    function: str | None = Field(
+        None, description="Your own reward: 'package.module:function' or 'path/to/file.py:function', called with TRL's "
+        "reward-function arguments (prompts, completions, completion_ids, answer, ...) and returning one float (or None) "
+        "per completion."
+    )
+    model: str | None = Field(None, description="A reward model: a `method: rm` run dir, scoring prompt + completion.")
+    weight: float = Field(1.0, description="This reward's weight in the sum (TRL's reward_weights).")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for a built-in (length: target).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardEntry:
+        given = [k for k in ("name", "function", "model") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"expected exactly one of name (a built-in: {', '.join(REWARD_NAMES)}), function "
+                             f"('module:function') or model (a method: rm run dir); got {', '.join(given) or 'none'}")
+        if self.function is not None and not re.fullmatch(r"[^:]+:[A-Za-z_]\w*", self.function):
+            raise ValueError(f"function: expected 'package.module:function' or 'path/to/file.py:function' (got {self.function!r})")
+        if self.args and self.name is None:
+            raise ValueError("args are for built-in rewards (name:); a function reads what it needs from TRL's arguments")
+        return self
+
+
 class Recipe(_Section):
     model: ModelSection
-    method: Literal["sft", "dpo", "orpo", "simpo", "kto", "rm", "pt"] = Field(
+    method: Literal["sft", "dpo", "orpo", "simpo", "kto", "rm", "pt", "grpo"] = Field(
         "sft", description="sft (chat turns), dpo (preference pairs), orpo or simpo (preference pairs, no reference model), "
-        "kto (single completions labelled desirable or undesirable), rm (a reward model from preference pairs) or pt "
-        "(continued pre-training on raw text)."
+        "kto (single completions labelled desirable or undesirable), rm (a reward model from preference pairs), pt "
+        "(continued pre-training on raw text) or grpo (reinforcement learning from prompts and reward functions)."
     )
     data: DataSection
     lora: LoraSection | None = Field(None, description="Omit for full fine-tuning.")
-    train: dict[str, Any] = Field(default_factory=dict, description="TRL SFTConfig (sft), DPOConfig (dpo), KTOConfig (kto) or RewardConfig (rm) fields, checked by name.")
+    rewards: list[RewardEntry] | None = Field(
+        None, description="method: grpo only: the reward functions, summed with their weights (at least one)."
+    )
+    train: dict[str, Any] = Field(default_factory=dict, description="TRL SFTConfig (sft), DPOConfig (dpo), KTOConfig (kto), RewardConfig (rm) or GRPOConfig (grpo) fields, checked by name.")
     output: OutputSection
     hub: HubSection | None = Field(None, description="Push the result to the Hugging Face Hub when training ends (token: HF_TOKEN or `hf auth login`).")
 
@@ -214,6 +247,15 @@ class Recipe(_Section):
                                      "(auto, text, txt, or erniekit for ERNIEKit's pre-training tgt list)")
                 if self.method != "pt" and source.format in RAW_TEXT_FORMATS:
                     raise ValueError(f"data.{split}.{i}.format '{source.format}' is raw text, for method: pt")
+        return self
+
+    @model_validator(mode="after")
+    def _rewards_for_grpo(self) -> Recipe:
+        if self.method == "grpo" and not self.rewards:
+            raise ValueError("method: grpo needs rewards: a list of {name: exact_answer | think_format | length, "
+                             "function: 'module:function' or model: RM_RUN_DIR, weight}")
+        if self.method != "grpo" and self.rewards is not None:
+            raise ValueError(f"rewards: is for method: grpo (this recipe is method: {self.method})")
         return self
 
     @model_validator(mode="after")
@@ -239,6 +281,7 @@ OWNED_TRAIN_KEYS = {
     "assistant_only_loss": "data (loss is always on assistant turns only)",
     "eval_packing": "data.packing",
     "packing_strategy": "data.packing",
+    "reward_weights": "rewards (each entry's weight)",  # GRPO
 }
 
 
@@ -328,9 +371,9 @@ def train_config_class(method: str):
             from trl.experimental.cpo import CPOConfig
             from trl.experimental.orpo import ORPOConfig
         return ORPOConfig if method == "orpo" else CPOConfig
-    from trl import DPOConfig, KTOConfig, RewardConfig, SFTConfig
+    from trl import DPOConfig, GRPOConfig, KTOConfig, RewardConfig, SFTConfig
 
-    return {"dpo": DPOConfig, "kto": KTOConfig, "rm": RewardConfig}.get(method, SFTConfig)
+    return {"dpo": DPOConfig, "kto": KTOConfig, "rm": RewardConfig, "grpo": GRPOConfig}.get(method, SFTConfig)
 
 
 def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int], method: str = "sft") -> None:

@@ -1,4 +1,4 @@
-"""The Trainer arguments a recipe makes (TRL's SFTConfig / DPOConfig / ORPOConfig / CPOConfig): read by `validate`'s
+"""The Trainer arguments a recipe makes (TRL's SFTConfig / DPOConfig / ORPOConfig / CPOConfig / GRPOConfig): read by `validate`'s
 plan and by training.
 
 Knows nothing about the plan or the training loop; `train/common.py` adds what only a run decides (CPU sharding,
@@ -61,6 +61,8 @@ def training_args(recipe: Recipe, out: Path):
         # TRL's default is sequential because it pairs KL completions within batches in dataset order; ours are fixed
         # inside each row (data/unpaired.py), so rows are shuffled as for every other method
         settings.setdefault("train_sampling_strategy", "random")
+    elif recipe.method == "grpo":
+        pass  # prompts are cut by data.max_length, completions by train.max_completion_length; TRL packs nothing itself
     else:
         settings["max_length"] = recipe.data.max_length
         settings["packing"] = False  # we pack ourselves, exactly; TRL must not repack

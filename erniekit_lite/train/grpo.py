@@ -1,0 +1,87 @@
+"""GRPO (`method: grpo`, TRL's GRPOTrainer) from prompts and reward functions: what it adds to the shared run (run.py).
+
+The data are prompts (data/prompts.py) with optional reference answers; the rewards are the recipe's `rewards:`
+(erniekit_lite/rewards.py: built-ins, your functions, a `method: rm` reward model), summed with their weights. The
+reference (when `train.beta` > 0) is DPO's: a new adapter is handed to TRL as a config, so the reference is the base
+with the adapter disabled; full fine-tuning keeps a frozen copy. PiSSA and OLoRA change the base itself: refused.
+Generation is TRL's: transformers' `generate` here; for real models, vLLM in its own environment through TRL's
+server mode (`trl vllm-serve`, `train.use_vllm: true`, `vllm_mode: server`), since vLLM pins another transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from erniekit_lite.data.prompts import PreparedPrompts, describe_prompts, prepare_prompts
+from erniekit_lite.errors import UserError
+from erniekit_lite.recipe import Recipe
+from erniekit_lite.train import run as runner
+
+
+def run(recipe: Recipe, log=print) -> Path:
+    check_lora(recipe)  # before anything loads or the run dir is claimed
+    return runner.run(recipe, METHOD, log)
+
+
+def check_lora(recipe: Recipe) -> None:
+    from erniekit_lite.model.lora import mutates_base
+
+    if recipe.lora is not None and mutates_base(recipe.lora.init):
+        raise UserError(f"lora.init: {recipe.lora.init} moves part of each base weight into the adapter, and GRPO's reference "
+                        "is the base with the adapter disabled, which would then be the changed base; use lora.init true, "
+                        "gaussian, orthogonal or mica for grpo")
+
+
+def prompts_dataset(items):
+    """Prompts as the `datasets.Dataset` TRL's sampler repeats per generation group; `answer` reaches the rewards."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [i.messages for i in items], "answer": [i.answer for i in items]})
+
+
+def build_trainer(model, tokenizer, args, data: PreparedPrompts, recipe: Recipe):
+    from erniekit_lite.model.lora import SETTINGS, check_adapters, lora_config, targets_as_written
+    from erniekit_lite.rewards import reward_functions
+    from erniekit_lite.train.grpo_trainer import ErnieGRPOTrainer
+
+    funcs, weights = reward_functions(recipe.rewards, recipe.data.system)
+    args.reward_weights = weights
+    config = lora_config(model, recipe.lora) if recipe.lora is not None else None
+    with targets_as_written():  # TRL calls get_peft_model itself
+        trainer = ErnieGRPOTrainer(
+            model=model,
+            reward_funcs=funcs,
+            args=args,
+            train_dataset=prompts_dataset(data.train.items),
+            eval_dataset=prompts_dataset(data.eval.items) if data.eval is not None else None,
+            processing_class=tokenizer,
+            peft_config=config,
+        )
+    if config is not None:
+        check_adapters(trainer.model, config)
+        setattr(trainer.model, SETTINGS, recipe.lora)  # LoRA+ (train/optimizer.py) reads it
+    return trainer
+
+
+def metric_names(trainer) -> tuple[str, ...]:
+    """TRL's GRPO metrics the run reports: mean reward, each function's mean, completion length, KL, entropy."""
+    per_function = tuple(f"rewards/{name}/mean" for name in trainer.reward_func_names)
+    return ("reward", "reward_std", *per_function, "completions/mean_length", "completions/clipped_ratio", "kl", "entropy",
+            "frac_reward_zero_std")
+
+
+def last_rewards(trainer) -> dict:
+    """The reward metrics of the last logged training step, for train_results.json."""
+    logged = [h for h in trainer.state.log_history if "reward" in h]
+    return {k: logged[-1][k] for k in metric_names(trainer) if logged and k in logged[-1]}
+
+
+def summary(metrics: dict) -> str:
+    kl = f", kl {metrics['kl']:.4f}" if "kl" in metrics else ""
+    return f"mean reward {metrics.get('reward', float('nan')):.3f}{kl}, "
+
+
+METHOD = runner.Method(
+    prepare=prepare_prompts, describe=describe_prompts, build_trainer=build_trainer,
+    trained=lambda data: len(data.train.items), adapter_by_trainer=True, metrics=last_rewards, summary=summary,
+)
