@@ -58,6 +58,13 @@ b = bytes of matmul outputs (2 under bf16/fp16 autocast, else r).
   copy of the model (not with precompute_ref_log_probs). Not yet measured. KTO: the same reference; T counts one
   side (data.max_length per row: the examples, scored with grad), since its KL twins and reference passes run
   without grad, the policy's KL pass before its own forward (nothing extra at the peak).
+- GRPO: T = per_device_train_batch_size x (data.max_length + max_completion_length) (a packed row of prompts and
+  completions), P = per_device_train_batch_size x max_completion_length; the reference as DPO's (when beta > 0).
+  Generation (transformers' `generate`) holds the KV cache of the device's generation batch, n sequences of up to
+  data.max_length + max_completion_length tokens, 2LKd x b bytes per token, plus n x V x (b + 8) for the last
+  position's logits, while the training activations are freed: the peak takes the larger of the two phases,
+      total = weights + gradients + optimizer (+ reference copy) + max(training, generation) + overhead.
+  Not yet measured; with vLLM in server mode generation runs on the server's GPUs (0 here).
 - overhead: 0.5 GiB (CUDA context, cuBLAS workspace: outside PyTorch's allocator) + 10% of the rest (caching-
   allocator fragmentation). An assumption, not measured on a GPU yet.
 
@@ -171,6 +178,8 @@ class Run:
     chunk_elements: int = 2**27
     head_keep: bool = False  # a trained LM head keeps every chunk's buffer instead of recomputing (scoring.py)
     device: str = "cuda"  # cpu only for the calibration: CPU dropout keeps its mask in the input's dtype
+    generate_sequences: int = 0  # GRPO: sequences transformers' generate runs at once on this device (0: none here)
+    generate_length: int = 0  # GRPO: their longest prompt + completion
 
 
 @dataclass
@@ -186,10 +195,21 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     four_bit: str = ""  # which parts are 4-bit, when load_in_4bit
     reference_copy: int = 0  # the frozen reference model of full-FT DPO (part of `reference`)
+    generation: int = 0  # GRPO: KV cache and sampling logits of a generation batch (not alive with the activations)
+
+    @property
+    def static(self) -> int:
+        """What stays allocated through the step: weights, gradients, optimizer states, a frozen reference copy."""
+        return self.weights + self.gradients + self.optimizer + self.reference_copy
+
+    @property
+    def training(self) -> int:
+        """The training forward/backward's own memory, freed before the next generation."""
+        return self.activations + self.logits + self.transient + self.reference - self.reference_copy
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.transient + self.reference + self.overhead
+        return self.static + max(self.training, self.generation) + self.overhead
 
 
 def smallest_gpu(total: int) -> int | None:
@@ -406,7 +426,7 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
         transient += 2 * params.largest_linear * 2  # dequantized bf16 weight (forward and backward)
 
     reference = reference_copy = 0
-    if run.method in ("dpo", "kto") and run.reference in ("adapter", "copy"):
+    if run.method in ("dpo", "kto", "grpo") and run.reference in ("adapter", "copy"):
         # the no-grad reference forward runs while the policy's activations are alive: one layer's
         # working set and one logits chunk (the head's output, its fp32 copy, the metrics' exp buffer) at a time
         ref_working = max(max(layer.values()) * t, (8 + (b if b != 4 else 0)) * chunk * vocab
@@ -416,7 +436,9 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
             reference_copy = int(params.linear * r + params.fp32 * 4 + params.other * r + params.trainable * r)
             reference += reference_copy
 
-    allocated = weights + gradients + optimizer + activations + logits + transient + reference
+    generation = generation_bytes(shape, run, b)
+    training = activations + logits + transient + reference - reference_copy
+    allocated = weights + gradients + optimizer + reference_copy + max(training, generation)
     overhead = CONTEXT_BYTES + int(FRAGMENTATION * allocated)
     four_bit = ""
     if run.load_in_4bit:
@@ -426,16 +448,28 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
             f"4-bit NF4: {params.linear:,} parameters ({linears} nn.Linear weights); "
             f"{_dtype_name(r)}: {params.other:,} ({kept})" + (f"; fp32: {params.fp32:,} (router)" if params.fp32 else "")
         )
-    return Estimate(weights, gradients, optimizer, activations, logits, transient, reference, overhead, notes, four_bit, reference_copy)
+    return Estimate(weights, gradients, optimizer, activations, logits, transient, reference, overhead, notes, four_bit, reference_copy,
+                    generation)
+
+
+def generation_bytes(shape: Shape, run: Run, b: int) -> int:
+    """GRPO's generation phase (transformers' `generate`, no grad): the KV cache of every sequence at its longest,
+    2 x L x K x d values per token in the matmul dtype, plus the last position's logits per sequence (the head's
+    output, its fp32 copy and the sampling probabilities). Training's activations are freed by then. Not measured."""
+    n, length = run.generate_sequences, run.generate_length
+    if not n:
+        return 0
+    kv = n * length * shape.layers * 2 * shape.kv_heads * shape.head_dim * b
+    return kv + n * shape.vocab * (b + 8)
 
 
 def sharded_total(est: Estimate, params: Params, run: Run, devices: int) -> int:
     """Rough per-device peak when FSDP / DeepSpeed ZeRO-3 shard weights, gradients and optimizer states over
     `devices`: the sharded states, plus one decoder layer gathered in full (with the next one prefetched and its
     unsharded gradient: 3 layers' worth), plus everything per-token as before. Not measured."""
-    states = est.weights + est.gradients + est.optimizer + est.reference_copy
+    states = est.static
     gathered = 3 * params.layer_params_max * run.dtype_bytes
-    allocated = states // devices + gathered + est.activations + est.logits + est.transient + est.reference - est.reference_copy
+    allocated = states // devices + gathered + max(est.training, est.generation)
     return allocated + CONTEXT_BYTES + int(FRAGMENTATION * allocated)
 
 
@@ -567,6 +601,8 @@ def format_lines(est: Estimate, run: Run, gpu: int | None) -> list[str]:
     if est.reference:
         parts.append(f"reference {g(est.reference)}")
     parts.append(f"overhead {g(est.overhead)}")
+    if est.generation:  # GRPO: generation's memory takes the place of training's activations and working set
+        parts = parts[:3] + [f"max(training {g(est.training)}, generation {g(est.generation)})", parts[-1]]
     lines = [
         f"memory per device (estimate): {g(est.total)} GiB for {run.tokens:,} tokens per micro-batch "
         f"({precision}, {ckpt}); {fits}",
@@ -574,4 +610,9 @@ def format_lines(est: Estimate, run: Run, gpu: int | None) -> list[str]:
     ]
     if est.four_bit:
         lines.append(f"  {est.four_bit}")
+    if est.generation:
+        lines.append(f"  generation: KV cache and sampling logits of {run.generate_sequences} sequences x {run.generate_length:,} "
+                     f"tokens (prompt + completion) at once, {g(est.generation)} GiB; training = activations "
+                     f"{g(est.activations + est.logits)} + working set {g(est.transient)}"
+                     + (f" + reference {g(est.reference - est.reference_copy)}" if est.reference - est.reference_copy else ""))
     return lines

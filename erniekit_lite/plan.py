@@ -36,6 +36,16 @@ def plan(recipe: Recipe, log=print) -> dict:
         describe, units = describe_feedback, "examples"
         truncated, dropped = data.train.stats.truncated, sum(data.train.stats.skipped.values())
         count = len(data.train.examples)
+    elif recipe.method == "grpo":
+        from erniekit_lite.data.prompts import describe_prompts, prepare_prompts
+        from erniekit_lite.rewards import reward_functions
+
+        data = prepare_prompts(recipe.data, tokenizer, seed=args.seed, log=log)
+        describe, units = describe_prompts, "prompts"
+        truncated, dropped = 0, data.train.dropped_overlong
+        count = len(data.train.items)
+        funcs, _ = reward_functions(recipe.rewards, recipe.data.system)  # a reward that cannot be imported fails here
+        log(f"rewards: {', '.join(f'{f.__name__} x {e.weight:g}' for f, e in zip(funcs, recipe.rewards))}")
     elif recipe.method == "pt":
         from erniekit_lite.data.documents import describe_documents, prepare_documents
 
@@ -51,8 +61,9 @@ def plan(recipe: Recipe, log=print) -> dict:
         count = len(data.train.samples)
     arch = architecture(adapter_base(recipe.model.path) or recipe.model.path, recipe)
 
-    lengths = sorted(data.train.stats.lengths)
-    rows = len(data.train.rows)
+    lengths = sorted(data.train.lengths if recipe.method == "grpo" else data.train.stats.lengths)
+    # GRPO's rows are completions: num_generations per prompt, scored as one packed row per micro-batch
+    rows = count * args.num_generations if recipe.method == "grpo" else len(data.train.rows)
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
     steps = args.max_steps if args.max_steps > 0 else math.ceil(rows / per_step) * math.ceil(args.num_train_epochs)
     info = {
@@ -66,7 +77,7 @@ def plan(recipe: Recipe, log=print) -> dict:
         "truncated": truncated,
         "dropped": dropped,
         "rows": rows,
-        "packing_efficiency": round(data.train.packing_efficiency, 4),
+        "packing_efficiency": 1.0 if recipe.method == "grpo" else round(data.train.packing_efficiency, 4),
         "optimizer_steps": steps,
     }
     if recipe.method == "kto":
@@ -84,10 +95,14 @@ def plan(recipe: Recipe, log=print) -> dict:
                                                        if recipe.method == "pt" else
                                                        f"{info['truncated']} truncated, {info['dropped']} dropped")
     )
-    log(
-        f"batches: {rows} {'packed rows' if recipe.data.packing else 'padded rows'}, packing efficiency "
-        f"{info['packing_efficiency']:.1%}; {steps} optimizer steps of {per_step} rows"
-    )
+    if recipe.method == "grpo":
+        log(f"batches: {rows} completions per epoch ({count} prompts x {args.num_generations}), each micro-batch's "
+            f"{args.per_device_train_batch_size} scored as one packed row; {steps} optimizer steps of {per_step} completions")
+    else:
+        log(
+            f"batches: {rows} {'packed rows' if recipe.data.packing else 'padded rows'}, packing efficiency "
+            f"{info['packing_efficiency']:.1%}; {steps} optimizer steps of {per_step} rows"
+        )
     est, run = memory_estimate(recipe, args, arch, cuda)
     gpu = memory.smallest_gpu(est.total)
     info["memory_gb"] = round(est.total / memory.GIB, 2)
@@ -111,6 +126,8 @@ def plan(recipe: Recipe, log=print) -> dict:
                     "sharded states plus three gathered layers; not measured)"
                 ]
                 break
+    if recipe.method == "grpo":
+        gpu_notes = gpu_notes + grpo_notes(recipe, args, count)
     if recipe.lora is not None and recipe.lora.use_dora:
         gpu_notes = gpu_notes + ["lora.use_dora: not in the estimate: peft forms each adapted weight's full matrix (and "
                                  "its norm) in that layer's forward and backward, one layer at a time; not measured"]
@@ -130,6 +147,24 @@ def log_saved_vs_dpo(recipe: Recipe, args, arch: dict, run, est, log) -> int:
     log(f"  vs DPO on the same rows: DPO would plan {dpo.total / memory.GIB:.1f} GiB, {(dpo.total - est.total) / 2**20:,.0f} "
         f"MiB more for {held}, and one more no-grad forward of every row per step")
     return dpo.total
+
+
+def grpo_notes(recipe: Recipe, args, prompts: int) -> list[str]:
+    """What GRPO's steps are made of, and where its generation runs."""
+    groups = args.generation_batch_size // args.num_generations
+    notes = [f"grpo: each optimizer step trains on {args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)} "
+             f"completions; generation makes {args.generation_batch_size} at a time ({groups} prompts x "
+             f"{args.num_generations}), up to {args.max_completion_length} tokens each; {prompts} prompts"]
+    if args.use_vllm and args.vllm_mode == "server":
+        notes.append(f"grpo: generation by the vLLM server at {args.vllm_server_base_url or f'{args.vllm_server_host}:{args.vllm_server_port}'} "
+                     "(`trl vllm-serve`, its own environment and GPUs): not in this estimate")
+    elif args.use_vllm:
+        notes.append(f"grpo: vLLM colocated takes vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization:g} of the GPU "
+                     "besides this estimate (its own weights and KV cache)")
+    else:
+        notes.append("grpo: generation by transformers' generate on this device (the estimate counts its KV cache); for "
+                     "large models use vLLM's server mode (train.use_vllm, vllm_mode: server)")
+    return notes
 
 
 def gpu_only_settings(recipe: Recipe, cuda: bool) -> list[str]:
@@ -170,13 +205,24 @@ def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: boo
     if attn == "auto":
         attn = resolve_attention(attn, recipe.data.packing) if cuda else "sdpa"  # flash-attn may not be installed there
     kwargs = dict(args.activation_checkpointing_kwargs or {})
+    scored = 0 if recipe.method == "rm" else tokens  # an upper bound: every position trained (rm: no LM head, one score per sequence)
+    generation = {}
     if recipe.method in ("dpo", "kto"):
         reference = "adapter" if recipe.lora is not None else "precomputed" if args.precompute_ref_log_probs else "copy"
+    elif recipe.method == "grpo":
+        # a packed row of prompts and completions; the head runs at completion positions only
+        capacity = recipe.data.max_length + args.max_completion_length
+        tokens, scored = args.per_device_train_batch_size * capacity, args.per_device_train_batch_size * args.max_completion_length
+        reference = "none" if args.beta == 0 else "adapter" if recipe.lora is not None else "copy"
+        if not (args.use_vllm and args.vllm_mode == "server"):  # the server generates on its own GPUs
+            generation = {"generate_sequences": args.generation_batch_size // max(1, args.world_size),
+                          "generate_length": capacity}
     else:
         reference = "none"
     run = memory.Run(
         tokens=tokens,
-        scored=0 if recipe.method == "rm" else tokens,  # an upper bound: every position trained (rm: no LM head, one score per sequence)
+        scored=scored,
+        **generation,
         dtype_bytes=2 if recipe.model.dtype in ("bfloat16", "float16") else 4,
         autocast=autocast,
         load_in_4bit=recipe.model.load_in_4bit,

@@ -303,3 +303,40 @@ def test_grpo_run_raises_the_mean_reward(tiny_own_dir, tmp_path, capsys):
 
 
 STEPS, TARGET = 15, 0.7  # measured: 0.125 at step 1, 0.9 to 1.0 from step 10 (seed 0)
+
+
+# --- validate -------------------------------------------------------------------------------------------------------
+
+def test_the_generation_estimate_is_the_kv_cache_generate_holds(tiny_own_dir):
+    from erniekit_lite.memory import Run, Shape, generation_bytes
+
+    model = load_model(str(tiny_own_dir), attn_implementation="sdpa").eval()
+    prompt, new = 5, 7
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.full((3, prompt), 9), attention_mask=torch.ones(3, prompt, dtype=torch.long),
+                             max_new_tokens=new, min_new_tokens=new, do_sample=False, return_dict_in_generate=True)
+    cache = out.past_key_values
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    shape = Shape.from_config(model.config)
+    estimate = generation_bytes(shape, Run(tokens=1, scored=1, generate_sequences=3, generate_length=prompt + new), 4)
+    logits = 3 * shape.vocab * (4 + 8)
+    assert held <= estimate - logits < held * (prompt + new) / (prompt + new - 1) + 1  # the last token is never cached
+
+
+def test_validate_plans_generation_and_a_broken_reward_fails_there(tiny_own_dir, tmp_path, capsys):
+    train = {"num_generations": 4, "max_completion_length": 12, "per_device_train_batch_size": 8, "max_steps": 5}
+    good = write_recipe(tmp_path / "good.yaml", tiny_own_dir, method="grpo", data={"train": [str(ARITH)], "max_length": 64},
+                        rewards=[{"name": "exact_answer"}, {"function": str(ROOT / "recipes/data/grpo_rewards.py") + ":digits"}],
+                        train=train)
+    code, out, err = run_cli(capsys, "validate", good)
+    assert code == 0, err
+    assert "rewards: exact_answer x 1, digits x 1" in out
+    assert "train: 24 prompts (24 with a reference answer)" in out
+    assert "generation: KV cache and sampling logits of 8 sequences x 76 tokens (prompt + completion) at once" in out
+    assert "batches: 96 completions per epoch (24 prompts x 4)" in out
+    bad = write_recipe(tmp_path / "bad.yaml", tiny_own_dir, method="grpo", data={"train": [str(ARITH)]},
+                       rewards=[{"function": "recipes/data/nowhere.py:f"}], train=train)
+    code, out, err = run_cli(capsys, "validate", bad)
+    assert code == 2 and err.strip().splitlines() == ["error: rewards.0.function: 'recipes/data/nowhere.py:f': no file "
+                                                      "recipes/data/nowhere.py; expected 'package.module:function' or "
+                                                      "'path/to/file.py:function'"]
