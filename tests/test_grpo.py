@@ -106,6 +106,21 @@ def test_a_user_reward_from_a_file_and_built_ins_become_named_checked_functions(
     assert funcs[1](prompts=[[USER]], completions=[chat("a b")], completion_ids=[[1, 2, 3]]) == [-2.0]
 
 
+def test_a_method_rm_reward_model_is_a_reward_function(tiny_own_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from erniekit_lite.model.reward import AutoRewardModel, load_reward_model
+
+    AutoRewardModel.from_pretrained(str(tiny_own_dir)).save_pretrained(tmp_path / "rm")  # what a full `method: rm` run saves
+    AutoTokenizer.from_pretrained(tiny_own_dir).save_pretrained(tmp_path / "rm")
+    (func,), weights = rewards.reward_functions(entries({"model": str(tmp_path / "rm"), "weight": 0.5}))
+    prompts, completions = [[USER], [{"role": "system", "content": "S"}, USER]], [chat("5"), chat("It is 5.")]
+    values = func(prompts=prompts, completions=completions, completion_ids=[[1], [2, 3]], answer=["5", "5"])
+    assert func.__name__ == "reward_model" and weights == [0.5]
+    assert values == load_reward_model(str(tmp_path / "rm")).score([{"prompt": p, "completion": c} for p, c in zip(prompts, completions)])
+    assert len(set(values)) == 2  # two different sequences, two rewards
+
+
 @pytest.mark.parametrize("entry, source, message", [
     ({"function": "{dir}/broken.py:f"}, "import nothing_here_at_all\n",
      "rewards.0.function: cannot import '{dir}/broken.py' (ModuleNotFoundError: No module named 'nothing_here_at_all'); "
@@ -177,11 +192,12 @@ def padded_group(generator, prompts=(5, 3, 7, 4), completions=(4, 6, 2, 5), voca
     return ids, mask, C
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_packed_completion_logps_equal_each_sequence_alone(tiny_own_dir, temperature):
+@pytest.mark.parametrize("arch, temperature", [("dense", 1.0), ("dense", 0.7), ("moe", 0.7)])
+def test_packed_completion_logps_equal_each_sequence_alone(request, arch, temperature):
     from erniekit_lite.train.grpo_scoring import MARK, add_packed_scoring, packed_inputs, to_layout
 
-    model = load_model(str(tiny_own_dir), attn_implementation="packed_sdpa").eval()
+    model_dir = request.getfixturevalue("tiny_own_dir" if arch == "dense" else "tiny_moe_dir")
+    model = load_model(str(model_dir), attn_implementation="packed_sdpa").eval()
     add_packed_scoring(model)
     ids, mask, C = padded_group(torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -216,11 +232,14 @@ def grpo_trainer(model_dir, tmp_path, reward_funcs, **config):
                             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
-def test_grpo_loss_metrics_and_lora_gradients_equal_trl_on_its_padded_batch(tiny_own_dir, tmp_path, loss_type):
+@pytest.mark.parametrize("arch, loss_type", [("dense", "grpo"), ("dense", "dapo"), ("dense", "dr_grpo"), ("moe", "dapo")])
+def test_grpo_loss_metrics_and_lora_gradients_equal_trl_on_its_padded_batch(request, tmp_path, arch, loss_type):
+    """MoE: with the router aux loss (the config's coefficient), which TRL adds in `_compute_loss`."""
     from erniekit_lite.train.grpo_trainer import plain_attention, _inner
 
-    trainer = grpo_trainer(tiny_own_dir, tmp_path, [rewards.length], beta=0.1, loss_type=loss_type, temperature=0.8)
+    model_dir = request.getfixturevalue("tiny_own_dir" if arch == "dense" else "tiny_moe_dir")
+    trainer = grpo_trainer(model_dir, tmp_path, [rewards.length], beta=0.1, loss_type=loss_type, temperature=0.8)
+    assert trainer.aux_loss_enabled == (arch == "moe")
     torch.manual_seed(1)
     with torch.no_grad():  # move the adapter away from the reference so KL and ratios are not trivial
         for name, p in trainer.model.named_parameters():
@@ -253,7 +272,8 @@ def test_grpo_loss_metrics_and_lora_gradients_equal_trl_on_its_padded_batch(tiny
     assert metrics.keys() == trl_metrics.keys()
     for key in metrics:
         assert metrics[key] == pytest.approx(trl_metrics[key], abs=1e-5), key
-    assert grads.keys() == trl_grads.keys() and len(grads) == 12  # (A, B) of 3 targets in each of the 2 layers
+    trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert grads.keys() == trl_grads.keys() == set(trained) and len(trained) >= 12  # every adapter matrix has a gradient
     for name in grads:
         torch.testing.assert_close(grads[name], trl_grads[name], atol=1e-5, rtol=1e-4)
 
