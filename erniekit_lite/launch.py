@@ -3,6 +3,11 @@
 Each launched process runs `python -m erniekit_lite train RECIPE OVERRIDES`, the single-process code path;
 transformers' Trainer picks the process group, and the FSDP / DeepSpeed settings of an accelerate config file,
 up from the environment `accelerate launch` sets.
+
+Several machines (`--num-machines N --machine-rank R --main-process-ip HOST --main-process-port P`, or the same keys
+in the accelerate config file): the command runs once per machine, each launcher starting its share of the
+`--num-processes` total; torch elastic's static rendezvous at HOST:P (machine 0 hosts it) joins them, and waits
+`--join-timeout` seconds for the others before `launcher.py` says which address and port it waited on.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -20,11 +26,28 @@ import yaml
 from erniekit_lite.errors import UserError
 
 STOP_TIMEOUT = 300  # seconds a stopped worker has to finish its step and save (a second Ctrl-C ends it at once)
+JOIN_TIMEOUT = 120  # seconds a machine waits at the rendezvous for the others
+DEFAULT_PORT = 29500  # accelerate's and torchrun's: every machine must name the same one
 
 
-def launch(recipe: str, overrides: list[str], num_processes: int | None, config_file: str | None) -> int:
+@dataclass(frozen=True)
+class Machines:
+    """The multi-machine flags as given (None: not given; the accelerate config file's keys then apply)."""
+
+    num_machines: int | None = None
+    machine_rank: int | None = None
+    main_process_ip: str | None = None
+    main_process_port: int | None = None
+    join_timeout: int | None = None
+
+    def given(self) -> bool:
+        return any(v is not None for v in (self.num_machines, self.machine_rank, self.main_process_ip, self.main_process_port))
+
+
+def launch(recipe: str, overrides: list[str], num_processes: int | None, config_file: str | None,
+           machines: Machines = Machines()) -> int:
     """Run the training command under `accelerate launch`; returns its exit status (128 + signal after a stop)."""
-    command, env = launch_command(recipe, overrides, num_processes, config_file)
+    command, env = launch_command(recipe, overrides, num_processes, config_file, machines)
     return run_forwarding_signals(command, env)
 
 
@@ -85,25 +108,34 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
-def launch_command(recipe: str, overrides: list[str], num_processes: int | None, config_file: str | None) -> tuple[list[str], dict]:
+def launch_command(recipe: str, overrides: list[str], num_processes: int | None, config_file: str | None,
+                   machines: Machines = Machines()) -> tuple[list[str], dict]:
     import torch  # already loaded: checking the recipe imported TRL
 
     if num_processes is not None and num_processes < 1:
         raise UserError(f"--num-processes: expected 1 or more (got {num_processes})")
     config = _read_config(config_file) if config_file is not None else {}
     _check_deepspeed_precision(config, config_file, recipe, overrides, torch.cuda.is_available())
-    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    # accelerate's launcher, run by launcher.py, which says a rendezvous timeout or a stop in one line
+    command = [sys.executable, "-m", "erniekit_lite.launcher"]
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]  # overrides the config file's
     if config_file is not None:
         command += ["--config_file", config_file]
-    elif num_processes is not None and num_processes > 1:
+    elif (num_processes or 1) > 1:
         command += ["--multi_gpu"]  # plain data parallelism (DDP): one process per device
-    if "main_process_port" not in config:  # a multi-node config names its own; else avoid a busy 29500
+    several = _several_machines(machines, config, num_processes)
+    if several is not None:
+        command += several.arguments
+    elif "main_process_port" not in config:  # a config that names its own keeps it; else avoid a busy 29500
         command += ["--main_process_port", str(_free_port())]
     command += ["-m", "erniekit_lite", "train", recipe, *overrides]
 
     env = dict(os.environ)
+    if several is not None and several.described is not None:
+        from erniekit_lite.launcher import RENDEZVOUS
+
+        env[RENDEZVOUS] = several.described
     # After passing a stop signal on, the launcher SIGKILLs workers that have not exited within this many seconds
     # (torch's default, 30, is short for finishing a large model's step and saving its checkpoint)
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(STOP_TIMEOUT))
@@ -132,6 +164,56 @@ def end_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class _Rendezvous:
+    arguments: list[str]  # for `accelerate launch`
+    described: str | None  # for launcher.py's message: "HOST:PORT MACHINE_RANK NUM_MACHINES TIMEOUT"; None: one machine
+
+
+def _several_machines(machines: Machines, config: dict, num_processes: int | None) -> _Rendezvous | None:
+    """The `accelerate launch` arguments of a multi-machine run, each value the flag's or else the config file's;
+    None for one machine. Checked here, as one line naming the flag, instead of an assertion (or a wait) later."""
+    if machines.join_timeout is not None and machines.join_timeout < 1:
+        raise UserError(f"--join-timeout: expected a number of seconds, 1 or more (got {machines.join_timeout})")
+    pick = lambda flag, key: flag if flag is not None else config.get(key)
+    count = pick(machines.num_machines, "num_machines")
+    if count is not None and (not isinstance(count, int) or count < 1):
+        raise UserError(f"--num-machines: expected 1 or more (got {count})")
+    if count is None or count == 1:
+        if count is None and (machines.machine_rank is not None or machines.main_process_ip is not None):
+            raise UserError("--num-machines: expected the number of machines, given with --machine-rank and "
+                            "--main-process-ip")
+        if machines.main_process_port is None:
+            return None
+        return _Rendezvous(["--main_process_port", str(_port(machines.main_process_port))], None)  # one machine
+    rank, host = pick(machines.machine_rank, "machine_rank"), pick(machines.main_process_ip, "main_process_ip")
+    port, total = pick(machines.main_process_port, "main_process_port"), pick(num_processes, "num_processes")
+    if rank is None or not isinstance(rank, int) or not 0 <= rank < count:
+        raise UserError(f"--machine-rank: expected this machine's rank, 0 to {count - 1} (got {rank}); machine 0 hosts "
+                        "the rendezvous")
+    if not host:
+        raise UserError("--main-process-ip: expected the address of machine 0, which every machine can reach (the "
+                        "same on every machine)")
+    port = _port(DEFAULT_PORT if port is None else port)
+    if total is None or not isinstance(total, int) or total < count or total % count:
+        raise UserError(f"--num-processes: expected the total over all {count} machines, a multiple of {count} "
+                        f"(machines x processes per machine; got {total})")
+    timeout = machines.join_timeout or JOIN_TIMEOUT
+    # static rendezvous (accelerate's default) reads `timeout`, c10d (elastic restarts) `join_timeout`
+    key = "timeout" if config.get("rdzv_backend", "static") == "static" else "join_timeout"
+    arguments = ["--num_machines", str(count), "--machine_rank", str(rank), "--main_process_ip", str(host),
+                 "--main_process_port", str(port), "--rdzv_conf", f"{key}={timeout}"]
+    if config.get("distributed_type") == "DEEPSPEED":
+        arguments += ["--deepspeed_multinode_launcher", "standard"]  # torch elastic, as here; accelerate's default is pdsh over ssh
+    return _Rendezvous(arguments, f"{host}:{port} {rank} {count} {timeout}")
+
+
+def _port(port) -> int:
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise UserError(f"--main-process-port: expected a port, 1 to 65535, the same on every machine (got {port})")
+    return port
 
 
 def _read_config(path: str) -> dict:

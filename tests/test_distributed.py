@@ -4,7 +4,8 @@ Checked where it runs here, on CPU over gloo: 2 processes x 1 row per step train
 accumulated rows (DDP); the shipped FSDP2 config (fp32) shards every parameter and trains like DDP, full and LoRA,
 dense and MoE, and saves a full model; a 2-process run stopped by SIGTERM resumes exactly, under DDP and FSDP2
 (signals reach the workers through the launcher once; a second one ends everything at once). ZeRO-3 needs
-DeepSpeed (not installed); its config is checked as accelerate reads it.
+DeepSpeed (not installed); its config is checked as accelerate reads it. FSDP2 checkpoints are sharded (torch
+distributed checkpoint, each rank its own part); the final model is gathered once.
 """
 
 from __future__ import annotations
@@ -311,7 +312,10 @@ def test_stopped_two_process_run_resumes_like_an_uninterrupted_one(tmp_path, tin
     assert end["event"] == "end" and end["status"] == "stopped" and 5 <= stop < 16
     assert end["checkpoint"] == str(out / f"checkpoint-{stop}") and f"stopped at step {stop} of 16" in stderr
     assert checkpoints.complete(out)[-1] == out / f"checkpoint-{stop}" and not list(out.glob("tmp-*"))
-    assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in (out / f"checkpoint-{stop}").iterdir()}
+    saved = {p.name for p in (out / f"checkpoint-{stop}").iterdir()}
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= saved
+    if strategy == "fsdp2":  # sharded: each rank's part of the model and optimizer state, nothing gathered on rank 0
+        assert {"pytorch_model_fsdp_0", "optimizer_0"} <= saved and not saved & {"adapter_model.safetensors", "optimizer.bin"}
 
     resumed = train_cli(tmp_path, str(path), f"output.dir={out}", "--resume", *launch)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
@@ -444,7 +448,7 @@ def test_fsdp2_config_wraps_each_decoder_layer(monkeypatch, tiny_own_dir, tiny_m
             monkeypatch.setenv(key, value)
     plugin = FullyShardedDataParallelPlugin()
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
-    assert plugin.state_dict_type.name == "FULL_STATE_DICT" and not plugin.activation_checkpointing
+    assert plugin.state_dict_type.name == "SHARDED_STATE_DICT" and not plugin.activation_checkpointing
 
     for model_dir, layer in ((tiny_own_dir, "Ernie4_5DecoderLayer"), (tiny_moe_dir, "Ernie4_5_MoeDecoderLayer")):
         model = AutoModelForCausalLM.from_pretrained(model_dir)

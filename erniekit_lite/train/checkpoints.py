@@ -8,6 +8,13 @@ one renames it to `checkpoint-N`: a dir of that name is complete by construction
 where it cannot see the new checkpoint), oldest step first, never deleting the checkpoint just saved nor the best.
 
 A non-finite gradient norm stops training before the optimizer applies it (`Diverged`), so no checkpoint holds it.
+
+Sharded runs keep checkpoints sharded: under FSDP with `fsdp_state_dict_type: SHARDED_STATE_DICT` (the shipped
+recipes/accelerate/fsdp2.yaml) transformers writes each checkpoint's model and optimizer state with torch's
+distributed checkpoint (`pytorch_model_fsdp_0/`, `optimizer_0/`: every rank writes its own shard, nothing is gathered)
+and resumes from it. Its `save_model` then writes no model at all; the final save here gathers the full model
+once, tensor by tensor onto rank 0 in the dtype the weights have (the recipe's model.dtype), and writes a plain
+safetensors model. ZeRO-3 checkpoints are DeepSpeed's own shards already.
 """
 
 from __future__ import annotations
@@ -89,6 +96,8 @@ class CheckpointMixin:
         run_dir = Path(super()._get_output_dir(trial))
         name = f"checkpoint-{self.state.global_step}"
         staging, final = run_dir / f"{STAGING}{name}", run_dir / name
+        if sharded_checkpoints(self):
+            complete_optimizer_state(self.optimizer)
         self._staging = staging
         try:
             super()._save_checkpoint(model, trial)
@@ -105,6 +114,12 @@ class CheckpointMixin:
             keep = {final} | ({Path(self.state.best_model_checkpoint)} if self.state.best_model_checkpoint else set())
             rotate(run_dir, self.args.save_total_limit, keep)
         self.accelerator.wait_for_everyone()
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        if not _internal_call and sharded_checkpoints(self):  # the final model, consolidated once (module docstring)
+            self._save(output_dir, state_dict=self.accelerator.get_state_dict(self.model))
+            return
+        super().save_model(output_dir, _internal_call)
 
     def _save(self, output_dir=None, state_dict=None):
         """A gathered full state dict (FSDP, ZeRO-3) holds a tied LM head as its own tensor, which `save_pretrained`
@@ -131,6 +146,44 @@ class CheckpointMixin:
         if grad_norm is not None and not self.args.fp16 and not math.isfinite(float(grad_norm)):
             raise Diverged(self.state.global_step + 1, float(grad_norm), float(self._last_loss))
         return grad_norm
+
+
+def sharded_checkpoints(trainer) -> bool:
+    """Whether the trainer's checkpoints hold sharded model state: FSDP with a sharded state dict type."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    return plugin is not None and "SHARDED_STATE_DICT" in str(plugin.state_dict_type)
+
+
+def complete_optimizer_state(optimizer) -> None:
+    """Give each trainable parameter that has had no gradient yet its optimizer state, as torch would make it:
+    one optimizer step over those parameters alone, with zero gradients at learning rate 0 (nothing changes).
+
+    Why: resuming from a sharded checkpoint loads the optimizer state into a template in which torch
+    (`checkpoint.state_dict._init_optim_state`) gives every trainable parameter a state, so one missing from the
+    checkpoint fails the load ("Missing key in checkpoint state_dict: optimizer.state.NAME.step"). The ERNIE MoE's
+    `moe_statics.e_score_correction_bias` is one: transformers 5.23's `from_pretrained` leaves it trainable, and no
+    gradient reaches it (it only shifts the top-k choice). Same on every rank: the same parameters get gradients.
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper would count the step
+    params = [p for group in inner.param_groups for p in group["params"]]
+    missing = {id(p) for p in params if p.requires_grad and p not in inner.state}
+    if not missing:
+        return
+    import torch
+
+    grads = [p.grad for p in params]
+    lrs = [group["lr"] for group in inner.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p) if id(p) in missing else None  # a parameter without a gradient is skipped
+    for group in inner.param_groups:
+        group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+    try:
+        inner.step()
+    finally:
+        for group, lr in zip(inner.param_groups, lrs):
+            group["lr"] = lr
+        for p, grad in zip(params, grads):
+            p.grad = grad
 
 
 def publish(staging: Path, final: Path) -> None:
