@@ -256,3 +256,24 @@ def test_machine_flags_reach_accelerate_launch_over_the_config_file(tmp_path, ti
     # one machine: no rendezvous variable, a free port as before
     args, env = parsed(Machines(), config_file=None, num_processes=2)
     assert args["num_machines"] is None and RENDEZVOUS not in env
+
+
+@pytest.mark.slow  # two torchrun launchers: ~35 s on 2 cores
+def test_torchrun_on_two_machines_trains_the_same(uninterrupted, tmp_path):
+    """`torchrun ... -m erniekit_lite train RECIPE` (no accelerate launch, c10d rendezvous, plain DDP: an accelerate
+    config is not read by torchrun) on two loopback machines trains the same steps as the accelerate-launched run."""
+    recipe, _, reference, _ = uninterrupted
+    out, port = tmp_path / "torchrun", free_port()
+    # ACCELERATE_USE_CPU: what `train --num-processes` sets without a GPU; with GPUs nothing is needed
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1",
+           "ACCELERATE_USE_CPU": "true"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test"]
+    machines = [subprocess.Popen([*torchrun, "-m", "erniekit_lite", "train", str(recipe), f"output.dir={out}"], env=env, cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(MACHINES)]
+    ends = [m.communicate(timeout=300) for m in machines]
+    assert [m.returncode for m in machines] == [0, 0], ends[0][1][-3000:] + ends[1][1][-3000:]
+    said = "".join(stdout for stdout, _ in ends)
+    assert said.count("distributed: DDP over 2 processes (gloo)") == 1 and said.count("done: loss") == 1
+    assert step_losses(out) == pytest.approx(step_losses(reference), rel=1e-6)
+    assert json.loads((out / "train_results.json").read_text())["train_tokens"] == json.loads((reference / "train_results.json").read_text())["train_tokens"]
