@@ -154,6 +154,18 @@ def test_sigterm_to_one_machine_stops_both_and_resume_matches(uninterrupted, tmp
     for part in ("pytorch_model_fsdp_0", "optimizer_0"):
         assert sorted(p.name for p in (saved / part).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
+    # A sharded checkpoint's weights as one plain model, without training: accelerate's merge-weights
+    import shutil
+
+    from accelerate.utils import merge_fsdp_weights
+    from transformers import AutoModelForCausalLM
+
+    merged = tmp_path / "merged"
+    merge_fsdp_weights(str(saved / "pytorch_model_fsdp_0"), str(merged))
+    shutil.copy(reference / "config.json", merged)
+    _, loading = AutoModelForCausalLM.from_pretrained(merged, output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"]
+
     resumed = two_machines(tmp_path, *argv, "--resume")
     assert [code for code, _, _ in resumed] == [0, 0], resumed[0][2][-3000:] + resumed[1][2][-3000:]
     assert f"resuming from {saved}" in resumed[0][1]
@@ -166,18 +178,25 @@ def test_sigterm_to_one_machine_stops_both_and_resume_matches(uninterrupted, tmp
         assert (g["loss"], g["grad_norm"]) == pytest.approx((r["loss"], r["grad_norm"]), rel=1e-6), g["step"]
 
 
+@pytest.mark.slow  # no training, but two launchers waiting out a 5 s rendezvous: ~25 s on 2 cores
 def test_a_machine_that_never_joins_fails_in_one_line(tmp_path, tiny_own_dir):
-    """Machine 0 alone (it hosts the rendezvous) and machine 1 alone (nobody listens on the port), each with
-    --join-timeout 5: both fail within the timeout (plus start-up), one line naming the address and port."""
+    """Machine 0 alone (it hosts the rendezvous; given by flags) and machine 1 alone (nobody listens on the port;
+    given by an accelerate config file's keys), each with --join-timeout 5: both fail within the timeout (plus
+    start-up), in one line naming the address and port."""
     from helpers import write_recipe
 
     recipe = write_recipe(tmp_path / "recipe.yaml", tiny_own_dir, out=tmp_path / "out")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HOME": str(tmp_path / "hf")}
     ports = free_port(), free_port()
+    config = tmp_path / "machine-1.yaml"
+    shipped = yaml.safe_load(fp32_config(tmp_path).read_text())
+    config.write_text(yaml.safe_dump({**shipped, "num_machines": 2, "machine_rank": 1, "main_process_ip": "127.0.0.1",
+                                      "main_process_port": ports[1], "num_processes": 2}))
+    given = [machine_flags(0, ports[0]), ["--accelerate-config", str(config)]]
     started = time.time()
-    alone = [subprocess.Popen([sys.executable, "-m", "erniekit_lite", "train", str(recipe), *machine_flags(rank, ports[rank]),
-                               "--join-timeout", "5"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for rank in range(MACHINES)]
+    alone = [subprocess.Popen([sys.executable, "-m", "erniekit_lite", "train", str(recipe), *given[rank], "--join-timeout", "5"],
+                              env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(MACHINES)]
     ends = [p.communicate(timeout=120) for p in alone]
     assert time.time() - started < 60
     for rank, (p, (_, stderr)) in enumerate(zip(alone, ends)):
