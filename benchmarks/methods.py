@@ -164,7 +164,6 @@ def run(p: dict, probe) -> dict:
     """One run of `p["method"]` from the shared erniekit-lite benchmark recipe (runners/erniekit.py) plus the
     method's `train:` keys, through the module `erniekit-lite train` dispatches to."""
     import contextlib
-    import importlib
     import io
 
     sys.path.insert(0, str(BENCH / "runners"))
@@ -172,8 +171,9 @@ def run(p: dict, probe) -> dict:
 
     from erniekit_lite.recipe import from_dict
 
-    module = {"orpo": "reference_free", "simpo": "reference_free"}.get(p["method"], p["method"])
-    train = importlib.import_module(f"erniekit_lite.train.{module}").run
+    from erniekit_lite.train import method_runner
+
+    train = method_runner(p["method"])
     raw = base.recipe_dict(p)
     raw["train"].update(p["train"])
     if p["data_format"] is None:

@@ -22,6 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-processes", type=int, metavar="N", help="train on N devices: re-run under `accelerate launch` with N processes")
     p.add_argument("--accelerate-config", metavar="FILE", help="launch with this accelerate config (FSDP, DeepSpeed; see recipes/accelerate/)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in output.dir (none: start from scratch)")
+    m = p.add_argument_group("more than one machine (run the same command on each; --num-processes is the total over all)")
+    m.add_argument("--num-machines", type=int, metavar="N", help="machines taking part")
+    m.add_argument("--machine-rank", type=int, metavar="R", help="this machine's rank, 0 to N-1 (machine 0 hosts the rendezvous)")
+    m.add_argument("--main-process-ip", metavar="HOST", help="address of machine 0, reachable from every machine")
+    m.add_argument("--main-process-port", type=int, metavar="P", help="rendezvous port on machine 0 (default 29500)")
+    m.add_argument("--join-timeout", type=int, metavar="S", help="seconds to wait for every machine to join (default 120)")
     p.set_defaults(handler=_train)
 
     p = sub.add_parser("validate", help="check a recipe and its data, print the plan, train nothing")
@@ -141,27 +147,18 @@ def _train(args) -> int:
             raise UserError("--resume and train.resume_from_checkpoint=... both given; use one")
         overrides.append("train.resume_from_checkpoint=auto")  # resolved when training starts
     r = recipes.load(args.recipe, overrides)
-    if args.num_processes is not None or args.accelerate_config is not None:
+    from erniekit_lite.launch import Machines
+
+    machines = Machines(args.num_machines, args.machine_rank, args.main_process_ip, args.main_process_port, args.join_timeout)
+    if args.num_processes is not None or args.accelerate_config is not None or machines.given():
         from erniekit_lite.launch import launch
 
-        return launch(args.recipe, overrides, args.num_processes, args.accelerate_config)
+        return launch(args.recipe, overrides, args.num_processes, args.accelerate_config, machines)
     _quiet_libraries()
-    if r.method == "dpo":
-        from erniekit_lite.train.dpo import run
-    elif r.method in ("orpo", "simpo"):
-        from erniekit_lite.train.reference_free import run
-    elif r.method == "kto":
-        from erniekit_lite.train.kto import run
-    elif r.method == "rm":
-        from erniekit_lite.train.rm import run
-    elif r.method == "pt":
-        from erniekit_lite.train.pt import run
-    else:
-        from erniekit_lite.train.sft import run
-
     from erniekit_lite.launch import end_process_group, print_on_main
+    from erniekit_lite.train import method_runner
 
-    run(r, log=print_on_main)
+    method_runner(r.method)(r, log=print_on_main)
     end_process_group()
     return 0
 
