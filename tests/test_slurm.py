@@ -79,7 +79,7 @@ def test_each_node_runs_one_launcher_with_its_rank_and_the_first_nodes_address(t
     assert srun["srun"][:3] == ["--ntasks-per-node=1", "--kill-on-bad-exit=0", "--wait=300"]
     recipe = "recipes/ernie-4.5-21b-a3b/sft-full.yaml"
     assert [node["erniekit-lite"] for node in nodes] == [
-        ["train", recipe, "data.train.0.path=/shared/data/my data.jsonl", "--resume",  # an override with a space stays one
+        ["train", recipe, "train.gradient_accumulation_steps=2", "data.train.0.path=/shared/data/my data.jsonl", "--resume",
          "--num-machines", "2", "--machine-rank", str(rank), "--main-process-ip", NODES[0], "--main-process-port", "29500",
          "--join-timeout", "600", "--num-processes", "16", "--accelerate-config", "recipes/accelerate/fsdp2.yaml"]
         for rank in range(2)]
@@ -101,6 +101,7 @@ def test_each_node_runs_one_launcher_with_its_rank_and_the_first_nodes_address(t
         assert args["rdzv_conf"] == "timeout=600" and env["ERNIEKIT_RENDEZVOUS"] == f"{NODES[0]}:29500 {rank} 2 600"
         assert args["training_script_args"][:2] == ["train", "recipes/ernie-4.5-21b-a3b/sft-full.yaml"]
         assert "train.resume_from_checkpoint=auto" in args["training_script_args"]
+        assert "data.train.0.path=/shared/data/my data.jsonl" in args["training_script_args"]  # a space stays inside
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
