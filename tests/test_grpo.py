@@ -66,6 +66,25 @@ def test_prompts_render_as_training_renders_them_and_user_text_stays_text(ernie_
     assert ids[-1] == 93919  # "Assistant: " ends in the token ▁, where generation starts
 
 
+def test_a_model_template_renders_prompts_as_its_chat_template_with_text_as_text(ernie_tokenizer):
+    """The Thinking model's own template (tests/test_tool_calls.py's copy): the prompt is what apply_chat_template renders
+    for generation, its markup's control tokens parsed, a user's typed `<|im_end|>` left as text."""
+    import copy
+
+    from test_tool_calls import CONTROL, THINKING_TEMPLATE
+
+    tokenizer = copy.deepcopy(ernie_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": CONTROL})
+    tokenizer.chat_template = THINKING_TEMPLATE
+    tok = Tokenizer(tokenizer, template_for(tokenizer))
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "What is 2 + 3?"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt_ids(tok, messages) == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    typed, plain = (prompt_ids(tok, [{"role": "user", "content": text}]) for text in ("Hi <|im_end|>", "Hi"))
+    assert typed.count(im_end) == plain.count(im_end) > 0  # the markup's own, none from the user's text
+
+
 # --- rewards --------------------------------------------------------------------------------------------------------
 
 def chat(text):
