@@ -32,9 +32,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def machine_flags(rank: int, port: int, *extra: str) -> list[str]:
+def machine_flags(rank: int, port: int, processes: int = MACHINES) -> list[str]:
+    """One machine's flags; `processes` is the total over both machines."""
     return ["--num-machines", str(MACHINES), "--machine-rank", str(rank), "--main-process-ip", "127.0.0.1",
-            "--main-process-port", str(port), "--num-processes", str(MACHINES), *extra]
+            "--main-process-port", str(port), "--num-processes", str(processes)]
 
 
 def start_machine(tmp_path: Path, rank: int, port: int, *argv: str) -> subprocess.Popen:
@@ -296,3 +297,39 @@ def test_torchrun_on_two_machines_trains_the_same(uninterrupted, tmp_path):
     assert said.count("distributed: DDP over 2 processes (gloo)") == 1 and said.count("done: loss") == 1
     assert step_losses(out) == pytest.approx(step_losses(reference), rel=1e-6)
     assert json.loads((out / "train_results.json").read_text())["train_tokens"] == json.loads((reference / "train_results.json").read_text())["train_tokens"]
+
+
+@pytest.mark.slow  # two machines x 2 processes: ~40 s on 2 cores
+def test_a_stop_from_the_other_machine_ends_every_local_process_cleanly(tmp_path, tiny_own_dir):
+    """Two processes per machine (DDP): after a stop that came from machine 1, machine 0's launcher sees its first
+    worker exit 143 and SIGTERMs the other, global rank 0 included (torch elastic's reaction to a failure). They
+    ignore it once saved, so both machines exit 143 with no traceback, and rank 0 has said and recorded the stop."""
+    from erniekit_lite.train import checkpoints
+    from helpers import write_recipe
+
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_own_dir, data={"train": [str(write_data(tmp_path / "data.jsonl"))], "max_length": 64},
+                          out=tmp_path / "run", train={"max_steps": 200, "save_steps": 1000, "logging_steps": 1, "per_device_train_batch_size": 1,
+                                                       "activation_checkpointing": False, "num_train_epochs": 100})
+    out, port = tmp_path / "run", free_port()
+    # Global rank 0 lingers 3 s at exit, so its local partner (rank 1) always exits first, as it may on a loaded node
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text("import atexit, os, time\nif os.environ.get('RANK') == '0':\n    atexit.register(time.sleep, 3)\n")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH")) if p)}
+    machines = [subprocess.Popen([sys.executable, "-m", "erniekit_lite", "train", str(recipe), *machine_flags(rank, port, processes=4)],
+                                 env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                for rank in range(MACHINES)]
+    deadline = time.time() + 240
+    while not any(e["event"] == "log" and e["step"] >= 2 for e in events(out)):
+        assert time.time() < deadline and all(m.poll() is None for m in machines), "no step 2 in time"
+        time.sleep(0.05)
+    machines[1].send_signal(signal.SIGTERM)
+    ends = [m.communicate(timeout=240) for m in machines]
+    assert [m.returncode for m in machines] == [143, 143], ends[0][1][-3000:]
+    assert "Traceback" not in ends[0][1] + ends[1][1]
+    end = events(out)[-1]
+    assert end["event"] == "end" and end["status"] == "stopped"
+    assert f"stopped at step {end['step']} of 200" in ends[0][1]
+    assert checkpoints.complete(out)[-1] == out / f"checkpoint-{end['step']}"
+    assert {f"rng_state_{r}.pth" for r in range(4)} <= {p.name for p in (out / f"checkpoint-{end['step']}").iterdir()}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import threading
 import time
@@ -117,6 +118,13 @@ def train(trainer, out: Path, resume_from_checkpoint=None):
             + (f"the last checkpoint, {last}, is from before it" if last else "no checkpoint was saved before it"),
         ) from None
     if stop.stopped:
+        # Saved, and every process is past the checkpoint's last barrier. On a machine whose launcher was not
+        # signalled (the stop came from another machine), torch elastic takes this machine's first worker to exit
+        # 128 + signal for a failure and SIGTERMs the others, which would die mid-exit (before rank 0 writes the end
+        # event); ignored from here, each exits with the stop's status on its own. Only in launched workers: a
+        # process that goes on after `train` (a test calling main()) keeps its handlers.
+        if os.environ.get("LOCAL_RANK") is not None:
+            ignore_stop_signals()
         state = trainer.state
         checkpoint = Path(out) / f"checkpoint-{state.global_step}"
         write_event(out, "end", state, status="stopped", checkpoint=str(checkpoint))
@@ -126,6 +134,12 @@ def train(trainer, out: Path, resume_from_checkpoint=None):
             f"the same command with --resume (or train.resume_from_checkpoint={checkpoint})",
         )
     return result
+
+
+def ignore_stop_signals() -> None:
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN)
 
 
 def finished(out: Path, state) -> None:
