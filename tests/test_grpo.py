@@ -379,3 +379,21 @@ def test_validate_plans_generation_and_a_broken_reward_fails_there(tiny_own_dir,
     assert code == 2 and err.strip().splitlines() == ["error: rewards.0.function: 'recipes/data/nowhere.py:f': no file "
                                                       "recipes/data/nowhere.py; expected 'package.module:function' or "
                                                       "'path/to/file.py:function'"]
+
+
+@pytest.mark.slow
+def test_packing_false_scores_with_trls_padded_path(tiny_own_dir, tmp_path, capsys, monkeypatch):
+    from erniekit_lite.train.grpo_trainer import ErnieGRPOTrainer
+
+    seen = []
+    original = ErnieGRPOTrainer._get_per_token_logps_and_entropies
+    monkeypatch.setattr(ErnieGRPOTrainer, "_get_per_token_logps_and_entropies",
+                        lambda self, *a, **k: seen.append(self.packed_scoring) or original(self, *a, **k))
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_own_dir, method="grpo", lora={"r": 4, "alpha": 8},
+                          data={"train": [str(ARITH)], "max_length": 64, "packing": False}, rewards=[{"name": "length", "args": {"target": 4}}],
+                          train={"num_generations": 4, "max_completion_length": 8, "per_device_train_batch_size": 4, "beta": 0.1,
+                                 "max_steps": 2, "logging_steps": 1, "save_strategy": "no", "activation_checkpointing": False})
+    code, out, err = run_cli(capsys, "train", recipe)
+    assert code == 0, err
+    assert seen and not any(seen)  # reference and policy passes, all TRL's own
+    assert "model: PeftModelForCausalLM attention=sdpa" in out

@@ -57,6 +57,7 @@ def build_trainer(model, tokenizer, args, data: PreparedPrompts, recipe: Recipe)
             processing_class=tokenizer,
             peft_config=config,
         )
+    trainer.packed_scoring = recipe.data.packing
     if config is not None:
         check_adapters(trainer.model, config)
         setattr(trainer.model, SETTINGS, recipe.lora)  # LoRA+ (train/optimizer.py) reads it

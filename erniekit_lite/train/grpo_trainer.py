@@ -40,7 +40,7 @@ def _inner(model):
 
 
 class ErnieGRPOTrainer(CheckpointMixin, ThroughputMixin, LoraPlusMixin, GRPOTrainer):
-    packed_scoring = True  # False: TRL's own padded scoring (the parity tests compare the two)
+    packed_scoring = True  # False (data.packing: false): TRL's own padded scoring (the parity tests compare the two)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -58,9 +58,10 @@ class ErnieGRPOTrainer(CheckpointMixin, ThroughputMixin, LoraPlusMixin, GRPOTrai
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
-        if not self.packed_scoring:
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **multimodal)
+        if not self.packed_scoring:  # TRL's padded rows need an attention that reads their mask
+            with plain_attention(_inner(model)):
+                return super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **multimodal)
         if any(v is not None for v in multimodal.values()):
             raise ValueError("erniekit-lite's GRPO scores text only")
         batch_size = batch_size or input_ids.size(0)
