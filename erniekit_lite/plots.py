@@ -17,28 +17,38 @@ HEADLINE: dict[str, tuple[str, ...]] = {
     "simpo": ("rewards/accuracies", "rewards/margins"),
     "kto": ("rewards/margins", "kl"),  # KTO logs no accuracy: its examples are unpaired
     "rm": ("accuracy", "margin"),
-    "grpo": ("reward", "reward_std", "completions/mean_length", "kl"),
+    # GRPO: the mean weighted reward, each reward function's mean (TRL names them rewards/NAME/mean), the completion
+    # length, and the KL to the reference (logged only with beta > 0); its loss is near zero by construction
+    "grpo": ("reward", "rewards/*/mean", "completions/mean_length", "kl"),
 }
 
 
-def headline_keys(method: str) -> tuple[str, ...]:
-    """The log keys of `method`'s headline metrics, the training ones then their evaluation twins."""
-    keys = HEADLINE.get(method, ())
+def headline_keys(method: str, logged=()) -> tuple[str, ...]:
+    """The log keys of `method`'s headline metrics, the training ones then their evaluation twins; a `*` pattern
+    (GRPO's per-reward means) stands for each of the `logged` keys it matches."""
+    keys = _expand(HEADLINE.get(method, ()), logged)
     return (*keys, *(f"eval_{k}" for k in keys))
+
+
+def _expand(keys, logged) -> tuple[str, ...]:
+    import fnmatch
+
+    logged = sorted(set(logged))
+    return tuple(k for key in keys for k in (fnmatch.filter(logged, key) if "*" in key else [key]))
 
 
 def panels(history: list[dict], method: str | None = None) -> list[tuple[str, dict[str, list[tuple[int, float]]]]]:
     """What loss.png draws from a log_history: (title, {"train" | "eval": [(step, value), ...]}) for the loss, then
     for each headline metric of `method` (HEADLINE) that was logged. Without `method`, the first HEADLINE entry whose
-    metrics were all logged is taken (dpo, orpo and simpo log the same ones); none matching: the loss alone."""
+    first metric was logged is taken (dpo, orpo and simpo log the same ones); none matching: the loss alone."""
     def points(key: str) -> list[tuple[int, float]]:
         return [(h["step"], h[key]) for h in history if isinstance(h.get(key), (int, float))]
 
+    logged = {k for h in history for k in h}
     if method is None:
-        logged = {k for h in history for k in h}
-        method = next((m for m, keys in HEADLINE.items() if keys and set(keys) <= logged), "sft")
+        method = next((m for m, keys in HEADLINE.items() if keys and keys[0] in logged), "sft")  # in HEADLINE's order
     out = []
-    for key in ("loss", *HEADLINE.get(method, ())):
+    for key in ("loss", *_expand(HEADLINE.get(method, ()), logged)):
         curves = {label: found for label, found in (("train", points(key)), ("eval", points(f"eval_{key}"))) if found}
         if curves:
             out.append((key, curves))

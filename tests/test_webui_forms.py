@@ -108,6 +108,7 @@ OWN_FIELDS = {
     "simpo": {"train.beta", "train.simpo_gamma", "train.cpo_alpha"},
     "kto": {"train.beta", "train.desirable_weight", "train.undesirable_weight"},
     "rm": {"train.center_rewards_coefficient"},
+    "grpo": {"train.beta", "train.num_generations", "train.max_completion_length", "train.temperature", "rewards"},
 }
 # A recipe of each method with its own keys set (values unlike TRL's defaults), and the form's edit of them
 OWN_VALUES = {
@@ -119,14 +120,17 @@ OWN_VALUES = {
     "kto": ({"beta": 0.2, "desirable_weight": 1.5, "undesirable_weight": 2.0, "loss_type": "kto"},
             {"train.desirable_weight": 1.0, "train.undesirable_weight": 1.25}),
     "rm": ({"center_rewards_coefficient": 0.01}, {"train.center_rewards_coefficient": 0.02}),
+    "grpo": ({"beta": 0.04, "num_generations": 4, "max_completion_length": 32, "temperature": 0.7},
+             {"train.num_generations": 2, "train.temperature": None}),
 }
 COMMON_TRAIN = {"learning_rate": 0.001, "max_steps": 7, "logging_steps": 1}
 
 
 def method_yaml(method: str, train: dict) -> str:
-    data = "recipes/data/pt_demo.jsonl" if method == "pt" else "recipes/data/identity_kto.jsonl" if method == "kto" \
-        else "recipes/data/identity.jsonl" if method == "sft" else "recipes/data/identity_dpo.jsonl"
-    return yaml.safe_dump({"model": {"path": "runs/tiny-ernie"}, "method": method, "data": {"train": [data]},
+    data = {"pt": "recipes/data/pt_demo.jsonl", "kto": "recipes/data/identity_kto.jsonl", "sft": "recipes/data/identity.jsonl",
+            "grpo": "recipes/data/grpo_arith.jsonl"}.get(method, "recipes/data/identity_dpo.jsonl")
+    rewards = {"rewards": [{"name": "exact_answer"}]} if method == "grpo" else {}
+    return yaml.safe_dump({"model": {"path": "runs/tiny-ernie"}, "method": method, "data": {"train": [data]}, **rewards,
                            "lora": {"r": 4}, "output": {"dir": f"runs/{method}"}, "train": {**COMMON_TRAIN, **train}},
                           sort_keys=False)
 
@@ -153,6 +157,8 @@ def test_the_form_shows_the_methods_own_fields_only(method):
         assert note == {"__type__": "update", "visible": True, "value": (
             "KTO reads each record's label from its `label` or `kto_tag` field: true for a desirable completion, false "
             "for an undesirable one (no recipe key: the field names are fixed).")}
+    elif method == "grpo":  # what the form leaves to the YAML: own reward functions, reward models, weights
+        assert note["visible"] is True and "`function: file.py:name`" in note["value"] and "`model: RUN`" in note["value"]
     elif method != "simpo":
         assert note["visible"] is False
 
@@ -163,7 +169,8 @@ def test_method_fields_round_trip_between_yaml_and_form(method):
     recipe = forms.parse(method_yaml(method, own), "r.yaml")
     form = forms.values(recipe)
     shown = {f.key: form[field_index(f.key)] for f in forms.FIELDS if f.methods and form[field_index(f.key)] is not None}
-    assert shown == {f"train.{k}": v for k, v in own.items() if f"train.{k}" in OWN_FIELDS[method]}  # kto's loss_type: no field
+    rewards = {"rewards": ["exact_answer"]} if method == "grpo" else {}
+    assert shown == {**{f"train.{k}": v for k, v in own.items() if f"train.{k}" in OWN_FIELDS[method]}, **rewards}  # kto's loss_type: no field
     assert all(form[field_index(k)] is None for k in {f.key for f in forms.FIELDS if f.methods} - OWN_FIELDS[method])
     assert forms.apply(recipe, form) == recipe  # unedited: unchanged
 
@@ -197,11 +204,15 @@ def test_switching_the_method_in_the_form_gives_a_recipe_that_trains(old, new, t
     form[field_index("method")] = new
     switched = forms.apply(recipe, form)
     assert switched.train == ({**COMMON_TRAIN, **own} if {old, new} == {"sft", "pt"} else COMMON_TRAIN)
+    # rewards: is grpo's alone; a switch to grpo starts with the reward that checks answers
+    assert [e.name for e in switched.rewards] == ["exact_answer"] if new == "grpo" else switched.rewards is None
     assert forms.parse(switched.to_yaml(), "r.yaml") == switched
     args = training_args(switched, tmp_path)
     assert (args.learning_rate, args.max_steps, args.logging_steps) == (0.001, 7, 1)
     if new in ("dpo", "kto", "orpo", "simpo"):
         assert args.beta == 0.1  # TRL's default, not the old method's beta
+    if new == "grpo":
+        assert (args.beta, args.num_generations) == (0.0, 8)  # GRPOConfig's defaults
 
 
 def test_switching_the_method_says_what_it_removed_and_refills_the_form():
@@ -218,7 +229,9 @@ def test_switching_the_method_says_what_it_removed_and_refills_the_form():
     assert {f.key: (u["visible"], u["value"]) for f, u in zip(forms.FIELDS, fields) if f.methods} == {
         "train.beta": (True, None), "train.loss_type": (False, None), "train.simpo_gamma": (True, None),
         "train.cpo_alpha": (True, None), "train.desirable_weight": (False, None),
-        "train.undesirable_weight": (False, None), "train.center_rewards_coefficient": (False, None)}
+        "train.undesirable_weight": (False, None), "train.center_rewards_coefficient": (False, None),
+        "train.num_generations": (False, None), "train.max_completion_length": (False, None),
+        "train.temperature": (False, None), "rewards": (False, None)}
     assert note["value"] == "SimPO is TRL's CPO with `loss_type: simpo`, set for you: leave `train.loss_type` out."
 
     form = forms.values(simpo)
@@ -227,6 +240,42 @@ def test_switching_the_method_says_what_it_removed_and_refills_the_form():
     assert forms.parse(new_text, "r.yaml").train == {**COMMON_TRAIN, "simpo_gamma": 0.5} and status == ""
     assert updates == [gr.skip()] * len(updates)
     assert edit(new_text, "r.yaml", forms.values(forms.parse(new_text, "r.yaml")))[:2] == [gr.skip(), gr.skip()]
+
+
+def test_the_rewards_field_edits_the_built_ins_and_keeps_the_rest():
+    """The form names built-in rewards; those kept keep their weight and args, new ones come with weight 1, and
+    function and reward-model entries stay as the YAML has them."""
+    from webui.train_tab import edit
+
+    text = method_yaml("grpo", {}).replace("- name: exact_answer", "- name: exact_answer\n  weight: 2.0\n- function: "
+                                           "recipes/data/grpo_rewards.py:digits\n  weight: 0.5")
+    recipe = forms.parse(text, "r.yaml")
+    form = forms.values(recipe)
+    assert form[field_index("rewards")] == ["exact_answer"]
+    form[field_index("rewards")] = ["exact_answer", "length"]
+    rewards = [e.model_dump(exclude_defaults=True) for e in forms.apply(recipe, form).rewards]
+    assert rewards == [{"name": "exact_answer", "weight": 2.0}, {"function": "recipes/data/grpo_rewards.py:digits", "weight": 0.5},
+                       {"name": "length"}]
+    form[field_index("rewards")] = []
+    assert [e.function for e in forms.apply(recipe, form).rewards] == ["recipes/data/grpo_rewards.py:digits"]
+    alone = forms.parse(method_yaml("grpo", {}), "r.yaml")
+    form = forms.values(alone)
+    form[field_index("rewards")] = []  # no reward left: the recipe's own one-line error
+    with pytest.raises(RecipeError, match="method: grpo needs rewards"):
+        forms.apply(alone, form)
+
+    text = method_yaml("dpo", {"beta": 0.25})
+    form = forms.values(forms.parse(text, "r.yaml"))
+    form[field_index("method")] = "grpo"
+    new_text, status, *_ = edit(text, "r.yaml", form)
+    assert forms.parse(new_text, "r.yaml").rewards[0].name == "exact_answer"
+    assert status == ("method grpo: removed train.beta (dpo's own settings; grpo's start from TRL's defaults); rewards: "
+                      "exact_answer to start with (choose the rewards below)")
+    form = forms.values(forms.parse(new_text, "r.yaml"))
+    form[field_index("method")] = "sft"
+    new_text, status, *_ = edit(new_text, "r.yaml", form)
+    assert forms.parse(new_text, "r.yaml").rewards is None
+    assert status == "method sft: removed rewards (grpo's own settings; sft's start from TRL's defaults)"
 
 
 def test_the_form_never_writes_a_field_its_method_hides():

@@ -164,6 +164,13 @@ def test_eval_metrics_join_the_headline_plot(tmp_path):
                                      [2, 0.0625, "eval_kl"]]
     assert progress.read(tmp_path, since=0).headline("sft").empty
 
+    grpo = {"event": "log", "step": 2, "max_steps": 4, "time": 2.0, "reward": 0.5, "rewards/length/mean": -0.25,
+            "rewards/exact_answer/mean": 1.0, "completions/mean_length": 9.0, "reward_std": 0.1}
+    (tmp_path / "progress.jsonl").write_text("".join(json.dumps(e) + "\n" for e in (lines[0], grpo)))
+    assert progress.read(tmp_path, since=0).headline("grpo").values.tolist() == [
+        [2, 0.5, "reward"], [2, 1.0, "rewards/exact_answer/mean"], [2, -0.25, "rewards/length/mean"],
+        [2, 9.0, "completions/mean_length"]]
+
 
 def test_loss_png_draws_the_same_headline_metrics_found_from_the_log():
     """loss.png (erniekit_lite.plots) reads the same HEADLINE: its panels, for a run dir that does not say its method."""
@@ -182,8 +189,12 @@ def test_loss_png_draws_the_same_headline_metrics_found_from_the_log():
         ("loss", {"train": [2.0, 1.0]}), ("rewards/margins", {"train": [0.25, 0.25]}), ("kl", {"train": [0.125, 0.125]})]
     assert shown(history(accuracy=0.75, margin=3.0, mean_token_accuracy=0.1)) == [
         ("loss", {"train": [2.0, 1.0]}), ("accuracy", {"train": [0.75, 0.75]}), ("margin", {"train": [3.0, 3.0]})]
-    grpo = {"reward": 0.5, "reward_std": 0.25, "completions/mean_length": 12.0, "kl": 0.0}
-    assert [title for title, _ in shown(history(**grpo))] == ["loss", "reward", "reward_std", "completions/mean_length", "kl"]
+    grpo = {"reward": 0.5, "reward_std": 0.25, "rewards/exact_answer/mean": 0.0, "rewards/digits/mean": 1.0,
+            "completions/mean_length": 12.0, "kl": 0.0}  # each reward function's mean: a panel of its own
+    assert [title for title, _ in shown(history(**grpo))] == ["loss", "reward", "rewards/digits/mean",
+                                                              "rewards/exact_answer/mean", "completions/mean_length", "kl"]
+    del grpo["kl"]  # beta 0: no KL logged, still GRPO
+    assert [title for title, _ in shown(history(**grpo))][-1] == "completions/mean_length"
     assert shown(history(mean_token_accuracy=0.5)) == [("loss", {"train": [2.0, 1.0]})]  # sft: the loss alone
     assert shown(history(**both), method="sft") == [("loss", {"train": [2.0, 1.0]})]  # a method given is taken
     assert shown([*history(), {"step": 2, "eval_loss": 1.5}]) == [("loss", {"train": [2.0, 1.0], "eval": [1.5]})]
@@ -551,7 +562,7 @@ def test_real_cli_click_storm_while_training_leaves_a_checkpoint_that_loads(real
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["dpo", "orpo", "simpo", "kto", "rm", "pt"])
+@pytest.mark.parametrize("method", ["dpo", "orpo", "simpo", "kto", "rm", "pt", "grpo"])
 def test_a_quickstart_recipe_trains_from_the_web_ui_and_plots_its_headline_metrics(tmp_path, monkeypatch, tiny_own_dir, method):
     """recipes/quickstart-METHOD.yaml, shortened in the form and started as the Start button does, trains with the
     real CLI; the page's plots hold exactly what the Trainer logged: the loss, and the method's headline metrics."""
@@ -559,7 +570,7 @@ def test_a_quickstart_recipe_trains_from_the_web_ui_and_plots_its_headline_metri
     import shutil
     from pathlib import Path
 
-    from erniekit_lite.plots import HEADLINE, panels
+    from erniekit_lite.plots import headline_keys, panels
     from webui import forms
     from webui.train_tab import job_view, start_job
 
@@ -590,17 +601,22 @@ def test_a_quickstart_recipe_trains_from_the_web_ui_and_plots_its_headline_metri
     assert [h["step"] for h in logged] == [1, 2, 3]
     assert loss["value"].tolist() == [h["loss"] for h in logged]
     frame = headline["value"]
-    expected = [(h["step"], h[k], k) for h in logged for k in HEADLINE[method] if k in h]
+    keys = [k for k in headline_keys(method, {k for h in logged for k in h}) if not k.startswith("eval_")]
+    if method == "grpo":  # TRL logs kl only with beta > 0 (the quick start: 0)
+        keys.remove("kl")
+    expected = [(h["step"], h[k], k) for h in logged for k in keys if k in h]
     assert list(frame.itertuples(index=False, name=None)) == expected
     if method == "pt":
         assert expected == [] and headline["visible"] is False
     else:
-        assert headline["visible"] is True and {k for _, _, k in expected} == set(HEADLINE[method])
+        assert headline["visible"] is True and {k for _, _, k in expected} == set(keys)
+        if method == "grpo":  # the mean reward, each reward function's (exact_answer, the recipe's digits), the length
+            assert set(keys) == {"reward", "rewards/exact_answer/mean", "rewards/digits/mean", "completions/mean_length"}
         assert all(math.isfinite(v) for _, v, _ in expected)
         accuracies = [v for _, v, k in expected if k in ("rewards/accuracies", "accuracy")]
-        assert all(0 <= v <= 1 for v in accuracies) and len(accuracies) == (0 if method == "kto" else 3)
+        assert all(0 <= v <= 1 for v in accuracies) and len(accuracies) == (0 if method in ("kto", "grpo") else 3)
     # loss.png, written as training ends, draws the same curves: the loss, then each headline metric
     run = tmp_path / "runs" / f"quickstart-{method}"
     assert (run / "loss.png").read_bytes().startswith(b"\x89PNG")
     assert panels(history) == [("loss", {"train": [(h["step"], h["loss"]) for h in logged]})] + [
-        (k, {"train": [(step, v) for step, v, key in expected if key == k]}) for k in HEADLINE[method]]
+        (k, {"train": [(step, v) for step, v, key in expected if key == k]}) for k in keys]

@@ -48,6 +48,15 @@ def test_pretraining_pieces_show_every_token_but_the_first_trained(tmp_path, tin
     assert "R<mark>aw &lt;i&gt;domain&lt;/i&gt; text&lt;/s&gt;</mark>" in html.replace("</mark><mark>", "")
 
 
+def test_grpo_prompts_show_the_generation_prompt_and_the_reference(tmp_path, tiny_own_dir):
+    records = [{"question": "What is <b>2</b> + 9?", "answer": "2 + 9 = 11\n#### 11"}, {"question": "Hi", "answer": "#### 5"}]
+    html = render(recipe(tmp_path, tiny_own_dir, records).model_copy(update={"method": "grpo"}), records=2)
+    assert "prompt 1, reference answer: 2 + 9 = 11\n#### 11" in html and "prompt 2, reference answer: #### 5" in html
+    # the prompt as generation renders it, ending where the completion starts; nothing is trained in it
+    assert "&lt;|begin_of_sentence|&gt;User: What is &lt;b&gt;2&lt;/b&gt; + 9?\nAssistant: </div>" in html
+    assert "<mark>" not in html and "0 trained" in html
+
+
 def test_kto_examples_show_their_label_and_reward_pairs_both_sides(tmp_path, tiny_own_dir):
     records = [{"prompt": "Who are you?", "completion": "Wenxin-Tiny.", "label": True},
                {"prompt": "Who are you?", "completion": "ChatGPT.", "label": False}]

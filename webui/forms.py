@@ -26,6 +26,7 @@ from erniekit_lite import recipe as recipes
 from erniekit_lite.errors import RecipeError
 from erniekit_lite.recipe import (
     FORMATS,
+    REWARD_NAMES,
     DataSection,
     LoraSection,
     ModelSection,
@@ -72,14 +73,21 @@ FIELDS = (
     Field("train.logging_steps", "log every N steps", "int"),
     Field("output.dir", "output dir", "text"),
     # Each method's own train: keys (TRL's config field names; help from the method's config class)
-    Field("train.beta", "beta", "number", methods=("dpo", "orpo", "simpo", "kto")),
+    Field("train.beta", "beta", "number", methods=("dpo", "orpo", "simpo", "kto", "grpo")),
     Field("train.loss_type", "loss type (several: summed, see loss_weights)", "choices", _dpo_loss_types(), methods=("dpo",)),
     Field("train.simpo_gamma", "SimPO gamma (target reward margin)", "number", methods=("simpo",)),
     Field("train.cpo_alpha", "cpo_alpha (blank: 0, pure SimPO; > 0: CPO-SimPO)", "number", methods=("simpo",)),
     Field("train.desirable_weight", "desirable weight", "number", methods=("kto",)),
     Field("train.undesirable_weight", "undesirable weight", "number", methods=("kto",)),
     Field("train.center_rewards_coefficient", "center rewards coefficient", "number", methods=("rm",)),
+    Field("train.num_generations", "generations per prompt (a group)", "int", methods=("grpo",)),
+    Field("train.max_completion_length", "max completion length (tokens)", "int", methods=("grpo",)),
+    Field("train.temperature", "sampling temperature", "number", methods=("grpo",)),
+    # The built-in rewards by name; function and reward-model entries (and weights, args) are kept as the YAML has them
+    Field("rewards", "built-in rewards (your own functions and reward models: in the YAML)", "choices", REWARD_NAMES,
+          methods=("grpo",)),
 )
+GRPO_START = [{"name": "exact_answer"}]  # a switch to grpo needs a reward: the one that checks answers
 _SECTIONS = {"model": ModelSection, "data": DataSection, "lora": LoraSection, "output": OutputSection}
 
 
@@ -98,6 +106,10 @@ def method_note(method: str) -> str:
                 "undesirable one (no recipe key: the field names are fixed).")
     if method == "simpo":
         return "SimPO is TRL's CPO with `loss_type: simpo`, set for you: leave `train.loss_type` out."
+    if method == "grpo":
+        return ("GRPO samples `num_generations` answers to each prompt (transformers' `generate`), scores them with the "
+                "rewards and trains on the group's advantages. Your own reward functions (`function: file.py:name`), a "
+                "reward model (`model: RUN`), weights and `args` go in the YAML's `rewards:` list.")
     return ""
 
 
@@ -148,6 +160,8 @@ def values(recipe: Recipe) -> list[Any]:
             out.append(special[field.key])
         elif not shown(field, recipe.method):
             out.append(None)
+        elif field.key == "rewards":
+            out.append([entry.name for entry in recipe.rewards or [] if entry.name is not None])
         elif section == "train":
             value = recipe.train.get(key)
             out.append([value] if field.kind == "choices" and isinstance(value, str) else value)
@@ -169,6 +183,9 @@ def apply(recipe: Recipe, form: list[Any]) -> Recipe:
     if method != recipe.method:
         kept = kept_on_switch(recipe.method, method)
         raw["train"] = {k: v for k, v in raw["train"].items() if k in kept}
+        raw["rewards"] = GRPO_START if method == "grpo" else None  # rewards: is grpo's alone, and grpo needs one
+    if "rewards" in given:
+        raw["rewards"] = _rewards(raw["rewards"] or [], given.pop("rewards") or [])
     previous = {s["path"]: s for s in raw["data"]["train"]}  # a listed file keeps its split and max_samples
     fmt = given.pop("data.format")
     raw["data"]["train"] = [
@@ -204,13 +221,25 @@ def kept_on_switch(old: str, new: str) -> frozenset[str]:
     return frozenset.intersection(*(_config_fields(m) for m in METHODS))
 
 
+def _rewards(entries: list[dict], names: list[str]) -> list[dict]:
+    """rewards: with the built-ins named in the form: those still named keep their weight and args, new ones come
+    with weight 1, unnamed ones go; function and reward-model entries stay."""
+    have = {e.get("name") for e in entries}
+    return [e for e in entries if e.get("name") is None or e["name"] in names] + [{"name": n} for n in names if n not in have]
+
+
 def dropped(before: Recipe, after: Recipe) -> str:
-    """The status line for an edit that changed the method: which train: keys it removed ("" for none)."""
-    gone = [f"train.{k}" for k in before.train if k not in after.train]
-    if before.method == after.method or not gone:
+    """The status line for an edit that changed the method: which train: keys (and rewards) it removed or added
+    ("" for none)."""
+    if before.method == after.method:
         return ""
-    return (f"method {after.method}: removed {', '.join(gone)} ({before.method}'s own settings; {after.method}'s start "
-            "from TRL's defaults)")
+    gone = [f"train.{k}" for k in before.train if k not in after.train] + (["rewards"] if before.rewards else [])
+    said = []
+    if gone:
+        said.append(f"removed {', '.join(gone)} ({before.method}'s own settings; {after.method}'s start from TRL's defaults)")
+    if after.method == "grpo":
+        said.append(f"rewards: {', '.join(e.name for e in after.rewards)} to start with (choose the rewards below)")
+    return f"method {after.method}: {'; '.join(said)}" if said else ""
 
 
 def _typed(field: Field, value: Any) -> Any:

@@ -41,6 +41,18 @@ def render(recipe: Recipe, records: int = 3, log=print) -> str:
 
         examples = prepare_feedback(data, tokenizer, log=log, kl=False).train.examples[:records]
         shown = [(f"example {i + 1}, {'desirable' if e.desirable else 'undesirable'}", e.sample) for i, e in enumerate(examples)]
+    elif recipe.method == "grpo":
+        from erniekit_lite.data.prompts import prepare_prompts, prompt_ids
+        from erniekit_lite.data.template import template_for
+        from erniekit_lite.data.tokenize import Tokenizer
+
+        tok = Tokenizer(tokenizer, template_for(tokenizer))
+        items = prepare_prompts(data, tokenizer, log=log).train.items[:records]
+        shown = [(f"prompt {i + 1}, reference answer: {item.answer if item.answer is not None else '(none)'}",
+                  Sample(ids := prompt_ids(tok, item.messages), [IGNORE] * len(ids))) for i, item in enumerate(items)]
+        legend = ("<p>GRPO: each prompt as generation sees it; the completions are sampled during training and they "
+                  "alone are trained. The reference answer goes to the reward functions.</p>")
+        return STYLE + legend + "".join(_sample_html(title, sample, tokenizer) for title, sample in shown)
     elif recipe.method in PAIR_METHODS:
         pairs = prepare_pairs(data, tokenizer, log=log).train.pairs[:records]
         shown = [(f"pair {i + 1}, {side}", getattr(p, side)) for i, p in enumerate(pairs) for side in ("chosen", "rejected")]

@@ -37,7 +37,7 @@ class Progress:
     def headline(self, method: str):
         """The curve of `method`'s headline metrics (erniekit_lite.plots.HEADLINE), training and eval; empty for a
         method whose headline is the loss."""
-        return self.curve(*headline_keys(method))
+        return self.curve(*headline_keys(method, {k for e in self.logs for k in e}))
 
 
 def read(out_dir: Path, since: float) -> Progress:

@@ -30,6 +30,7 @@ LAYOUT = (
     ("train.per_device_train_batch_size", "train.logging_steps", "output.dir"),
     ("train.beta", "train.loss_type", "train.simpo_gamma", "train.cpo_alpha"),  # each method's own: one row shows
     ("train.desirable_weight", "train.undesirable_weight", "train.center_rewards_coefficient"),
+    ("train.num_generations", "train.max_completion_length", "train.temperature", "rewards"),  # grpo
 )
 CSS = ".ek-track{background:#e5e7eb;border-radius:4px;height:14px}.ek-bar{background:#f97316;height:14px;border-radius:4px}"
 
