@@ -455,3 +455,33 @@ def test_fsdp2_config_wraps_each_decoder_layer(monkeypatch, tiny_own_dir, tiny_m
         policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
         wrapped = [type(m).__name__ for m in model.modules() if policy(m)]
         assert wrapped == [layer] * model.config.num_hidden_layers
+
+
+@pytest.mark.slow  # one launch of 2 processes: ~25 s on 2 cores
+def test_sharded_checkpoints_and_a_final_model_consolidated_once_in_the_recipes_dtype(tmp_path, tiny_own_dir):
+    """FSDP2 (the shipped config, SHARDED_STATE_DICT) with the weights in bfloat16 (model.dtype): the checkpoint holds
+    one shard per rank and no gathered weights; the final model is gathered once, in bfloat16, loads with plain
+    transformers, and equals the last checkpoint's shards merged by accelerate's merge_fsdp_weights."""
+    from accelerate.utils import merge_fsdp_weights
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_recipe(tmp_path, tiny_own_dir, False, max_steps=2, save_steps=2)
+    out = tmp_path / "run"
+    done = train_cli(tmp_path, str(path), f"output.dir={out}", "model.dtype=bfloat16", "--num-processes", "2",
+                     "--accelerate-config", str(fsdp2_fp32(tmp_path)))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "mixed precision: none (bfloat16 weights)" in done.stdout
+
+    checkpoint = out / "checkpoint-2"
+    assert sorted(p.name for p in checkpoint.iterdir() if p.is_dir()) == ["optimizer_0", "pytorch_model_fsdp_0"]
+    assert not list(checkpoint.glob("*.safetensors")) and not list(checkpoint.glob("*.bin"))
+    assert sorted(p.name for p in (checkpoint / "pytorch_model_fsdp_0").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+    final = load_file(out / "model.safetensors")
+    assert {t.dtype for t in final.values()} == {torch.bfloat16}
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16 and model.lm_head.weight is model.get_input_embeddings().weight
+    merge_fsdp_weights(str(checkpoint / "pytorch_model_fsdp_0"), str(tmp_path / "merged"))
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert all(torch.equal(final[k], merged[k]) for k in final)  # the shards and the consolidated model agree
