@@ -6,7 +6,8 @@ lists, `completions` one-message lists `[{"role": "assistant", "content": text}]
 arrive as `answer=[...]` (None where a record has none); TRL also passes `trainer_state`, `log_extra`, `log_metric`.
 
 Built-ins (`name:`):
-- `exact_answer`: 1.0 when the completion's final answer equals the reference's, else 0.0 (None without a reference).
+- `exact_answer`: 1.0 when the completion's final answer equals the reference's, else 0.0 (None, left out of TRL's
+  means, without a reference or when the reference has no final answer to read).
   A final answer is the last `\\boxed{...}`, else what follows the last `####` (GSM8K), else the last number in the
   text after any `</think>`; numbers compare as numbers (`1,000` = `1000.0`), anything else as stripped text.
 - `think_format`: 1.0 when the completion is exactly one `<think>...</think>` (non-empty reasoning) followed by a
@@ -86,8 +87,11 @@ def exact_answer(completions, answer=None, **kwargs) -> list[float | None]:
             out.append(None)
             continue
         want = final_answer(str(reference))
+        if want is None:  # a reference with no number, #### or \boxed{} has nothing this reward can compare
+            out.append(None)
+            continue
         got = final_answer(text_of(completion))
-        out.append(1.0 if got is not None and got == want else 0.0)
+        out.append(1.0 if got == want else 0.0)
     return out
 
 

@@ -96,7 +96,8 @@ def test_exact_answer_compares_final_answers():
                    chat("<think>maybe 7</think>It is 6"), "plain 7", chat("no number")]
     answers = ["3 + 4 = 7\n#### 7", "7", "7", "#### 1000", "#### 7", "7", "\\boxed{7}", "#### 7"]
     assert rewards.exact_answer(completions, answer=answers) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
-    assert rewards.exact_answer([chat("7")], answer=[None]) == [None]  # no reference: TRL leaves it out of the mean
+    assert rewards.exact_answer([chat("7"), chat("Paris")], answer=[None, "Paris"]) == [None, None]  # nothing to compare: TRL
+    # leaves it out of the mean
 
 
 def test_think_format_wants_one_think_block_before_an_answer():
