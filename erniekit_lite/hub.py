@@ -324,6 +324,17 @@ def _reward_usage(name: str, revision: str | None, on_hub: bool) -> str:
             "`reward_model(prompts=..., completions=...)` it is a TRL reward function.")
 
 
+def _reward_label(entry) -> str:
+    """A GRPO reward as the card names it: a built-in's name, a function by module or file name (not the machine's
+    path), or "reward model"."""
+    if entry.name is not None:
+        return entry.name
+    if entry.function is not None:
+        where, _, function = entry.function.rpartition(":")
+        return f"{Path(where).name}:{function}" if where.endswith(".py") else entry.function
+    return "a reward model"
+
+
 def _setup_rows(run: Path, recipe: Recipe, adapter: dict) -> list[tuple[str, str]]:
     train = {**TRL_DEFAULTS[recipe.method], **recipe.train}
     results, state = _json(run / "train_results.json"), _json(run / "trainer_state.json")
@@ -345,7 +356,7 @@ def _setup_rows(run: Path, recipe: Recipe, adapter: dict) -> list[tuple[str, str
     elif recipe.method == "pt":
         method = "continued pre-training (raw text, every token after each piece's first)"
     elif recipe.method == "grpo":
-        rewards = ", ".join(f"{r.name or r.function or 'reward model'} x {r.weight:g}" for r in recipe.rewards or [])
+        rewards = ", ".join(f"{_reward_label(r)} x {r.weight:g}" for r in recipe.rewards or [])
         method = (f"GRPO ({train['loss_type']}, {train['num_generations']} completions per prompt of up to "
                   f"{train['max_completion_length']} tokens, beta {train['beta']:g}; rewards: {rewards})")
     else:
@@ -364,6 +375,8 @@ def _setup_rows(run: Path, recipe: Recipe, adapter: dict) -> list[tuple[str, str
     per = "sequence" if recipe.method in PAIR_METHODS or recipe.method == "kto" else "prompt" if recipe.method == "grpo" else "sample"
     rows.append(("max_length", f"{recipe.data.max_length} tokens per {per}"))
     packing = f"padding-free rows, {results['packing_efficiency']:.1%} filled" if "packing_efficiency" in results else "padding-free rows"
+    if recipe.method == "grpo":
+        packing = "each micro-batch's prompts + completions scored as one padding-free row"
     rows.append(("packing", packing if recipe.data.packing else "no (padded rows)"))
     if "train_samples" in results:
         unit = ("preference pairs" if recipe.method in PAIR_METHODS else "documents" if recipe.method == "pt"

@@ -340,6 +340,9 @@ def test_grpo_run_raises_the_mean_reward(tiny_own_dir, tmp_path, capsys):
     results = json.loads((tmp_path / "out" / "train_results.json").read_text())
     assert results["train_samples"] == 24 and "reward" in results
     assert "mean reward" in out
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert ("| method | GRPO (dapo, 4 completions per prompt of up to 12 tokens, beta 0; rewards: reward.py:low_ids x 1, "
+            "exact_answer x 0.5) |") in card and f"{tmp_path}/reward.py" not in card  # the file by name, not its path
 
 
 STEPS, TARGET = 15, 0.7  # measured: 0.125 at step 1, 0.9 to 1.0 from step 10 (seed 0)
