@@ -11,7 +11,9 @@ Built-ins (`name:`):
   A final answer is the last `\\boxed{...}`, else what follows the last `####` (GSM8K), else the last number in the
   text after any `</think>`; numbers compare as numbers (`1,000` = `1000.0`), anything else as stripped text.
 - `think_format`: 1.0 when the completion is exactly one `<think>...</think>` (non-empty reasoning) followed by a
-  non-empty answer, else 0.0: the shape a Thinking model's answers take.
+  non-empty answer, else 0.0: the shape a Thinking model's answers take. It reads the text TRL decodes with
+  `skip_special_tokens=True`: a tokenizer that marked `<think>` as a special token would hide it (the ERNIE 4.5
+  tokenizer in ../shared has no such token; the released Thinking tokenizer is not checked here).
 - `length`: 0 up to `args.target` completion tokens (default 256), then -(tokens - target) / target.
 
 Every function's return is checked: a wrong count or a value that is not a number is one line naming the entry.

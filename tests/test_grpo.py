@@ -51,6 +51,24 @@ def test_a_bad_prompt_record_names_the_line():
         to_prompt(Record({"question": ""}, "p.jsonl", 2), "gsm8k")
 
 
+def test_prepare_drops_overlong_prompts_holds_out_eval_and_fills_the_system_prompt(tiny_own_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from erniekit_lite.data.prompts import describe_prompts, prepare_prompts
+    from erniekit_lite.recipe import DataSection
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [{"question": "2 + 2?", "answer": "#### 4"}] * 9 + [{"question": "word " * 80}]))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_own_dir)
+    data = prepare_prompts(DataSection(train=[str(path)], max_length=40, eval_split=0.2, system="Be brief."), tokenizer, log=lambda *a: None)
+    assert (len(data.train.items), len(data.eval.items), data.train.dropped_overlong) == (7, 2, 1)
+    assert data.train.items[0].messages[0] == {"role": "system", "content": "Be brief."} and data.train.items[0].answer == "#### 4"
+    assert "train: 7 prompts (7 with a reference answer)" in describe_prompts(data) and "1 longer than data.max_length dropped" in describe_prompts(data)
+    with pytest.raises(DataError, match="no prompts left"):
+        prepare_prompts(DataSection(train=[str(path)], max_length=16, system="A long system prompt that no prompt fits beside."), tokenizer,
+                        log=lambda *a: None)
+
+
 def test_prompts_render_as_training_renders_them_and_user_text_stays_text(ernie_tokenizer):
     from erniekit_lite.data.formats import Conversation, Turn
     from erniekit_lite.data.tokenize import IGNORE
