@@ -15,7 +15,8 @@ top-level `answer` (or `solution`) is the reference whatever the format. Prompt-
 A prompt is kept as chat messages (system?, user/assistant history, user), the form TRL passes to reward functions,
 and is rendered for generation by the template training uses (`prompt_ids`: ERNIE 4.5's pieces ending in
 `Assistant: `, or the model's own template), with user text tokenized as text: it never becomes a control token.
-Prompts longer than `data.max_length` tokens are dropped (and counted).
+Prompts longer than `data.max_length` tokens are dropped (and counted). Prompts are text: a record's `tools` list and
+earlier turns' tool calls are not carried into them (TRL's tool-calling rollouts are not wired).
 """
 
 from __future__ import annotations
