@@ -67,6 +67,8 @@ BENCHES = [
           ("dpo_packing.py", "--released-shape", "--steps", "2", "--batch", "2", "--samples", "80", "--rounds", "3"), None, 35),
     Bench("methods", "results-methods.txt", ("methods.py", "--rounds", "3"),
           ("methods.py", "--steps", "1", "--samples", "20"), 20),
+    Bench("grpo", "results-grpo-cpu-tiny.txt", ("grpo.py", "--rounds", "5", "--steps", "6"), ("grpo.py", "--rounds", "1", "--steps", "2"),
+          10, writes_own=True),
     Bench("gguf_agreement", "results-gguf_agreement.txt", ("gguf_agreement.py",),
           ("gguf_agreement.py", "--seeds", "1", "--outtypes", "f32,q8_0"), 12, writes_own=True, llama_cpp=True),
     Bench("sft-peers", "results-sft-peers-cpu-tiny.txt", ("sft.py", "--steps", "6", "--rounds", "3"),
