@@ -121,15 +121,14 @@ def check_reference_lora(recipe: Recipe) -> None:
                         f"true, gaussian, orthogonal or mica for {recipe.method}")
 
 
-def trl_trainer(trainer_class, model, tokenizer, args, train_dataset, eval_dataset, collator, recipe: Recipe):
-    """A TRL trainer that adds the recipe's adapter itself (given a peft config, its reference is then the base with
-    the adapter disabled: no copy), with the adapters checked and LoRA+'s settings attached."""
+def trl_trainer(trainer_class, model, recipe: Recipe, **kwargs):
+    """A TRL trainer (built with `kwargs`) that adds the recipe's adapter itself (given a peft config, its reference is
+    then the base with the adapter disabled: no copy), with the adapters checked and LoRA+'s settings attached."""
     from erniekit_lite.model.lora import SETTINGS, check_adapters, lora_config, targets_as_written
 
     config = lora_config(model, recipe.lora) if recipe.lora is not None else None
     with targets_as_written():  # TRL calls get_peft_model itself
-        trainer = trainer_class(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                                processing_class=tokenizer, data_collator=collator, peft_config=config)
+        trainer = trainer_class(model=model, peft_config=config, **kwargs)
     if config is not None:
         check_adapters(trainer.model, config)
         setattr(trainer.model, SETTINGS, recipe.lora)  # LoRA+ (train/optimizer.py) reads it

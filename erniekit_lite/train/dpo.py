@@ -24,8 +24,9 @@ def build_trainer(model, tokenizer, args, data: PreparedPairs, recipe: Recipe):
     from erniekit_lite.train.dpo_trainer import ErnieDPOTrainer
 
     collator = PackedPairCollator(recipe.data.max_length) if recipe.data.packing else PaddedPairCollator(tokenizer.pad_token_id)
-    return trl_trainer(ErnieDPOTrainer, model, tokenizer, args, rows_dataset(data.train.rows),
-                       rows_dataset(data.eval.rows) if data.eval is not None else None, collator, recipe)
+    return trl_trainer(ErnieDPOTrainer, model, recipe, args=args, train_dataset=rows_dataset(data.train.rows),
+                       eval_dataset=rows_dataset(data.eval.rows) if data.eval is not None else None,
+                       processing_class=tokenizer, data_collator=collator)
 
 
 def last_rewards(trainer) -> dict:

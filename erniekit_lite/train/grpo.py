@@ -13,23 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from erniekit_lite.data.prompts import PreparedPrompts, describe_prompts, prepare_prompts
-from erniekit_lite.errors import UserError
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import run as runner
+from erniekit_lite.train.common import check_reference_lora, trl_trainer
 
 
 def run(recipe: Recipe, log=print) -> Path:
-    check_lora(recipe)  # before anything loads or the run dir is claimed
+    check_reference_lora(recipe)  # before anything loads or the run dir is claimed
     return runner.run(recipe, METHOD, log)
-
-
-def check_lora(recipe: Recipe) -> None:
-    from erniekit_lite.model.lora import mutates_base
-
-    if recipe.lora is not None and mutates_base(recipe.lora.init):
-        raise UserError(f"lora.init: {recipe.lora.init} moves part of each base weight into the adapter, and GRPO's reference "
-                        "is the base with the adapter disabled, which would then be the changed base; use lora.init true, "
-                        "gaussian, orthogonal or mica for grpo")
 
 
 def prompts_dataset(items):
@@ -40,27 +31,16 @@ def prompts_dataset(items):
 
 
 def build_trainer(model, tokenizer, args, data: PreparedPrompts, recipe: Recipe):
-    from erniekit_lite.model.lora import SETTINGS, check_adapters, lora_config, targets_as_written
     from erniekit_lite.rewards import reward_functions
     from erniekit_lite.train.grpo_trainer import ErnieGRPOTrainer
 
     funcs, weights = reward_functions(recipe.rewards, recipe.data.system)
     args.reward_weights = weights
-    config = lora_config(model, recipe.lora) if recipe.lora is not None else None
-    with targets_as_written():  # TRL calls get_peft_model itself
-        trainer = ErnieGRPOTrainer(
-            model=model,
-            reward_funcs=funcs,
-            args=args,
-            train_dataset=prompts_dataset(data.train.items),
-            eval_dataset=prompts_dataset(data.eval.items) if data.eval is not None else None,
-            processing_class=tokenizer,
-            peft_config=config,
-        )
+    trainer = trl_trainer(ErnieGRPOTrainer, model, recipe, reward_funcs=funcs, args=args,
+                          train_dataset=prompts_dataset(data.train.items),
+                          eval_dataset=prompts_dataset(data.eval.items) if data.eval is not None else None,
+                          processing_class=tokenizer)
     trainer.packed_scoring = recipe.data.packing
-    if config is not None:
-        check_adapters(trainer.model, config)
-        setattr(trainer.model, SETTINGS, recipe.lora)  # LoRA+ (train/optimizer.py) reads it
     return trainer
 
 

@@ -46,8 +46,9 @@ def build_trainer(model, tokenizer, args, data: PreparedFeedback, recipe: Recipe
     from erniekit_lite.train.kto_trainer import ErnieKTOTrainer
 
     collator = PackedFeedbackCollator(recipe.data.max_length) if recipe.data.packing else PaddedFeedbackCollator(tokenizer.pad_token_id)
-    return trl_trainer(ErnieKTOTrainer, model, tokenizer, args, rows_dataset(data.train.rows),
-                       rows_dataset(data.eval.rows) if data.eval is not None else None, collator, recipe)
+    return trl_trainer(ErnieKTOTrainer, model, recipe, args=args, train_dataset=rows_dataset(data.train.rows),
+                       eval_dataset=rows_dataset(data.eval.rows) if data.eval is not None else None,
+                       processing_class=tokenizer, data_collator=collator)
 
 
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
