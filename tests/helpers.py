@@ -14,6 +14,17 @@ IDENTITY = ROOT / "recipes" / "data" / "identity.jsonl"
 PAIRS = ROOT / "recipes" / "data" / "identity_dpo.jsonl"
 
 
+def shared_data(recipe: Path) -> list[str]:
+    """Overrides pointing a shipped recipe's `../shared/...` data files at the shared files wherever they are
+    (`ERNIEKIT_SHARED`), so the test does not depend on ../shared lying beside the working directory."""
+    from conftest import SHARED
+
+    data = yaml.safe_load(Path(recipe).read_text(encoding="utf-8")).get("data") or {}
+    return [f"data.{split}.{i}.path={SHARED / source['path'].removeprefix('../shared/')}"
+            for split in ("train", "eval") for i, source in enumerate(data.get(split) or [])
+            if isinstance(source, dict) and source.get("path", "").startswith("../shared/")]
+
+
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
     """`erniekit-lite ARGV...` in this process: (exit status, stdout, stderr)."""
     code = main([str(a) for a in argv])

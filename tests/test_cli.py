@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from erniekit_lite.cli import main
-from helpers import run_cli, write_recipe
+from helpers import run_cli, shared_data, write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 IDENTITY = ROOT / "recipes" / "data" / "identity.jsonl"
@@ -194,7 +194,8 @@ def test_real_03b_recipes_validate_against_released_config(capsys, name):
 
     if not ERNIE_TOKENIZER_DIR.is_dir():
         pytest.skip("shared reference files not found")
-    code, out, err = run_cli(capsys, "validate", ROOT / "recipes" / "ernie-4.5-0.3b" / name, f"model.path={ERNIE_TOKENIZER_DIR}", "train.bf16=false")
+    recipe = ROOT / "recipes" / "ernie-4.5-0.3b" / name
+    code, out, err = run_cli(capsys, "validate", recipe, f"model.path={ERNIE_TOKENIZER_DIR}", "train.bf16=false", *shared_data(recipe))
     assert code == 0, err
     assert "Ernie4_5ForCausalLM" in out and "360,748,032 parameters" in out
     if name.endswith("-lora.yaml"):

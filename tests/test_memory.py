@@ -22,7 +22,7 @@ import torch
 
 from erniekit_lite import memory
 from erniekit_lite.cli import main
-from helpers import write_recipe
+from helpers import shared_data, write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 IDENTITY = ROOT / "recipes" / "data" / "identity.jsonl"
@@ -168,7 +168,8 @@ def test_released_03b_lora_recipe_fits_a_24gb_gpu(capsys):
 
     if not ERNIE_TOKENIZER_DIR.is_dir():
         pytest.skip("shared reference files not found")
-    code = main(["validate", str(ROOT / "recipes" / "ernie-4.5-0.3b" / "sft-lora.yaml"), f"model.path={ERNIE_TOKENIZER_DIR}"])
+    recipe = ROOT / "recipes" / "ernie-4.5-0.3b" / "sft-lora.yaml"
+    code = main(["validate", str(recipe), f"model.path={ERNIE_TOKENIZER_DIR}", *shared_data(recipe)])
     out, err = capsys.readouterr()
     assert code == 0, err
     line = next(x for x in out.splitlines() if x.startswith("memory per device"))

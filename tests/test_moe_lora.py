@@ -17,7 +17,7 @@ from erniekit_lite.errors import UserError
 from erniekit_lite.model.load import load_model
 from erniekit_lite.model.lora import apply_lora, group_of, trainable_groups
 from erniekit_lite.recipe import DEFAULT_LORA_TARGETS, LoraSection
-from helpers import write_recipe
+from helpers import shared_data, write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 EVERY_GROUP = ("attention", "dense MLP", "shared experts", "routed experts")
@@ -185,7 +185,8 @@ def released_21b_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["sft-lora.yaml", "dpo-lora.yaml"])
 def test_21b_lora_recipes_plan_every_expert(capsys, released_21b_dir, name):
-    code = main(["validate", str(ROOT / "recipes" / "ernie-4.5-21b-a3b" / name), f"model.path={released_21b_dir}", "train.bf16=false"])
+    recipe = ROOT / "recipes" / "ernie-4.5-21b-a3b" / name
+    code = main(["validate", str(recipe), f"model.path={released_21b_dir}", "train.bf16=false", *shared_data(recipe)])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "Ernie4_5_MoeForCausalLM" in out
