@@ -14,6 +14,16 @@ import torch
 from erniekit_lite.data.tokenize import IGNORE
 
 
+def bounds(lengths: list[int], device=None) -> tuple[torch.Tensor, dict]:
+    """Sequences of these lengths laid end to end: their restarting `position_ids` [1, T], and the per-sample bounds
+    varlen attention reads (`cu_seq_lens_q/k`, `max_length_q/k`)."""
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
+    cu[1:] = torch.tensor(lengths, device=device).cumsum(0)
+    longest = max(lengths)
+    return positions, {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 @dataclass
 class PackedCollator:
     max_length: int  # row capacity, for the packing-efficiency count
@@ -22,17 +32,12 @@ class PackedCollator:
         lengths = [n for row in rows for n in row["seq_lengths"]]
         input_ids = torch.tensor([t for row in rows for t in row["input_ids"]], dtype=torch.long)[None]
         labels = torch.tensor([t for row in rows for t in row["labels"]], dtype=torch.long)[None]
-        position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(lengths).cumsum(0)
+        position_ids, varlen = bounds(lengths)
         return {
             "input_ids": input_ids,
             "labels": labels,
             "position_ids": position_ids,
-            "cu_seq_lens_q": cu,
-            "cu_seq_lens_k": cu,
-            "max_length_q": max(lengths),
-            "max_length_k": max(lengths),
+            **varlen,
             "token_slots": len(rows) * self.max_length,
         }
 

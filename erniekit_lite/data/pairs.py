@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from erniekit_lite.data.collate import bounds
 from erniekit_lite.data.formats import Conversation, Preference, Turn
 from erniekit_lite.data.packing import best_fit_decreasing, check_first_untrained
 from erniekit_lite.data.tokenize import IGNORE, Sample, Tokenizer
@@ -134,19 +135,15 @@ class PackedPairCollator:
             # position p predicts token p+1: scored where that token is trained
             scored = (seq_labels[1:] != IGNORE).nonzero().flatten()
             index.append(row * (width - 1) + scored)
-        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(lengths).cumsum(0)
+        positions, varlen = bounds(lengths)
         return _with_ref_logps(rows, {
             "input_ids": padded_ids,
             "attention_mask": attention,
             "completion_mask": completion,
             "packed_input_ids": ids[None],
             "packed_labels": labels[None],
-            "packed_position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
-            "cu_seq_lens_q": cu,
-            "cu_seq_lens_k": cu,
-            "max_length_q": width,
-            "max_length_k": width,
+            "packed_position_ids": positions,
+            **varlen,
             "logp_index": torch.cat(index),
             "token_slots": len(rows) * 2 * self.max_length,
         })

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from erniekit_lite.data.collate import bounds
 from erniekit_lite.data.formats import Conversation, Feedback, Turn
 from erniekit_lite.data.packing import best_fit_decreasing, check_first_untrained
 from erniekit_lite.data.tokenize import IGNORE, Sample, Tokenizer
@@ -177,18 +178,13 @@ def _packed(seqs: list[tuple[list[int], list[int]]]) -> dict:
     lengths = [len(ids) for ids, _ in seqs]
     batch = _padded(seqs, 0)  # never run through the model: TRL reads its masks, the model reads `packed_*`
     batch.pop("pair_labels")
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lengths).cumsum(0)
-    width = batch["input_ids"].shape[1]
+    positions, varlen = bounds(lengths)
     return {
         **batch,
         "packed_input_ids": torch.tensor([t for ids, _ in seqs for t in ids], dtype=torch.long)[None],
         "packed_labels": torch.tensor([t for _, lab in seqs for t in lab], dtype=torch.long)[None],
-        "packed_position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
-        "cu_seq_lens_q": cu,
-        "cu_seq_lens_k": cu,
-        "max_length_q": width,
-        "max_length_k": width,
+        "packed_position_ids": positions,
+        **varlen,
         "lengths": lengths,  # the bounds on the host, so per-sample attention never reads `cu_seq_lens_q` back
     }
 

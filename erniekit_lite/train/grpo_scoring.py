@@ -20,6 +20,7 @@ import types
 
 import torch
 
+from erniekit_lite.data.collate import bounds
 from erniekit_lite.data.tokenize import IGNORE
 from erniekit_lite.model.attention import remember_lengths
 from erniekit_lite.train.scoring import head_scores, labelled_positions
@@ -33,19 +34,9 @@ def packed_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_
     lengths = real.sum(1).tolist()
     labels = input_ids.masked_fill(~real, IGNORE)
     labels[:, : input_ids.shape[1] - logits_to_keep] = IGNORE
-    positions = torch.cat([torch.arange(n, device=input_ids.device) for n in lengths])
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=input_ids.device)
-    cu[1:] = torch.tensor(lengths, device=input_ids.device).cumsum(0)
-    remember_lengths(cu, lengths)  # per-sample attention reads them from here, never from the device
-    return {
-        "input_ids": input_ids[real][None],
-        "position_ids": positions[None],
-        "labels": labels[real][None],
-        "cu_seq_lens_q": cu,
-        "cu_seq_lens_k": cu,
-        "max_length_q": max(lengths),
-        "max_length_k": max(lengths),
-    }
+    positions, varlen = bounds(lengths, input_ids.device)
+    remember_lengths(varlen["cu_seq_lens_q"], lengths)  # per-sample attention reads them from here, never from the device
+    return {"input_ids": input_ids[real][None], "position_ids": positions, "labels": labels[real][None], **varlen}
 
 
 def add_packed_scoring(model) -> None:
