@@ -152,7 +152,9 @@ def _train(args) -> int:
     machines = Machines(args.num_machines, args.machine_rank, args.main_process_ip, args.main_process_port, args.join_timeout)
     if args.num_processes is not None or args.accelerate_config is not None or machines.given():
         from erniekit_lite.launch import launch
+        from erniekit_lite.train import rundir
 
+        rundir.check(r)  # said once, before any process starts (each would say it, then torch its traceback)
         return launch(args.recipe, overrides, args.num_processes, args.accelerate_config, machines)
     _quiet_libraries()
     from erniekit_lite.launch import end_process_group, print_on_main

@@ -10,6 +10,8 @@ this module only catches what torch elastic (under accelerate) raises in two cas
   machine whose workers stopped because another machine was signalled (they stop together, `StopOnSignal`) sees
   every worker exit 128 + signal, which torch reports as `ChildFailedError`. Both exit 128 + signal, quietly: the
   workers have said what happened (global rank 0 prints where the checkpoint is).
+- a worker that found a mistake in the recipe or data: it printed its one `error:` line and exited 2 (the others
+  were ended by torch). Exit 2, without torch's traceback around it.
 
 Anything else keeps torch's traceback.
 """
@@ -22,6 +24,7 @@ import sys
 
 RENDEZVOUS = "ERNIEKIT_RENDEZVOUS"  # "HOST:PORT MACHINE_RANK NUM_MACHINES TIMEOUT", set by launch.py for several machines
 STOP_CODES = {128 + signal.SIGTERM, 128 + signal.SIGINT}
+USER_ERROR = 2  # the CLI's exit status after an `error:` line (cli.py)
 
 
 def main(argv: list[str]) -> int:
@@ -39,6 +42,8 @@ def main(argv: list[str]) -> int:
         codes = {failure.exitcode for failure in e.failures.values()}
         if len(codes) == 1 and codes <= STOP_CODES:
             return codes.pop()  # stopped together with the other machines, after the same step's checkpoint
+        if e.get_first_failure()[1].exitcode == USER_ERROR:
+            return USER_ERROR  # a worker said what was wrong in its one `error:` line (bad data, a missing file)
         raise
     except DistError as e:
         if not os.environ.get(RENDEZVOUS):

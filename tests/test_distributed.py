@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import random
 import signal
@@ -402,6 +403,32 @@ def test_missing_accelerate_config_is_one_line(tmp_path, capsys, tiny_own_dir):
     assert err == f"error: --accelerate-config: {tmp_path / 'nope.yaml'}: file not found\n"
 
 
+def test_a_finished_run_dir_is_refused_before_any_process_starts(tmp_path, capsys, tiny_own_dir):
+    """Said once by the launching process, as a one-process run says it, not by every worker (then torch's traceback)."""
+    path = tiny_recipe(tmp_path, tiny_own_dir, False)
+    out = tmp_path / "done"
+    out.mkdir()
+    (out / "recipe.yaml").write_text("model: {path: another}\n")
+    code = main(["train", str(path), f"output.dir={out}", "--num-processes", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: output.dir: {out} ")
+
+
+@pytest.mark.slow  # one launch of 2 processes: ~15 s on 2 cores
+def test_a_data_mistake_found_by_the_workers_ends_the_launch_with_their_line_and_no_traceback(tmp_path, tiny_own_dir):
+    """Only the workers read the data: each says the bad line in one `error:` line and exits 2; the launcher exits 2
+    without torch elastic's ChildFailedError traceback."""
+    path = tiny_recipe(tmp_path, tiny_own_dir, False)
+    data = tmp_path / "data.jsonl"
+    lines = data.read_text().splitlines()
+    data.write_text("\n".join(lines[:3] + ['{"src": ["q"], "tgt": '] + lines[3:]) + "\n")
+    done = train_cli(tmp_path, str(path), f"output.dir={tmp_path / 'run'}", "--num-processes", "2")
+    assert done.returncode == 2
+    said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert said and set(said) == {f"error: {data}:4: malformed JSON line: Expecting value (column 23)"}, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
+
+
 def test_deepspeed_precision_must_agree_with_the_recipe(tmp_path, capsys, tiny_own_dir):
     """transformers refuses a DeepSpeed bf16 switch that differs from train.bf16 (a traceback from every process,
     after loading the model); the launcher says so in one line first. FSDP casts by itself: no such rule."""
@@ -455,6 +482,36 @@ def test_fsdp2_config_wraps_each_decoder_layer(monkeypatch, tiny_own_dir, tiny_m
         policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
         wrapped = [type(m).__name__ for m in model.modules() if policy(m)]
         assert wrapped == [layer] * model.config.num_hidden_layers
+
+
+@pytest.mark.slow  # one launch of 2 processes: ~25 s on 2 cores
+def test_moe_in_bfloat16_full_fine_tunes_under_fsdp2_without_mixed_precision(tmp_path, tiny_moe_dir):
+    """The MoE with bfloat16 weights, FSDP2 with mixed_precision "no" (pure bf16: half the memory of fp32 weights
+    and AdamW state): transformers keeps each router's weight float32, so a decoder layer's unit held two dtypes and
+    `fully_shard` failed ("FSDP expects uniform original parameter dtype"). The routers are now units of their own:
+    it trains, every parameter sharded, and saves the routers float32 and the rest bfloat16, as transformers holds
+    them; the routers trained, their frozen correction bias exactly as loaded."""
+    from safetensors.torch import load_file
+
+    path = tiny_recipe(tmp_path, tiny_moe_dir, False, max_steps=3)
+    out = tmp_path / "run"
+    done = train_cli(tmp_path, str(path), f"output.dir={out}", "model.dtype=bfloat16", "--num-processes", "2",
+                     "--accelerate-config", str(fsdp2_fp32(tmp_path)))
+    assert done.returncode == 0, done.stderr[-4000:]
+    info = json.loads((out / "train_results.json").read_text())["distributed"]
+    assert info["strategy"] == "FSDP2" and info["sharded_parameters"] == info["parameters"] > 0
+    assert info["mixed_precision"] == "none" and info["weights"] == "float32 and bfloat16"
+    losses = step_losses(out)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+
+    before, after = load_file(tiny_moe_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    router = {k for k in after if ".mlp.gate." in k or "moe_statics" in k}  # saved in the released checkpoints' names
+    assert router == {f"model.layers.{i}.mlp.{w}" for i in (1, 2) for w in ("gate.weight", "moe_statics.e_score_correction_bias")}
+    assert {after[k].dtype for k in router} == {torch.float32}
+    assert {after[k].dtype for k in after.keys() - router} == {torch.bfloat16}
+    for i in (1, 2):
+        bias, weight = f"model.layers.{i}.mlp.moe_statics.e_score_correction_bias", f"model.layers.{i}.mlp.gate.weight"
+        assert torch.equal(after[bias], before[bias]) and not torch.equal(after[weight], before[weight])
 
 
 @pytest.mark.slow  # one launch of 2 processes: ~25 s on 2 cores

@@ -214,6 +214,10 @@ def test_full_fine_tuning_trains_the_router_but_never_its_correction_bias(tmp_pa
     before, after = load_file(tiny_moe_dir / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     bias = "model.layers.1.mlp.moe_statics.e_score_correction_bias"  # the released layout's name
     assert torch.equal(before[bias], after[bias])  # it only biases which experts are picked: no gradient reaches it
+    # frozen at load (transformers 5.23 hands it back trainable): no optimizer state, no float32 trainable in bf16
+    model = load_model(str(tiny_moe_dir), dtype="bfloat16")
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {f"model.layers.{i}.mlp.gate.moe_statics.e_score_correction_bias" for i in (1, 2)}
     assert not torch.equal(before["model.layers.1.mlp.gate.weight"], after["model.layers.1.mlp.gate.weight"])
 
 

@@ -89,6 +89,7 @@ def load_model(
         raise UserError(missing_source(base or path, e) or f"{base or path}: could not load the model: {_first_line(e)}") from None
     if load_in_4bit:
         keep_cpu_layout(model)
+    freeze_router_statistics(model)
     if base:
         from erniekit_lite.model.lora import load_adapter
 
@@ -96,6 +97,16 @@ def load_model(
     # Packed rows are exact only without a KV cache (transformers builds no block mask when a cache exists)
     model.config.use_cache = False
     return model
+
+
+def freeze_router_statistics(model) -> None:
+    """ERNIE MoE's `moe_statics.e_score_correction_bias` is a statistic (added to the routing probabilities before
+    top-k), defined with `requires_grad=False`; transformers 5.23's `from_pretrained` hands it back trainable. No
+    gradient reaches it, so training never changed it; as a trainable float32 parameter in a bfloat16 model it broke
+    FSDP2 (one dtype per unit) and left the optimizer without its state (sharded resume). Frozen again here."""
+    for name, param in model.named_parameters():
+        if name.endswith("moe_statics.e_score_correction_bias"):
+            param.requires_grad_(False)
 
 
 def compute_dtype():

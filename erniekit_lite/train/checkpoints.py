@@ -96,8 +96,6 @@ class CheckpointMixin:
         run_dir = Path(super()._get_output_dir(trial))
         name = f"checkpoint-{self.state.global_step}"
         staging, final = run_dir / f"{STAGING}{name}", run_dir / name
-        if sharded_checkpoints(self):
-            complete_optimizer_state(self.optimizer)
         self._staging = staging
         try:
             super()._save_checkpoint(model, trial)
@@ -152,38 +150,6 @@ def sharded_checkpoints(trainer) -> bool:
     """Whether the trainer's checkpoints hold sharded model state: FSDP with a sharded state dict type."""
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
     return plugin is not None and "SHARDED_STATE_DICT" in str(plugin.state_dict_type)
-
-
-def complete_optimizer_state(optimizer) -> None:
-    """Give each trainable parameter that has had no gradient yet its optimizer state, as torch would make it:
-    one optimizer step over those parameters alone, with zero gradients at learning rate 0 (nothing changes).
-
-    Why: resuming from a sharded checkpoint loads the optimizer state into a template in which torch
-    (`checkpoint.state_dict._init_optim_state`) gives every trainable parameter a state, so one missing from the
-    checkpoint fails the load ("Missing key in checkpoint state_dict: optimizer.state.NAME.step"). The ERNIE MoE's
-    `moe_statics.e_score_correction_bias` is one: transformers 5.23's `from_pretrained` leaves it trainable, and no
-    gradient reaches it (it only shifts the top-k choice). Same on every rank: the same parameters get gradients.
-    """
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper would count the step
-    params = [p for group in inner.param_groups for p in group["params"]]
-    missing = {id(p) for p in params if p.requires_grad and p not in inner.state}
-    if not missing:
-        return
-    import torch
-
-    grads = [p.grad for p in params]
-    lrs = [group["lr"] for group in inner.param_groups]
-    for p in params:
-        p.grad = torch.zeros_like(p) if id(p) in missing else None  # a parameter without a gradient is skipped
-    for group in inner.param_groups:
-        group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
-    try:
-        inner.step()
-    finally:
-        for group, lr in zip(inner.param_groups, lrs):
-            group["lr"] = lr
-        for p, grad in zip(params, grads):
-            p.grad = grad
 
 
 def publish(staging: Path, final: Path) -> None:

@@ -134,6 +134,32 @@ def line(info: dict) -> str:
             f"mixed precision: {info['mixed_precision']} ({info['weights']} weights)")
 
 
+def units_of_one_dtype(trainer) -> None:
+    """FSDP2 shards each unit's trainable parameters as one flat group, so they must share a dtype. In a bfloat16
+    ERNIE MoE the router's weight stays float32 (transformers' `_keep_in_fp32_modules_strict`): full fine-tuning
+    under FSDP2 with `mixed_precision: no` put both dtypes in each decoder layer's unit, and `fully_shard` failed
+    ("FSDP expects uniform original parameter dtype"). Modules holding trainable parameters in a minority dtype get
+    units of their own (added to the transformer-based wrap policy's classes). With FSDP2 mixed precision accelerate
+    makes every trainable parameter float32 itself, so nothing is changed then."""
+    from collections import Counter
+
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if plugin is None or plugin.fsdp_version != 2 or trainer.accelerator.mixed_precision != "no":
+        return
+    policy = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
+    held = [(type(m).__name__, p) for m in trainer.model.modules() for p in m.parameters(recurse=False) if p.requires_grad]
+    sizes = Counter()
+    for _, p in held:
+        sizes[p.dtype] += p.numel()
+    if len(sizes) < 2 or policy is not transformer_auto_wrap_policy:
+        return
+    main = sizes.most_common(1)[0][0]
+    names = list(plugin.transformer_cls_names_to_wrap or getattr(trainer.model, "_no_split_modules", None) or [])
+    plugin.transformer_cls_names_to_wrap = names + sorted({name for name, p in held if p.dtype != main} - set(names))
+
+
 def report(trainer, log=print):
     """A callback that says, when training starts (the model prepared), how the run is distributed, and keeps it
     as `trainer.distribution` for train_results.json."""

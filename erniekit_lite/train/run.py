@@ -41,6 +41,7 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
     out = rundir.claim(recipe, log)
     trainer = method.build_trainer(model, tokenizer, args, data, recipe)
     plan_lm_head(trainer, recipe, log)
+    distribution.units_of_one_dtype(trainer)
     distribution.report(trainer, log)
     expert_load = watch_moe(trainer, recipe, log)
     if method.adapter_by_trainer and recipe.lora is not None:
