@@ -453,9 +453,7 @@ def _detect(record) -> str:
 
 
 def _texts(record, fmt: str) -> Iterator[str]:
-    data = record.data
-    if not isinstance(data, dict):
-        raise record.error(f"expected a JSON object per record, got {type(data).__name__}")
+    data = record.fields()
     if fmt == "text":
         text = data.get("text")
         if not isinstance(text, str):

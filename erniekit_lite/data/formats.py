@@ -58,10 +58,8 @@ def with_calls(text: str, tool_calls: list[dict]) -> str:
     return f"{text}\n{calls}" if text else calls
 
 
-def detect_format(record: Record) -> str:
-    data = record.data
-    if not isinstance(data, dict):
-        raise record.error(f"expected a JSON object per record, got {type(data).__name__}")
+def _chat_format(data: dict) -> str | None:
+    """The conversation format these keys name (SFT records, and KTO's labelled ones), or None."""
     if "src" in data and "tgt" in data:
         return "erniekit"
     if "conversations" in data:
@@ -70,6 +68,14 @@ def detect_format(record: Record) -> str:
         return "messages"
     if "instruction" in data or "output" in data:
         return "alpaca"
+    return None
+
+
+def detect_format(record: Record) -> str:
+    data = record.fields()
+    fmt = _chat_format(data)
+    if fmt is not None:
+        return fmt
     keys = ", ".join(sorted(data)) or "none"
     raise record.error(
         f"cannot tell the format from the keys ({keys}); expected src/tgt (erniekit), instruction/output (alpaca), "
@@ -78,8 +84,7 @@ def detect_format(record: Record) -> str:
 
 
 def to_conversation(record: Record, fmt: str, default_system: str | None = None) -> Conversation:
-    if not isinstance(record.data, dict):
-        raise record.error(f"expected a JSON object per record, got {type(record.data).__name__}")
+    record.fields()  # a JSON object, or the one-line error
     conv = _PARSERS[fmt](record)
     if conv.system is None:
         conv.system = default_system
@@ -315,8 +320,7 @@ _PARSERS = {"erniekit": _erniekit, "alpaca": _alpaca, "sharegpt": _sharegpt, "me
 def check_format(record: Record, fmt: str) -> None:
     """Raise if an explicitly chosen format cannot read this record (clearer than a missing-key error)."""
     required = {"erniekit": ("src", "tgt"), "alpaca": ("instruction", "output"), "sharegpt": ("conversations",), "messages": ("messages",)}
-    if not isinstance(record.data, dict):
-        raise record.error(f"expected a JSON object per record, got {type(record.data).__name__}")
+    record.fields()  # a JSON object, or the one-line error
     if fmt not in required:  # found by fuzzing: `format: trl` in an SFT recipe (the recipe allows it) was a KeyError
         raise record.error(f"format '{fmt}' is not an SFT format (trl is for preference data); expected {', '.join(required)}")
     missing = [k for k in required[fmt] if k not in record.data]
@@ -355,9 +359,7 @@ PREFERENCE_FORMATS = ("erniekit", "sharegpt", "trl", "alpaca")
 
 
 def detect_preference_format(record: Record) -> str:
-    data = record.data
-    if not isinstance(data, dict):
-        raise record.error(f"expected a JSON object per record, got {type(data).__name__}")
+    data = record.fields()
     if "src" in data and "response" in data:
         return "erniekit"
     if "conversations" in data and "chosen" in data:
@@ -379,8 +381,7 @@ def detect_preference_format(record: Record) -> str:
 
 def to_preference(record: Record, fmt: str, default_system: str | None = None) -> Preference:
     """One preference pair. Raises DataError (with file:line) for a malformed record, Skip for an untrainable one."""
-    if not isinstance(record.data, dict):
-        raise record.error(f"expected a JSON object per record, got {type(record.data).__name__}")
+    record.fields()  # a JSON object, or the one-line error
     parser = _PREFERENCE_PARSERS.get(fmt)
     if parser is None:
         raise record.error(f"unknown preference format '{fmt}'; expected one of {', '.join(PREFERENCE_FORMATS)}")
@@ -567,23 +568,16 @@ FEEDBACK_LABELS = ("label", "kto_tag")
 
 
 def detect_feedback_format(record: Record) -> str:
-    data = record.data
-    if not isinstance(data, dict):
-        raise record.error(f"expected a JSON object per record, got {type(data).__name__}")
+    data = record.fields()
     if "chosen" in data or "rejected" in data or ("response" in data and "sort" in data):
         raise record.error("a preference pair (chosen and rejected responses); method kto takes one completion per record "
                            "with a label: write each response as its own record, label true for the chosen one and false "
                            "for the rejected one (or train the pairs with method dpo)")
     if "prompt" in data and "completion" in data:
         return "trl"
-    if "src" in data and "tgt" in data:
-        return "erniekit"
-    if "conversations" in data:
-        return "sharegpt"
-    if "messages" in data:
-        return "messages"
-    if "instruction" in data or "output" in data:
-        return "alpaca"
+    fmt = _chat_format(data)
+    if fmt is not None:
+        return fmt
     keys = ", ".join(sorted(data)) or "none"
     raise record.error(
         f"cannot tell the feedback format from the keys ({keys}); expected prompt/completion/label (trl), src/tgt/label "
@@ -594,8 +588,7 @@ def detect_feedback_format(record: Record) -> str:
 
 def to_feedback(record: Record, fmt: str, default_system: str | None = None) -> Feedback:
     """One labelled completion. Raises DataError (with file:line) for a malformed record, Skip for an untrainable one."""
-    if not isinstance(record.data, dict):
-        raise record.error(f"expected a JSON object per record, got {type(record.data).__name__}")
+    record.fields()  # a JSON object, or the one-line error
     parser = _FEEDBACK_PARSERS.get(fmt)
     if parser is None:
         raise record.error(f"unknown feedback format '{fmt}'; expected one of {', '.join(FEEDBACK_FORMATS)}")

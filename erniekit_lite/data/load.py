@@ -23,6 +23,12 @@ class Record:
     def error(self, message: str) -> DataError:
         return DataError(self.path, message, self.line)
 
+    def fields(self) -> dict:
+        """The record's JSON object; every format reads one (a list or a string in a JSONL line is an error)."""
+        if not isinstance(self.data, dict):
+            raise self.error(f"expected a JSON object per record, got {type(self.data).__name__}")
+        return self.data
+
 
 def read_records(path: str, split: str = "train", max_samples: int | None = None) -> list[Record]:
     """All records of one source. Local files by extension; anything else is tried as a Hub dataset id."""

@@ -107,9 +107,7 @@ def detect_prompt_format(record: Record) -> str:
 
 def to_prompt(record: Record, fmt: str, system: str | None = None) -> tuple[list[dict], str | None]:
     """(messages ending with the user prompt, reference answer or None) of one record."""
-    data = record.data
-    if not isinstance(data, dict):
-        raise record.error(f"expected a JSON object per record, got {type(data).__name__}")
+    data = record.fields()
     if fmt in ("gsm8k", "trl"):
         key = "question" if fmt == "gsm8k" else "prompt"
         prompt = data.get(key)

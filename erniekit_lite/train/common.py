@@ -110,6 +110,14 @@ def rows_dataset(rows):
     )
 
 
+def trainer_inputs(data, tokenizer, recipe: Recipe, packed, padded, rows=rows_dataset) -> dict:
+    """The Trainer keywords every method passes alike: its rows as datasets (train, and eval when there is one), and
+    its `packed` collator class (built with the row length) or `padded` one (built with the pad id)."""
+    collator = packed(recipe.data.max_length) if recipe.data.packing else padded(tokenizer.pad_token_id)
+    return {"train_dataset": rows(data.train.rows), "eval_dataset": rows(data.eval.rows) if data.eval is not None else None,
+            "processing_class": tokenizer, "data_collator": collator}
+
+
 def check_reference_lora(recipe: Recipe) -> None:
     """Methods whose reference is the base with the adapter disabled (DPO, KTO, GRPO): PiSSA and OLoRA move part of
     each base weight into the adapter, so that reference would be the changed base. Said before anything loads."""

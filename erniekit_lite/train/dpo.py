@@ -12,7 +12,7 @@ from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator
 from erniekit_lite.data.prepare import PreparedPairs, describe_pairs, prepare_pairs
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import run as runner
-from erniekit_lite.train.common import check_reference_lora, rows_dataset, trl_trainer
+from erniekit_lite.train.common import check_reference_lora, trainer_inputs, trl_trainer
 
 
 def run(recipe: Recipe, log=print) -> Path:
@@ -23,10 +23,8 @@ def run(recipe: Recipe, log=print) -> Path:
 def build_trainer(model, tokenizer, args, data: PreparedPairs, recipe: Recipe):
     from erniekit_lite.train.dpo_trainer import ErnieDPOTrainer
 
-    collator = PackedPairCollator(recipe.data.max_length) if recipe.data.packing else PaddedPairCollator(tokenizer.pad_token_id)
-    return trl_trainer(ErnieDPOTrainer, model, recipe, args=args, train_dataset=rows_dataset(data.train.rows),
-                       eval_dataset=rows_dataset(data.eval.rows) if data.eval is not None else None,
-                       processing_class=tokenizer, data_collator=collator)
+    return trl_trainer(ErnieDPOTrainer, model, recipe, args=args,
+                       **trainer_inputs(data, tokenizer, recipe, PackedPairCollator, PaddedPairCollator))
 
 
 def last_rewards(trainer) -> dict:

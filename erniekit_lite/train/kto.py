@@ -17,7 +17,7 @@ from erniekit_lite.data.prepare import PreparedFeedback, describe_feedback, prep
 from erniekit_lite.data.unpaired import PackedFeedbackCollator, PaddedFeedbackCollator
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import run as runner
-from erniekit_lite.train.common import check_reference_lora, trl_trainer
+from erniekit_lite.train.common import check_reference_lora, trainer_inputs, trl_trainer
 
 
 def run(recipe: Recipe, log=print) -> Path:
@@ -45,10 +45,8 @@ def rows_dataset(rows):
 def build_trainer(model, tokenizer, args, data: PreparedFeedback, recipe: Recipe):
     from erniekit_lite.train.kto_trainer import ErnieKTOTrainer
 
-    collator = PackedFeedbackCollator(recipe.data.max_length) if recipe.data.packing else PaddedFeedbackCollator(tokenizer.pad_token_id)
-    return trl_trainer(ErnieKTOTrainer, model, recipe, args=args, train_dataset=rows_dataset(data.train.rows),
-                       eval_dataset=rows_dataset(data.eval.rows) if data.eval is not None else None,
-                       processing_class=tokenizer, data_collator=collator)
+    return trl_trainer(ErnieKTOTrainer, model, recipe, args=args, **trainer_inputs(
+        data, tokenizer, recipe, PackedFeedbackCollator, PaddedFeedbackCollator, rows=rows_dataset))
 
 
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")

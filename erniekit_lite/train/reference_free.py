@@ -36,7 +36,7 @@ from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import dpo
 from erniekit_lite.train import run as runner
 from erniekit_lite.train.checkpoints import CheckpointMixin
-from erniekit_lite.train.common import rows_dataset
+from erniekit_lite.train.common import trainer_inputs
 from erniekit_lite.train.optimizer import LoraPlusMixin
 from erniekit_lite.train.pair_scoring import PairRowsMixin, add_packed_forward
 from erniekit_lite.train.trainer import HostBoundsMixin, ThroughputMixin
@@ -129,16 +129,8 @@ class ErnieCPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlu
 
 
 def build_trainer(model, tokenizer, args, data, recipe: Recipe):
-    collator = PackedPairCollator(recipe.data.max_length) if recipe.data.packing else PaddedPairCollator(tokenizer.pad_token_id)
     trainer = ErnieORPOTrainer if recipe.method == "orpo" else ErnieCPOTrainer
-    return trainer(
-        model=model,
-        args=args,
-        train_dataset=rows_dataset(data.train.rows),
-        eval_dataset=rows_dataset(data.eval.rows) if data.eval is not None else None,
-        processing_class=tokenizer,
-        data_collator=collator,
-    )
+    return trainer(model=model, args=args, **trainer_inputs(data, tokenizer, recipe, PackedPairCollator, PaddedPairCollator))
 
 
 # DPO's pair data, metrics and summary; the adapter made as for SFT (no reference needs the base without it)

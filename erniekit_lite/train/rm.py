@@ -27,7 +27,7 @@ from erniekit_lite.model.reward import HEAD, add_pair_forward, check_start, is_r
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import run as runner
 from erniekit_lite.train.checkpoints import CheckpointMixin
-from erniekit_lite.train.common import rows_dataset
+from erniekit_lite.train.common import trainer_inputs
 from erniekit_lite.train.optimizer import LoraPlusMixin
 from erniekit_lite.train.pair_scoring import PairRowsMixin
 from erniekit_lite.train.trainer import HostBoundsMixin, PlainLoraSaveMixin, ThroughputMixin
@@ -62,15 +62,8 @@ class ErnieRewardTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, Lora
 
 
 def build_trainer(model, tokenizer, args, data, recipe: Recipe):
-    collator = PackedPairCollator(recipe.data.max_length) if recipe.data.packing else PaddedPairCollator(tokenizer.pad_token_id)
-    trainer = ErnieRewardTrainer(
-        model=model,
-        args=args,
-        train_dataset=rows_dataset(data.train.rows),
-        eval_dataset=rows_dataset(data.eval.rows) if data.eval is not None else None,
-        processing_class=tokenizer,
-        data_collator=collator,
-    )
+    trainer = ErnieRewardTrainer(model=model, args=args,
+                                 **trainer_inputs(data, tokenizer, recipe, PackedPairCollator, PaddedPairCollator))
     # the head itself, or under LoRA peft's trained copy of it (modules_to_save; the original stays frozen beside it)
     trained = sum(p.numel() for n, p in trainer.model.named_parameters() if p.requires_grad and f"{HEAD}." in n)
     if trained != getattr(reward_base(trainer.model), HEAD).in_features:

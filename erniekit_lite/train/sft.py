@@ -9,7 +9,7 @@ from erniekit_lite.data.collate import PackedCollator, PaddedCollator
 from erniekit_lite.data.prepare import PreparedData, describe_data, prepare
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import run as runner
-from erniekit_lite.train.common import rows_dataset
+from erniekit_lite.train.common import trainer_inputs
 
 
 def run(recipe: Recipe, log=print) -> Path:
@@ -19,18 +19,7 @@ def run(recipe: Recipe, log=print) -> Path:
 def build_trainer(model, tokenizer, args, data: PreparedData, recipe: Recipe):
     from erniekit_lite.train.trainer import ErnieSFTTrainer
 
-    if recipe.data.packing:
-        collator = PackedCollator(recipe.data.max_length)
-    else:
-        collator = PaddedCollator(tokenizer.pad_token_id)
-    return ErnieSFTTrainer(
-        model=model,
-        args=args,
-        train_dataset=rows_dataset(data.train.rows),
-        eval_dataset=rows_dataset(data.eval.rows) if data.eval is not None else None,
-        processing_class=tokenizer,
-        data_collator=collator,
-    )
+    return ErnieSFTTrainer(model=model, args=args, **trainer_inputs(data, tokenizer, recipe, PackedCollator, PaddedCollator))
 
 
 def write_samples(model, tokenizer, recipe: Recipe, out: Path | None, log=print) -> None:
