@@ -144,6 +144,18 @@ def write_records(src: Path, dst: Path, samples: int | None) -> list[dict]:
 MEASURED_PATHS = ("erniekit_lite", "webui", "recipes", "pyproject.toml", "benchmarks/*.py", "benchmarks/runners")
 
 
+TOKENIZER = Path("ernie45") / "ernie-4.5-0.3b-base-pt"  # under ../shared: the real ERNIE 4.5 tokenizer
+
+
+def demo_file(shared: str, name: str) -> Path:
+    """`shared`/data/llamafactory/`name`, with the real tokenizer beside it; exit 2 with one line when either is missing."""
+    demo = Path(shared) / "data" / "llamafactory" / name
+    if not (Path(shared) / TOKENIZER).is_dir() or not demo.is_file():
+        print(f"shared reference files not found under {shared} (set --shared or ERNIEKIT_SHARED)", file=sys.stderr)
+        raise SystemExit(2)
+    return demo
+
+
 def git_revision() -> str | None:
     """HEAD plus '+dirty' when the measured code (MEASURED_PATHS) differs from it."""
     try:

@@ -87,11 +87,7 @@ def main(argv=None) -> int:
     args.lf_python = None
     modes = C.selected_modes(args, MODES)
     t_start, load_start, revision = time.perf_counter(), os.getloadavg()[0], C.git_revision()
-    shared = Path(args.shared)
-    demo = shared / "data" / "llamafactory" / "dpo_en_demo.json"
-    if not (shared / "ernie45" / "ernie-4.5-0.3b-base-pt").is_dir() or not demo.is_file():
-        print(f"shared reference files not found under {shared} (set --shared or ERNIEKIT_SHARED)", file=sys.stderr)
-        return 2
+    demo = C.demo_file(args.shared, "dpo_en_demo.json")
 
     C.quiet_transformers()
     versions = C.versions(sys.executable)

@@ -36,6 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _common as C  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -87,10 +89,8 @@ def run_validate(recipe: Path, cache_root: Path) -> tuple[float, str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    demo = Path(args.shared) / "data" / "llamafactory" / "alpaca_en_demo.json"
-    tok_dir = Path(args.shared) / "ernie45" / "ernie-4.5-0.3b-base-pt"
-    if not demo.is_file() or not tok_dir.is_dir():
-        raise SystemExit(f"shared reference files not found under {args.shared}")
+    demo = C.demo_file(args.shared, "alpaca_en_demo.json")
+    tok_dir = Path(args.shared) / C.TOKENIZER
     counts = [int(n) for n in args.num_proc.split(",")]
     load_start = os.getloadavg()[0]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -173,11 +173,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t_start, load_start, revision = time.perf_counter(), os.getloadavg()[0], C.git_revision()
     shared = Path(args.shared)
-    demo = shared / "data" / "llamafactory" / "alpaca_en_demo.json"
-    tokenizer_src = shared / "ernie45" / "ernie-4.5-0.3b-base-pt"
-    if not tokenizer_src.is_dir() or not demo.is_file():
-        print(f"shared reference files not found under {shared} (set --shared or ERNIEKIT_SHARED)", file=sys.stderr)
-        return 2
+    demo = C.demo_file(args.shared, "alpaca_en_demo.json")
+    tokenizer_src = shared / C.TOKENIZER
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     shapes = [parse_shape(s) for s in args.shapes.split(",") if s.strip()]
     lf_shapes = [parse_shape(s) for s in args.lf_shapes.split(",") if s.strip()]

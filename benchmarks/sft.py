@@ -74,11 +74,7 @@ def main(argv=None, packing_only: bool = False) -> int:
     args = parse_args(argv, packing_only)
     modes = C.selected_modes(args, MODES)
     t_start, load_start, revision = time.perf_counter(), os.getloadavg()[0], C.git_revision()
-    shared = Path(args.shared)
-    demo = shared / "data" / "llamafactory" / "alpaca_en_demo.json"
-    if not (shared / "ernie45" / "ernie-4.5-0.3b-base-pt").is_dir() or not demo.is_file():
-        print(f"shared reference files not found under {shared} (set --shared or ERNIEKIT_SHARED)", file=sys.stderr)
-        return 2
+    demo = C.demo_file(args.shared, "alpaca_en_demo.json")
     notes = []
     lf_python = getattr(args, "lf_python", None)
     if any(m.startswith("lf-") for m in modes) and not (lf_python and Path(lf_python).exists()):

@@ -45,15 +45,6 @@ def draw(sizes: list[int], weights: list[float], seed: int) -> list[list[int]]:
     return picked
 
 
-def mix(items: list, sizes: list[int], weights: list[float], seed: int) -> list:
-    """`items` (the sources' items one after another, `sizes[i]` of source i) as the weighted mix."""
-    out, start = [], 0
-    for size, indices in zip(sizes, draw(sizes, weights, seed)):
-        out += [items[start + i] for i in indices]
-        start += size
-    return out
-
-
 def mix(items: list, sources: list, sizes: list[int], reports: list, seed: int, tokens) -> list:
     """The weighted mix of the sources' items (in source order, `sizes` per source) when the sources have weights;
     each report gets `drawn` and `token_share`. `tokens(item)` counts an item's tokens."""
