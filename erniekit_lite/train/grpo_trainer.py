@@ -5,7 +5,7 @@ calls and their weighting, group advantages, the reference (the base with the ad
 adapter; a frozen copy for full fine-tuning; none at `beta: 0`), the whole loss (`_compute_loss`: grpo, dapo,
 dr_grpo, bnpo, cispo, sapo, ...), its metrics and the training loop.
 
-Ours, two narrow overrides:
+Ours, two narrow overrides of the computation:
 - `_tokenize_prompts`: each prompt (chat messages) is rendered by erniekit-lite's template as training renders one
   (`data/prompts.prompt_ids`), not by the tokenizer's `apply_chat_template`: ERNIE's generation prompt ends in the
   token `▁` and user text never becomes a control token;
@@ -14,14 +14,25 @@ Ours, two narrow overrides:
   (grpo_scoring.py), returning TRL's [B, C] layout, so `_compute_loss` reads what it always reads.
 Generation itself is TRL's; a model loaded with a packed attention (`packed_sdpa` / `packed_varlen`, which ignore
 padding) generates its left-padded batches under plain sdpa and switches back for scoring.
+
+And two of resuming, what TRL 1.16 leaves out of a checkpoint, so that a resumed run trains as the uninterrupted
+one did (tests/test_grpo_resume.py):
+- the prompt order of epoch e: TRL's `RepeatSampler` draws each epoch's permutation from one seeded generator, and a
+  resumed run's fresh sampler would start again at epoch 0's (`EpochRepeatSampler.set_epoch`);
+- the generation cycle: TRL generates for `steps_per_generation` x `num_iterations` micro-steps at once, buffers the
+  completions and counts micro-steps from 0 in each process; a run resumed inside a cycle would regenerate there and
+  then generate off the cycle. The count and, inside a cycle, the buffer are saved beside the RNG state
+  (`grpo_generation_state_<process>.pt`) and restored with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from trl import GRPOTrainer
+from trl.trainer.utils import RepeatSampler
 
 from erniekit_lite.data.prompts import prompt_ids
 from erniekit_lite.data.template import template_for
@@ -31,6 +42,8 @@ from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.grpo_scoring import MARK, add_packed_scoring, packed_inputs, to_layout
 from erniekit_lite.train.optimizer import LoraPlusMixin
 from erniekit_lite.train.trainer import ThroughputMixin
+
+GENERATION_STATE = "grpo_generation_state_{}.pt"  # in a checkpoint, per process index
 
 
 def _inner(model):
@@ -48,6 +61,25 @@ class ErnieGRPOTrainer(CheckpointMixin, ThroughputMixin, LoraPlusMixin, GRPOTrai
         for model in (_inner(self.model), self.ref_model):
             if model is not None:
                 add_packed_scoring(model)  # after TRL's fused-LM-head patch, which stays for its own padded path
+
+    def _get_train_sampler(self, dataset=None):
+        sampler = super()._get_train_sampler(dataset)
+        sampler.__class__ = EpochRepeatSampler  # TRL's sampler as TRL built it, plus set_epoch
+        return sampler
+
+    def _save_rng_state(self, output_dir) -> None:
+        super()._save_rng_state(output_dir)  # every process, into the checkpoint being written
+        inside_cycle = self._step % (self.args.steps_per_generation * self.num_iterations) != 0
+        state = {"step": self._step, "buffered_inputs": self._buffered_inputs if inside_cycle else None}
+        torch.save(state, f"{output_dir}/{GENERATION_STATE.format(self.args.process_index)}")
+
+    def _load_rng_state(self, checkpoint) -> None:
+        # transformers calls this once on resume, at the checkpoint's step, just before the next micro-step
+        super()._load_rng_state(checkpoint)
+        path = f"{checkpoint}/{GENERATION_STATE.format(self.args.process_index)}"
+        if checkpoint is not None and os.path.isfile(path):
+            state = torch.load(path, map_location=self.accelerator.device, weights_only=True)
+            self._step, self._buffered_inputs = state["step"], state["buffered_inputs"]
 
     def _tokenize_prompts(self, prompts: list):
         return [prompt_ids(self._render, messages) for messages in prompts], None, {}
@@ -103,3 +135,16 @@ def plain_attention(model):
         yield
     finally:
         model.set_attn_implementation(current)
+
+
+class EpochRepeatSampler(RepeatSampler):
+    """TRL's `RepeatSampler` with epoch e's order drawn from the seed alone: the (e + 1)-th permutation of the seeded
+    generator, the order an uninterrupted run takes, also in a resumed run's new sampler (accelerate and transformers
+    call `set_epoch` before each epoch's iteration)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        if not self.shuffle or self.seed is None:
+            return
+        self.generator.manual_seed(self.seed)
+        for _ in range(epoch):
+            torch.randperm(self.num_samples, generator=self.generator)
