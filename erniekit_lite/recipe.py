@@ -107,6 +107,14 @@ class DataSection(_Section):
         return self
 
 
+def mutates_base(init) -> bool:
+    """PiSSA and OLoRA take the adapter's initial product out of the base weights (peft changes them in place)."""
+    return isinstance(init, str) and (init.startswith("pissa") or init == "olora")
+
+
+REFERENCE_METHODS = ("dpo", "kto", "grpo")  # their reference model is the base with the adapter disabled
+
+
 class LoraSection(_Section):
     r: int = Field(8, ge=1, description="LoRA rank.")
     alpha: float = Field(16, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
@@ -259,6 +267,16 @@ class Recipe(_Section):
         return self
 
     @model_validator(mode="after")
+    def _reference_is_the_base(self) -> Recipe:
+        # DPO, KTO and GRPO take the base with the adapter disabled as their reference; PiSSA and OLoRA move part of
+        # each base weight into the adapter, so that reference would be the changed base
+        if self.method in REFERENCE_METHODS and self.lora is not None and mutates_base(self.lora.init):
+            raise ValueError(f"lora.init: {self.lora.init} moves part of each base weight into the adapter, and "
+                             f"{self.method.upper()}'s reference is the base with the adapter disabled, which would then be "
+                             f"the changed base; use lora.init true, gaussian, orthogonal or mica for {self.method}")
+        return self
+
+    @model_validator(mode="after")
     def _qlora_needs_lora(self) -> Recipe:
         if self.model.load_in_4bit and self.lora is None:
             raise ValueError("model.load_in_4bit (QLoRA) trains adapters on a frozen 4-bit base; add a lora: section")
@@ -331,6 +349,10 @@ def _first_error(error: ValidationError, source: str, lines: dict[tuple, int]) -
             value = err.get("input")
             shown = f" (got {value!r})" if not isinstance(value, (dict, list)) else ""
             msg = err["msg"].removeprefix("Value error, ")
+            named = re.match(r"([a-z_]+(?:\.[a-z_]+)+): ", msg) if not loc else None
+            if named:  # a whole-recipe check that names the key it is about: pointed at that key's line
+                problems.append(RecipeError(_where(source, lines, tuple(named.group(1).split("."))), msg))
+                continue
             problems.append(RecipeError(where, f"{'.'.join(loc) or 'recipe'}: {msg}{shown}"))
     first = problems[0]
     if len(problems) > 1:

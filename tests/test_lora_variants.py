@@ -359,9 +359,17 @@ def test_inits_that_need_float_weights_are_refused_on_a_4bit_base(init, tiny_own
     assert "\n" not in str(e.value)
 
 
-def test_dpo_refuses_inits_that_change_the_base_before_claiming_the_run_dir(tmp_path, capsys, tiny_own_dir):
-    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_own_dir, method="dpo", lora={"init": "olora"}, out=tmp_path / "run")
-    assert "lora.init: olora moves part of each base weight into the adapter, and DPO's reference" in one_line(capsys, "train", recipe)
+@pytest.mark.parametrize("method", ["dpo", "kto", "grpo"])
+def test_reference_methods_refuse_inits_that_change_the_base_in_the_recipe(tmp_path, capsys, tiny_own_dir, method):
+    """The reference of DPO, KTO and GRPO is the base with the adapter disabled: a recipe error (validate says it
+    too), pointed at `init:`, before anything loads or the run dir is claimed."""
+    extra = {"rewards": [{"name": "length"}]} if method == "grpo" else {}
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_own_dir, method=method, lora={"init": "olora"}, out=tmp_path / "run", **extra)
+    line = Path(recipe).read_text().splitlines().index("  init: olora") + 1
+    said = (f"error: {recipe}:{line}: lora.init: olora moves part of each base weight into the adapter, and {method.upper()}'s "
+            f"reference is the base with the adapter disabled, which would then be the changed base; use lora.init true, "
+            f"gaussian, orthogonal or mica for {method}")
+    assert one_line(capsys, "train", recipe) == said and one_line(capsys, "validate", recipe) == said
     assert not (tmp_path / "run").exists()
 
 

@@ -9,6 +9,14 @@ Form -> YAML: the values are set on the recipe's dump, validated by `recipe.from
 Changing the method drops the `train:` keys that belong to the old method (see `kept_on_switch`): a DPO beta is no
 SimPO beta, and SFT has none; the new method's own keys start from TRL's defaults, and the status line names what
 was removed (`dropped`).
+
+A key may have one field per method where the methods' configs differ in kind (`train.loss_type`: several of DPO's
+losses, one of KTO's); the method shows one of them at a time.
+
+What `train` refuses from the recipe alone before loading anything, where the recipe module does not (PiSSA or
+OLoRA for a method with a reference: `check`), a form edit, Validate and Start refuse too, in train's words. What
+needs the model (DoRA, or an init other than true or gaussian, on the MoE's routed experts) or TRL's config
+(`loss_weights`: one per `loss_type`) is said by Validate's plan, as `erniekit-lite validate` says it.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from erniekit_lite.recipe import (
 class Field:
     key: str  # dotted recipe key; three are not plain keys: see `values`
     label: str
-    kind: str  # text | paths | choice | choices (several) | bool | int | number
+    kind: str  # text | paths | choice | choices (several) | bool | int | number | numbers (a list, "0.8, 0.2")
     choices: tuple[str, ...] = ()
     methods: tuple[str, ...] = ()  # shown only for these methods; () for every method
 
@@ -48,12 +56,15 @@ class Field:
 METHODS = get_args(Recipe.model_fields["method"].annotation)  # every method the recipe takes
 
 
-def _dpo_loss_types() -> tuple[str, ...]:
-    """The values DPOConfig's loss_type help lists (`'sigmoid'`, `'ipo'`, ...), in its order."""
-    from trl import DPOConfig
+def _loss_types(method: str) -> tuple[str, ...]:
+    """The loss_type values of the method's TRL config: its field's `choices` (KTOConfig), else those its help lists
+    (DPOConfig: `'sigmoid'`, `'ipo'`, ...), in their order."""
+    field = next(f for f in dataclasses.fields(recipes.train_config_class(method)) if f.name == "loss_type")
+    return tuple(field.metadata.get("choices") or dict.fromkeys(re.findall(r"`'(\w+)'`", field.metadata.get("help", ""))))
 
-    help_ = next(f.metadata.get("help", "") for f in dataclasses.fields(DPOConfig) if f.name == "loss_type")
-    return tuple(dict.fromkeys(re.findall(r"`'(\w+)'`", help_)))
+
+# lora.init as the form offers it: "true" is YAML's `init: true` (peft's default); pissa_niter_K is typed or set in the YAML
+LORA_INITS = ("true", "gaussian", "orthogonal", "mica", "pissa", "olora")
 
 
 FIELDS = (
@@ -66,6 +77,10 @@ FIELDS = (
     Field("lora", "LoRA (off: full fine-tuning)", "bool"),
     Field("lora.r", "LoRA r", "int"),
     Field("lora.alpha", "LoRA alpha", "number"),
+    Field("lora.use_rslora", "rsLoRA", "bool"),
+    Field("lora.use_dora", "DoRA", "bool"),
+    Field("lora.init", "LoRA init (pissa_niter_K: type it)", "choice", LORA_INITS),
+    Field("lora.plus_lr_ratio", "LoRA+ ratio (blank: off)", "number"),
     Field("train.learning_rate", "learning rate", "number"),
     Field("train.max_steps", "max steps (blank: epochs decide)", "int"),
     Field("train.num_train_epochs", "epochs", "number"),
@@ -74,7 +89,9 @@ FIELDS = (
     Field("output.dir", "output dir", "text"),
     # Each method's own train: keys (TRL's config field names; help from the method's config class)
     Field("train.beta", "beta", "number", methods=("dpo", "orpo", "simpo", "kto", "grpo")),
-    Field("train.loss_type", "loss type (several: summed, see loss_weights)", "choices", _dpo_loss_types(), methods=("dpo",)),
+    Field("train.loss_type", "loss type (several: summed, see loss_weights)", "choices", _loss_types("dpo"), methods=("dpo",)),
+    Field("train.loss_weights", "loss weights (one per loss type, in its order; blank: 1 each)", "numbers", methods=("dpo",)),
+    Field("train.loss_type", "loss type (blank: kto)", "choice", _loss_types("kto"), methods=("kto",)),
     Field("train.simpo_gamma", "SimPO gamma (target reward margin)", "number", methods=("simpo",)),
     Field("train.cpo_alpha", "cpo_alpha (blank: 0, pure SimPO; > 0: CPO-SimPO)", "number", methods=("simpo",)),
     Field("train.desirable_weight", "desirable weight", "number", methods=("kto",)),
@@ -145,13 +162,13 @@ def values(recipe: Recipe) -> list[Any]:
     """The form's values, in FIELDS order. None in a train: field means the key is not set (TRL's default), and
     in a field the method does not show."""
     formats = {s.format for s in recipe.data.train}
-    lora = recipe.lora or LoraSection()
+    lora = recipe.lora or LoraSection()  # LoRA off: the lora.* fields show the defaults, and are not written
     special = {
         "data.train": "\n".join(s.path for s in recipe.data.train),
         "data.format": formats.pop() if len(formats) == 1 else None,  # mixed: left as each source says
         "lora": recipe.lora is not None,
-        "lora.r": lora.r,
-        "lora.alpha": lora.alpha,
+        **{f.key: getattr(lora, f.key.removeprefix("lora.")) for f in FIELDS if f.key.startswith("lora.")},
+        "lora.init": "true" if lora.init is True else lora.init,
     }
     out = []
     for field in FIELDS:
@@ -164,14 +181,18 @@ def values(recipe: Recipe) -> list[Any]:
             out.append([entry.name for entry in recipe.rewards or [] if entry.name is not None])
         elif section == "train":
             value = recipe.train.get(key)
-            out.append([value] if field.kind == "choices" and isinstance(value, str) else value)
+            if field.kind == "choices" and isinstance(value, str):
+                value = [value]
+            elif field.kind == "numbers" and value is not None:
+                value = ", ".join(str(v) for v in (value if isinstance(value, list) else [value]))
+            out.append(value)
         else:
             out.append(getattr(getattr(recipe, section), key) if key else getattr(recipe, section))
     return out
 
 
 def apply(recipe: Recipe, form: list[Any]) -> Recipe:
-    """`recipe` with the form's values, validated like a recipe file (RecipeError naming the key).
+    """`recipe` with the form's values, validated like a recipe file (RecipeError naming the key) and by `check`.
 
     Fields the chosen method does not show are left out. When the form changes the method, the old method's own
     train: keys are dropped (`kept_on_switch`) and its fields' values, still in the form, are not written.
@@ -191,7 +212,9 @@ def apply(recipe: Recipe, form: list[Any]) -> Recipe:
     raw["data"]["train"] = [
         {**previous.get(p, {"path": p}), **({"format": fmt} if fmt else {})} for p in given.pop("data.train")
     ]
-    lora = {**(raw["lora"] or {}), "r": given.pop("lora.r"), "alpha": given.pop("lora.alpha")}
+    lora = {**(raw["lora"] or {}), **{k.removeprefix("lora."): given.pop(k) for k in list(given) if k.startswith("lora.")}}
+    if lora["init"] == "true":
+        lora["init"] = True  # YAML's `init: true`
     raw["lora"] = lora if given.pop("lora") else None
     for key, value in given.items():
         section, _, name = key.partition(".")
@@ -249,6 +272,12 @@ def _typed(field: Field, value: Any) -> Any:
         return int(value)
     if field.kind == "choices":
         return list(value) if value else None  # none chosen: not set (TRL's default)
+    if field.kind == "numbers":
+        text = value or ""
+        try:
+            return [float(n) for n in re.split(r"[\s,]+", text.strip()) if n] or None  # blank: not set
+        except ValueError:
+            raise RecipeError("form", f"{field.key}: expected numbers separated by commas (got {text!r})") from None
     if field.kind == "text":
         return (value or "").strip()
     return value

@@ -20,15 +20,17 @@ from webui.jobs import Runner
 from webui.paths import confine, confine_recipe, recipe_files
 
 POLL_SECONDS = 1.0
-# The form's rows, by recipe key (each key of forms.FIELDS once)
+# The form's rows, by recipe key (each key of forms.FIELDS once; a key's fields for several methods share its place)
 LAYOUT = (
     ("model.path", "method"),
     ("data.train", "data.format"),
     ("data.max_length", "data.packing"),
     ("lora", "lora.r", "lora.alpha"),
+    ("lora.use_rslora", "lora.use_dora", "lora.init", "lora.plus_lr_ratio"),
     ("train.learning_rate", "train.max_steps", "train.num_train_epochs"),
     ("train.per_device_train_batch_size", "train.logging_steps", "output.dir"),
-    ("train.beta", "train.loss_type", "train.simpo_gamma", "train.cpo_alpha"),  # each method's own: one row shows
+    # each method's own: one row shows
+    ("train.beta", "train.loss_type", "train.loss_weights", "train.simpo_gamma", "train.cpo_alpha"),
     ("train.desirable_weight", "train.undesirable_weight", "train.center_rewards_coefficient"),
     ("train.num_generations", "train.max_completion_length", "train.temperature", "rewards"),  # grpo
 )
@@ -43,12 +45,12 @@ def build(demo: gr.Blocks, root: Path, runner: Runner) -> None:
         name = gr.State("recipe.yaml")  # the recipe's file name: in error messages and the job's copy
         with gr.Row():
             with gr.Column():
-                by_key = {}
+                by_field = {}
                 for keys in LAYOUT:
                     with gr.Row():
-                        by_key.update({f.key: _component(f) for f in forms.FIELDS if f.key in keys})
+                        by_field.update({f: _component(f) for f in forms.FIELDS if f.key in keys})
                 note = gr.Markdown(visible=False, elem_id="method-note")  # what a method needs beyond its fields
-                fields = [by_key[f.key] for f in forms.FIELDS]
+                fields = [by_field[f] for f in forms.FIELDS]
                 form = [*fields, note]  # what `fill` updates
             with gr.Column():
                 text = gr.Code(language="yaml", label="recipe (YAML, editable)", lines=28, max_lines=28, elem_id="recipe-yaml")
@@ -102,16 +104,7 @@ def build(demo: gr.Blocks, root: Path, runner: Runner) -> None:
             return edit(content, file_name, list(values))
 
         def validate(content: str, file_name: str):
-            from erniekit_lite.plan import plan
-
-            lines: list[str] = []
-            try:
-                recipe = forms.parse(content, file_name)
-                confine_recipe(root, recipe)
-                plan(recipe, log=lines.append)
-            except UserError as e:
-                return gr.update(value="\n".join(lines + [f"error: {e}"]), visible=True)
-            return gr.update(value="\n".join(lines + [f"{file_name}: valid"]), visible=True)
+            return gr.update(value=validate_recipe(root, content, file_name), visible=True)
 
         def show_preview(content: str, file_name: str):
             try:
@@ -168,6 +161,20 @@ def edit(content: str, file_name: str, values: list) -> list:
     return [changed.to_yaml(), forms.dropped(recipe, changed), *fill(changed)]
 
 
+def validate_recipe(root: Path, content: str, file_name: str) -> str:
+    """Validate pressed: the plan as `erniekit-lite validate` prints it, ending in `NAME: valid` or the one-line error."""
+    from erniekit_lite.plan import plan
+
+    lines: list[str] = []
+    try:
+        recipe = forms.parse(content, file_name)
+        confine_recipe(root, recipe)
+        plan(recipe, log=lines.append)
+    except UserError as e:
+        return "\n".join(lines + [f"error: {e}"])
+    return "\n".join(lines + [f"{file_name}: valid"])
+
+
 def start_job(root: Path, runner: Runner, content: str, file_name: str) -> str:
     """Start pressed: the editor's recipe, checked as `train` checks it first, becomes the server's job; the status line."""
     from erniekit_lite.train import rundir
@@ -206,17 +213,28 @@ def job_view(root: Path, runner: Runner) -> list:
 
 def _component(field: forms.Field):
     label, info, visible = field.label, forms.help_text(field), not field.methods  # a method's own: shown by `fill`
+    elem_id = _elem_id(field)
     if field.kind == "choice":
-        return gr.Dropdown(list(field.choices), label=label, info=info)
+        # method and data.format are the recipe's Literals; other keys may hold more than the list offers (lora.init's
+        # pissa_niter_K, from the YAML), which is shown and kept, and a typed one is checked by the recipe
+        return gr.Dropdown(list(field.choices), label=label, info=info, visible=visible, elem_id=elem_id,
+                           allow_custom_value=field.key not in ("method", "data.format"))
     if field.kind == "choices":
         return gr.Dropdown(list(field.choices), label=label, info=info, multiselect=True, allow_custom_value=True,
-                           visible=visible, elem_id=field.key.replace(".", "-"))
+                           visible=visible, elem_id=elem_id)
     if field.kind == "bool":
-        return gr.Checkbox(label=label, info=info)
+        return gr.Checkbox(label=label, info=info, visible=visible, elem_id=elem_id)
     if field.kind in ("int", "number"):
         return gr.Number(label=label, info=info, precision=0 if field.kind == "int" else None, visible=visible,
-                         elem_id=field.key.replace(".", "-"))
-    return gr.Textbox(label=label, info=info, lines=2 if field.kind == "paths" else 1, elem_id=field.key.replace(".", "-"))
+                         elem_id=elem_id)
+    return gr.Textbox(label=label, info=info, lines=2 if field.kind == "paths" else 1, visible=visible, elem_id=elem_id)
+
+
+def _elem_id(field: forms.Field) -> str:
+    """The field's id in the page: its key with dashes (train-max_steps), and for a key that another method's field
+    has too, the method's name after it (train-loss_type-kto)."""
+    first = next(f for f in forms.FIELDS if f.key == field.key)
+    return field.key.replace(".", "-") + ("" if field == first else "-" + "-".join(field.methods))
 
 
 def _progress_html(job, p) -> str:

@@ -21,7 +21,7 @@ import warnings
 from collections import Counter
 
 from erniekit_lite.errors import UserError
-from erniekit_lite.recipe import LoraSection
+from erniekit_lite.recipe import LoraSection, mutates_base
 
 # Fused routed-expert parameter -> the per-expert projections it holds (transformers 5 layout)
 EXPERT_PARAMS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
@@ -79,11 +79,6 @@ def lora_config(model, lora: LoraSection):
         task_type="SEQ_CLS" if reward else "CAUSAL_LM",
         modules_to_save=[HEAD] if reward else None,
     )
-
-
-def mutates_base(init) -> bool:
-    """PiSSA and OLoRA take the adapter's initial product out of the base weights (peft changes them in place)."""
-    return isinstance(init, str) and (init.startswith("pissa") or init == "olora")
 
 
 def check_variants(model, lora: LoraSection) -> None:

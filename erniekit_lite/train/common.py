@@ -118,17 +118,6 @@ def trainer_inputs(data, tokenizer, recipe: Recipe, packed, padded, rows=rows_da
             "processing_class": tokenizer, "data_collator": collator}
 
 
-def check_reference_lora(recipe: Recipe) -> None:
-    """Methods whose reference is the base with the adapter disabled (DPO, KTO, GRPO): PiSSA and OLoRA move part of
-    each base weight into the adapter, so that reference would be the changed base. Said before anything loads."""
-    from erniekit_lite.model.lora import mutates_base
-
-    if recipe.lora is not None and mutates_base(recipe.lora.init):
-        raise UserError(f"lora.init: {recipe.lora.init} moves part of each base weight into the adapter, and {recipe.method.upper()}'s "
-                        "reference is the base with the adapter disabled, which would then be the changed base; use lora.init "
-                        f"true, gaussian, orthogonal or mica for {recipe.method}")
-
-
 def trl_trainer(trainer_class, model, recipe: Recipe, **kwargs):
     """A TRL trainer (built with `kwargs`) that adds the recipe's adapter itself (given a peft config, its reference is
     then the base with the adapter disabled: no copy), with the adapters checked and LoRA+'s settings attached."""

@@ -15,11 +15,10 @@ from pathlib import Path
 from erniekit_lite.data.prompts import PreparedPrompts, describe_prompts, prepare_prompts
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import run as runner
-from erniekit_lite.train.common import check_reference_lora, trl_trainer
+from erniekit_lite.train.common import trl_trainer
 
 
 def run(recipe: Recipe, log=print) -> Path:
-    check_reference_lora(recipe)  # before anything loads or the run dir is claimed
     return runner.run(recipe, METHOD, log)
 
 

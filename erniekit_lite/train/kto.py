@@ -17,11 +17,10 @@ from erniekit_lite.data.prepare import PreparedFeedback, describe_feedback, prep
 from erniekit_lite.data.unpaired import PackedFeedbackCollator, PaddedFeedbackCollator
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import run as runner
-from erniekit_lite.train.common import check_reference_lora, trainer_inputs, trl_trainer
+from erniekit_lite.train.common import trainer_inputs, trl_trainer
 
 
 def run(recipe: Recipe, log=print) -> Path:
-    check_reference_lora(recipe)  # before anything loads or the run dir is claimed
     return runner.run(recipe, method(recipe), log)
 
 
