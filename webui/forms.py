@@ -13,10 +13,9 @@ was removed (`dropped`).
 A key may have one field per method where the methods' configs differ in kind (`train.loss_type`: several of DPO's
 losses, one of KTO's); the method shows one of them at a time.
 
-What `train` refuses from the recipe alone before loading anything, where the recipe module does not (PiSSA or
-OLoRA for a method with a reference: `check`), a form edit, Validate and Start refuse too, in train's words. What
-needs the model (DoRA, or an init other than true or gaussian, on the MoE's routed experts) or TRL's config
-(`loss_weights`: one per `loss_type`) is said by Validate's plan, as `erniekit-lite validate` says it.
+What the recipe refuses (PiSSA or OLoRA for a method with a reference among them) a form edit refuses, in the
+recipe's words. What needs the model (DoRA, or an init other than true or gaussian, on the MoE's routed experts) or
+TRL's config (`loss_weights`: one per `loss_type`) is said by Validate's plan, as `erniekit-lite validate` says it.
 """
 
 from __future__ import annotations
@@ -192,7 +191,7 @@ def values(recipe: Recipe) -> list[Any]:
 
 
 def apply(recipe: Recipe, form: list[Any]) -> Recipe:
-    """`recipe` with the form's values, validated like a recipe file (RecipeError naming the key) and by `check`.
+    """`recipe` with the form's values, validated like a recipe file (RecipeError naming the key).
 
     Fields the chosen method does not show are left out. When the form changes the method, the old method's own
     train: keys are dropped (`kept_on_switch`) and its fields' values, still in the form, are not written.
