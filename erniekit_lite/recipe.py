@@ -410,6 +410,18 @@ def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int
         if key not in valid:
             raise RecipeError(where, f"unknown key '{key}' in train{_did_you_mean(key, valid)}")
         train[key] = _check_type(key, value, _primitive(fields[key]), where)
+        _check_choice(key, train[key], fields[key].metadata.get("choices"), where)
+
+
+def _check_choice(key: str, value: Any, choices, where: str) -> None:
+    """A value the config field lists its choices for (KTO's `loss_type`, `padding_side`, ...): TRL does not check
+    them all itself (KTO with an unknown loss_type failed mid-step)."""
+    if choices is None or value is None:
+        return
+    choices = list(choices)
+    for item in value if isinstance(value, list) else [value]:
+        if item not in choices:
+            raise RecipeError(where, f"train.{key}: expected one of {', '.join(map(str, choices))} (got {item!r})")
 
 
 def _primitive(field: Any) -> Any:

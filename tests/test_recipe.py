@@ -61,6 +61,9 @@ def test_shorthand_source_and_lora_true(tmp_path):
         (BASE + "  max_steps: many\n", "r.yaml:11: train.max_steps: expected a number (got 'many')"),
         (BASE + "  max_steps: 2.5\n", "train.max_steps: expected a whole number"),
         (BASE + "  bf16: maybe\n", "train.bf16: expected true or false"),
+        (BASE.replace("\ntrain:\n", "\nmethod: kto\ntrain:\n") + "  loss_type: kt0\n",
+         "r.yaml:12: train.loss_type: expected one of kto, apo_zero_unpaired (got 'kt0')"),
+        (BASE + "  truncation_mode: keep_middle\n", "r.yaml:11: train.truncation_mode: expected one of keep_end, keep_start (got 'keep_middle')"),
     ],
 )
 def test_errors_name_file_line_key_and_fix(tmp_path, text, expected):
