@@ -137,9 +137,10 @@ class LoraSection(_Section):
         "no DoRA for the MoE's fused routed experts: there it needs routed_experts: false.",
     )
     init: bool | str = Field(
-        True, description="How new adapters start (peft init_lora_weights): true (A random, B zero), gaussian, orthogonal "
-        "(even r), mica (B from the base's smallest singular directions, frozen), pissa or pissa_niter_K (A and B from the "
-        "base's largest singular directions, taken out of the base), olora (QR of the base, taken out of it). pissa and "
+        True, description="How new adapters start (peft init_lora_weights): true, gaussian, orthogonal, mica, pissa, "
+        "pissa_niter_K or olora. True: A random, B zero; orthogonal needs an even r; mica: B from the base's smallest "
+        "singular directions, frozen; pissa or pissa_niter_K: A and B from the base's largest singular directions, taken "
+        "out of the base; olora: QR of the base, taken out of it. pissa and "
         "olora adapters are saved converted to a plain rank-2r LoRA on the unchanged base. Not on the MoE's fused routed "
         "experts (true or gaussian there) nor a 4-bit base (true or gaussian); not for DPO (pissa, olora).",
     )

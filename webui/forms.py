@@ -137,12 +137,13 @@ def help_text(field: Field, method: str | None = None) -> str:
     if section == "train":
         method = method if method in (field.methods or METHODS) else (field.methods or ("sft",))[0]
         help_ = next(f.metadata.get("help", "") for f in dataclasses.fields(recipes.train_config_class(method)) if f.name == key)
-        return help_ if len(help_) <= 120 else re.split(r"\. (?=[A-Z])", help_)[0].rstrip(".") + "."  # not at "Eq. 2"
-    if field.key == "data.format":
-        return Source.model_fields["format"].description
-    if not key:
-        return Recipe.model_fields[section].description
-    return _SECTIONS[section].model_fields[key].description
+    elif field.key == "data.format":
+        help_ = Source.model_fields["format"].description
+    elif not key:
+        help_ = Recipe.model_fields[section].description
+    else:
+        help_ = _SECTIONS[section].model_fields[key].description
+    return help_ if len(help_) <= 120 else re.split(r"\. (?=[A-Z])", help_)[0].rstrip(".") + "."  # not at "Eq. 2"
 
 
 def parse(text: str, name: str) -> Recipe:
