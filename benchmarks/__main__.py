@@ -64,7 +64,7 @@ BENCHES = [
     Bench("dpo_packing-tiny", "results-dpo_packing-cpu-tiny.txt", ("dpo_packing.py", "--rounds", "3"),
           ("dpo_packing.py", "--steps", "1", "--samples", "40"), 20),
     Bench("dpo_packing-0.3b", "results-dpo_packing-cpu-0.3b-shape.txt",
-          ("dpo_packing.py", "--released-shape", "--steps", "2", "--batch", "2", "--samples", "80", "--rounds", "3"), None, 35),
+          ("dpo_packing.py", "--released-shape", "--steps", "2", "--batch", "2", "--samples", "80", "--rounds", "3"), None, 12),
     Bench("methods", "results-methods.txt", ("methods.py", "--rounds", "3"),
           ("methods.py", "--steps", "1", "--samples", "20"), 20),
     Bench("grpo", "results-grpo-cpu-tiny.txt", ("grpo.py", "--rounds", "5", "--steps", "6"), ("grpo.py", "--rounds", "1", "--steps", "2"),
