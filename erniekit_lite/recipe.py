@@ -411,15 +411,23 @@ def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int
         if key not in valid:
             raise RecipeError(where, f"unknown key '{key}' in train{_did_you_mean(key, valid)}")
         train[key] = _check_type(key, value, _primitive(fields[key]), where)
-        _check_choice(key, train[key], fields[key].metadata.get("choices"), where)
+        _check_choice(key, train[key], listed_choices(fields[key]), where)
+
+
+def listed_choices(field) -> tuple | None:
+    """The values a TRL config field lists: its `choices`, or for DPO's `loss_type` (a list field, without `choices`)
+    the values its help names (`'sigmoid'`, `'ipo'`, ...), which are the ones DPOTrainer accepts."""
+    choices = field.metadata.get("choices")
+    if choices is None and field.name == "loss_type":
+        choices = dict.fromkeys(re.findall(r"`'(\w+)'`", field.metadata.get("help", ""))) or None
+    return tuple(choices) if choices is not None else None
 
 
 def _check_choice(key: str, value: Any, choices, where: str) -> None:
-    """A value the config field lists its choices for (KTO's `loss_type`, `padding_side`, ...): TRL does not check
-    them all itself (KTO with an unknown loss_type failed mid-step)."""
+    """A value the config field lists its choices for (DPO's and KTO's `loss_type`, `truncation_mode`, ...): TRL
+    checks some only in the middle of the first step (DPO: a traceback after loading; KTO: a failed step)."""
     if choices is None or value is None:
         return
-    choices = list(choices)
     for item in value if isinstance(value, list) else [value]:
         if item not in choices:
             raise RecipeError(where, f"train.{key}: expected one of {', '.join(map(str, choices))} (got {item!r})")

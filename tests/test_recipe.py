@@ -63,6 +63,9 @@ def test_shorthand_source_and_lora_true(tmp_path):
         (BASE + "  bf16: maybe\n", "train.bf16: expected true or false"),
         (BASE.replace("\ntrain:\n", "\nmethod: kto\ntrain:\n") + "  loss_type: kt0\n",
          "r.yaml:12: train.loss_type: expected one of kto, apo_zero_unpaired (got 'kt0')"),
+        (BASE.replace("\ntrain:\n", "\nmethod: dpo\ntrain:\n") + "  loss_type: [sigmoid, sigmod]\n",
+         "r.yaml:12: train.loss_type: expected one of sigmoid, hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard, aot, "
+         "aot_unpaired, apo_zero, apo_down, discopop, sft, sigmoid_norm (got 'sigmod')"),
         (BASE + "  truncation_mode: keep_middle\n", "r.yaml:11: train.truncation_mode: expected one of keep_end, keep_start (got 'keep_middle')"),
     ],
 )

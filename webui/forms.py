@@ -56,10 +56,9 @@ METHODS = get_args(Recipe.model_fields["method"].annotation)  # every method the
 
 
 def _loss_types(method: str) -> tuple[str, ...]:
-    """The loss_type values of the method's TRL config: its field's `choices` (KTOConfig), else those its help lists
-    (DPOConfig: `'sigmoid'`, `'ipo'`, ...), in their order."""
+    """The loss_type values the recipe takes for the method (its TRL config field's, `recipe.listed_choices`)."""
     field = next(f for f in dataclasses.fields(recipes.train_config_class(method)) if f.name == "loss_type")
-    return tuple(field.metadata.get("choices") or dict.fromkeys(re.findall(r"`'(\w+)'`", field.metadata.get("help", ""))))
+    return recipes.listed_choices(field)
 
 
 # lora.init as the form offers it: "true" is YAML's `init: true` (peft's default); pissa_niter_K is typed or set in the YAML
