@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -293,13 +294,40 @@ def quantizer():
     return llama_cpp
 
 
+# The quantizer runs in a child process: llama.cpp is native code built for some instruction set, and on a CPU it was
+# not built for it dies by a signal (SIGILL), which in-process would end `export` (and a test run) with no message
+QUANTIZE = """
+import sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = int(sys.argv[3])
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params) != 0)
+"""
+
+
 def quantize(source: Path, target: Path, outtype: str, log) -> None:
-    llama_cpp = quantizer()
+    quantizer()
     log(f"export: quantizing to {outtype} with llama.cpp's quantizer")
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = QUANTIZER_TYPES[outtype]
-    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params) != 0 or not target.is_file():
-        raise UserError(f"llama.cpp's quantizer failed on {source} ({outtype})")
+    done = subprocess.run([sys.executable, "-c", QUANTIZE, str(source), str(target), str(QUANTIZER_TYPES[outtype])],
+                          capture_output=True, text=True, errors="replace")
+    if done.returncode < 0:
+        raise UserError(f"llama.cpp's quantizer was killed by {signal_name(-done.returncode)} on {source} ({outtype})"
+                        f"{NATIVE_HINT if -done.returncode == signal.SIGILL else ''}")
+    if done.returncode != 0 or not target.is_file():
+        last = (done.stderr.strip().splitlines() or [""])[-1]
+        raise UserError(f"llama.cpp's quantizer failed on {source} ({outtype}){': ' + last if last else ''}")
+
+
+NATIVE_HINT = (": llama-cpp-python was built for instructions this CPU lacks (llama.cpp builds for the CPU it is built on);"
+               " rebuild it portable with CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON\""
+               " (README: GGUF for llama.cpp and Ollama)")
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def system_prompt(run: str) -> str | None:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from erniekit_lite.cli import main
@@ -23,6 +27,36 @@ def shared_data(recipe: Path) -> list[str]:
     return [f"data.{split}.{i}.path={SHARED / source['path'].removeprefix('../shared/')}"
             for split in ("train", "eval") for i, source in enumerate(data.get(split) or [])
             if isinstance(source, dict) and source.get("path", "").startswith("../shared/")]
+
+
+# A native engine (llama.cpp) built for instructions this CPU lacks dies by a signal (SIGILL); in the test process that
+# would end the whole pytest run. In a child, it fails the one test that called it, with the engine's last lines.
+RESULT = "\x1eerniekit-result\x1e"
+CHILD = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("engine_calls", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+result = getattr(module, sys.argv[2])(*json.loads(sys.argv[3]))
+sys.stdout.write("\\n" + sys.argv[4] + json.dumps(result))
+"""
+
+
+def in_child(module: Path, function: str, *args, timeout: int = 900):
+    """`function(*args)` from the Python file `module`, run in a child process; its JSON-able result. A child killed
+    by a signal, or exiting non-zero, fails the calling test (not the run) with the signal and the child's last lines."""
+    done = subprocess.run([sys.executable, "-c", CHILD, str(module), function, json.dumps(args, default=str), RESULT],
+                          capture_output=True, text=True, errors="replace", timeout=timeout)
+    last = "\n".join((done.stdout.split(RESULT)[0] + "\n" + done.stderr).strip().splitlines()[-12:])
+    if done.returncode < 0:
+        try:
+            how = signal.Signals(-done.returncode).name
+        except ValueError:
+            how = f"signal {-done.returncode}"
+        pytest.fail(f"{function} (in a child process) was killed by {how}; its last lines:\n{last}", pytrace=False)
+    if done.returncode != 0 or RESULT not in done.stdout:
+        pytest.fail(f"{function} (in a child process) exited with status {done.returncode}; its last lines:\n{last}", pytrace=False)
+    return json.loads(done.stdout.split(RESULT, 1)[1])
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:

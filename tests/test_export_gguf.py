@@ -4,7 +4,9 @@ markers are control tokens in the GGUF; the Ollama Modelfile's template renders 
 does, and llama.cpp tokenizes that text (its default BOS handling, control tokens parsed) into training's prompt ids
 for a single turn; the MTP tensors llama.cpp skips are counted. Needs `llama-cpp-python` (built from its source
 distribution) and `LLAMA_CPP_DIR` pointing at llama.cpp's converter (the unpacked sdist: `.ci/run` sets both up);
-the engine tests also need the shared ERNIE tokenizer (its sentencepiece `tokenizer.model`) and skip without it."""
+the engine tests also need the shared ERNIE tokenizer (its sentencepiece `tokenizer.model`) and skip without it.
+llama.cpp itself (decoding, tokenizing, the quantizer) runs in child processes (`helpers.in_child`, `export.quantize`):
+an engine built for instructions this CPU lacks dies by SIGILL, which fails the test that ran it, not the run."""
 
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ import importlib.util
 import json
 import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
 from conftest import ERNIE_TOKENIZER_DIR
-from helpers import run_cli, visible_lora_run, write_recipe
+from helpers import in_child, run_cli, visible_lora_run, write_recipe
 
 from erniekit_lite.cli import main as run_cli_main
 from erniekit_lite.data.formats import Turn
@@ -42,6 +45,7 @@ def _agreement():
 
 
 AGREEMENT = _agreement()
+ENGINE = Path(__file__).with_name("llama_engine.py")
 PROMPTS = AGREEMENT.PROMPTS[:5]
 
 
@@ -78,7 +82,7 @@ def transformers_greedy(model_dir: Path) -> tuple[list[list[int]], list[list[int
 
 
 def llama_greedy(gguf: Path, prompts: list[list[int]], stop: set[int]) -> list[list[int]]:
-    return AGREEMENT.llama_greedy(gguf, prompts, stop, TOKENS)
+    return in_child(ENGINE, "greedy", str(gguf), prompts, sorted(stop), TOKENS)
 
 
 def export_to(capsys, run: Path, out: Path, outtype: str, *extra) -> Path:
@@ -109,14 +113,12 @@ def test_llama_cpp_greedy_equals_transformers(tmp_path, capsys, request, model):
     assert sum(map(len, expected)) >= 3 * len(PROMPTS)  # answers long enough for the comparison to mean something
 
     # the chat markers are control tokens: llama.cpp reads a rendered prompt as training built its ids
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=64, verbose=False, vocab_only=True)
-    assert llm.tokenize("<|begin_of_sentence|>".encode(), add_bos=False, special=True) == [tokenizer.convert_tokens_to_ids("<|begin_of_sentence|>")]
-    assert llm.tokenize("<|end_of_sentence|>".encode(), add_bos=False, special=True) == [tokenizer.convert_tokens_to_ids("<|end_of_sentence|>")]
-    assert len(llm.tokenize("<|begin_of_sentence|>".encode(), add_bos=False, special=False)) > 1  # typed text stays text
+    markers = ["<|begin_of_sentence|>", "<|end_of_sentence|>"]
+    assert in_child(ENGINE, "tokenize", str(gguf), markers, True, False) == [[tokenizer.convert_tokens_to_ids(m)] for m in markers]
+    assert len(in_child(ENGINE, "tokenize", str(gguf), markers[:1], False, False)[0]) > 1  # typed text stays text
     # the tokenizer's own behaviour, not llama.cpp's sentencepiece defaults (<s> first, a space after control tokens)
-    assert llm.metadata["tokenizer.ggml.add_bos_token"] == "false" and llm.metadata["tokenizer.ggml.add_space_prefix"] == "false"
+    metadata = in_child(ENGINE, "metadata", str(gguf))
+    assert metadata["tokenizer.ggml.add_bos_token"] == "false" and metadata["tokenizer.ggml.add_space_prefix"] == "false"
     marked = json.loads((tmp_path / "f32" / "erniekit_export.json").read_text())["control_tokens_marked"]
     print(f"{model}: control tokens the converter left as text, marked: {marked}")
 
@@ -256,8 +258,6 @@ def test_ollama_export_prompts_read_by_llama_cpp_as_training(tmp_path, capsys, d
     control tokens parsed), is training's prompt ids for a single turn, and greedy answers from it equal
     transformers'. A multi-turn prompt is transformers' tokenization of the whole text: one token apart from
     training's per earlier answer that starts with a word (training tokenizes the answer apart from `Assistant: `)."""
-    import llama_cpp
-
     from erniekit_lite.chat import load
 
     out = tmp_path / "ollama"
@@ -276,7 +276,6 @@ def test_ollama_export_prompts_read_by_llama_cpp_as_training(tmp_path, capsys, d
 
     model, tokenizer = load(str(dense_full_run))
     training = Tokenizer(tokenizer, template_for(tokenizer))
-    vocab = llama_cpp.Llama(model_path=str(gguf), n_ctx=64, verbose=False, vocab_only=True)
 
     def rendered(system, history, user) -> str:
         messages = ([{"role": "system", "content": system}] if system else []) + \
@@ -284,14 +283,13 @@ def test_ollama_export_prompts_read_by_llama_cpp_as_training(tmp_path, capsys, d
             [{"role": "user", "content": user}]
         return render_go_template(template, messages)
 
-    prompts = []
-    for system, user in ((SYSTEM, "Who are you?"), (SYSTEM, "写一句关于春天的诗。"), (None, "What is 2 + 2?")):
-        ids = vocab.tokenize(rendered(system, [], user).encode("utf-8"), special=True)  # add_bos: llama.cpp's default
-        assert ids == _prompt_ids(training, Prompt(user, system)), (system, user)
-        prompts.append(ids)
+    singles = ((SYSTEM, "Who are you?"), (SYSTEM, "写一句关于春天的诗。"), (None, "What is 2 + 2?"))
     history = [Turn("1 + 1?", "2"), Turn("And 2 + 2?", "Four, of course.")]
     whole = rendered(SYSTEM, history, "And 3 + 3?")
-    ids = vocab.tokenize(whole.encode("utf-8"), special=True)
+    # add_bos: llama.cpp's default, as a server tokenizes
+    *prompts, ids = in_child(ENGINE, "tokenize", str(gguf), [rendered(system, [], user) for system, user in singles] + [whole], True)
+    for (system, user), single in zip(singles, prompts):
+        assert single == _prompt_ids(training, Prompt(user, system)), (system, user)
     assert ids == tokenizer(whole)["input_ids"]
     trained = _prompt_ids(training, Prompt("And 3 + 3?", SYSTEM, history))
     k = next(i for i, (a, b) in enumerate(zip(ids, trained)) if a != b)  # "2" is `▁ 2` either way; "Four" is not
@@ -336,3 +334,43 @@ def test_no_converter_is_one_line(tmp_path, capsys, monkeypatch, tiny_own_dir):
     assert code == 2 and err.count("\n") == 1, err
     assert "export needs llama.cpp's converter: pass --llama-cpp DIR" in err and "LLAMA_CPP_DIR" in err
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.exporting"))
+
+
+def test_engine_killed_by_a_signal_fails_only_its_test(tmp_path):
+    """A stand-in engine that dies as llama.cpp's AMX kernels did on a CPU without them (SIGILL): `in_child` fails the
+    calling test with the signal and the engine's last lines, and this process goes on."""
+    engine = tmp_path / "engine.py"
+    engine.write_text("import os, signal, sys\n"
+                      "def crash():\n"
+                      "    print('ggml_backend_amx_mul_mat: about to run', flush=True)\n"
+                      "    print('tilezero %tmm4', file=sys.stderr, flush=True)\n"
+                      "    os.kill(os.getpid(), signal.SIGILL)\n"
+                      "def answer(x):\n"
+                      "    return [x, x + 1]\n")
+    with pytest.raises(pytest.fail.Exception) as failed:
+        in_child(engine, "crash")
+    message = str(failed.value)
+    assert "crash (in a child process) was killed by SIGILL" in message
+    assert "ggml_backend_amx_mul_mat: about to run" in message and "tilezero %tmm4" in message
+    assert in_child(engine, "answer", 41) == [41, 42]  # the same helper, a healthy engine: its result
+
+
+def test_quantizer_killed_by_a_signal_is_one_line(tmp_path, monkeypatch):
+    """llama.cpp's quantizer runs in a child process; a stand-in for it that dies by SIGILL gives `export` a one-line
+    error naming the signal and the portable build, instead of killing the command."""
+    from erniekit_lite import export
+    from erniekit_lite.errors import UserError
+
+    monkeypatch.setattr(export, "quantizer", lambda: None)  # no llama-cpp-python needed for the stand-in
+    monkeypatch.setattr(export, "QUANTIZE", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    with pytest.raises(UserError) as refused:
+        export.quantize(tmp_path / "model-f16.gguf", tmp_path / "model-q4_k_m.gguf", "q4_k_m", lambda *_: None)
+    message = str(refused.value)
+    assert "\n" not in message and "llama.cpp's quantizer was killed by SIGILL" in message
+    assert "-DGGML_NATIVE=OFF" in message
+    monkeypatch.setattr(export, "QUANTIZE", f"import os, signal; os.kill(os.getpid(), {int(signal.SIGSEGV)})")
+    with pytest.raises(UserError, match="killed by SIGSEGV on .*model-f16.gguf \\(q4_k_m\\)$"):
+        export.quantize(tmp_path / "model-f16.gguf", tmp_path / "model-q4_k_m.gguf", "q4_k_m", lambda *_: None)
+    monkeypatch.setattr(export, "QUANTIZE", "import sys; print('bad magic', file=sys.stderr); sys.exit(1)")
+    with pytest.raises(UserError, match=r"quantizer failed on .* \(q4_k_m\): bad magic$"):
+        export.quantize(tmp_path / "model-f16.gguf", tmp_path / "model-q4_k_m.gguf", "q4_k_m", lambda *_: None)
