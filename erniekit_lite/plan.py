@@ -283,6 +283,9 @@ def architecture(path: str, recipe: Recipe) -> dict:
 
 
 CHECKPOINTING_HEADROOM = 0.85  # of the GPU's memory: the estimate's fragmentation allowance is itself a guess
+# Set on the Trainer arguments when the plan turned checkpointing off: a first step that runs out of memory then turns
+# it back on and runs that batch again (train/trainer.py, OutOfMemoryRetryMixin)
+CHECKPOINTING_OFF_BY_PLAN = "erniekit_checkpointing_off_by_plan"
 
 
 def choose_checkpointing(recipe: Recipe, args, free_bytes: int, log=print) -> None:
@@ -291,7 +294,8 @@ def choose_checkpointing(recipe: Recipe, args, free_bytes: int, log=print) -> No
 
     TRL turns it on by default, which recomputes every layer's forward in backward (about a third more compute)
     even where memory is plentiful, e.g. ERNIE-4.5-0.3B on one 80 GB GPU. A recipe that sets
-    `train.activation_checkpointing` either way is left alone, and so are multi-process runs.
+    `train.activation_checkpointing` either way is left alone, and so are multi-process runs. A plan that never met
+    this GPU may be low: turned off here, checkpointing comes back on if the first step runs out of memory.
     """
     if "activation_checkpointing" in recipe.train or "gradient_checkpointing" in recipe.train or args.world_size > 1:
         return
@@ -305,6 +309,7 @@ def choose_checkpointing(recipe: Recipe, args, free_bytes: int, log=print) -> No
     if est.total <= CHECKPOINTING_HEADROOM * free_bytes:
         log(f"activation checkpointing off: the run needs about {est.total / memory.GIB:.1f} GiB without it, "
             f"{free_bytes / memory.GIB:.0f} GiB free on this GPU (set train.activation_checkpointing to choose)")
+        setattr(args, CHECKPOINTING_OFF_BY_PLAN, True)
     else:
         args.activation_checkpointing = True
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from erniekit_lite import memory
-from erniekit_lite.plan import CHECKPOINTING_HEADROOM, architecture, choose_checkpointing, memory_estimate
+from erniekit_lite.plan import CHECKPOINTING_HEADROOM, CHECKPOINTING_OFF_BY_PLAN, architecture, choose_checkpointing, memory_estimate
 from erniekit_lite.recipe import from_dict
 from erniekit_lite.trainer_args import training_args
 
@@ -40,9 +40,11 @@ def test_turned_off_only_when_the_run_fits_without_it(tiny_dense_dir, tmp_path):
     said = []
     choose_checkpointing(recipe, args, int(need / CHECKPOINTING_HEADROOM) + memory.GIB, said.append)
     assert args.activation_checkpointing is False and "activation checkpointing off" in said[0]
+    assert getattr(args, CHECKPOINTING_OFF_BY_PLAN) is True  # a first step out of memory turns it back on (test_oom_retry.py)
     args = training_args(recipe, tmp_path / "out")
     choose_checkpointing(recipe, args, int(need / CHECKPOINTING_HEADROOM) - 1, said.append)
     assert args.activation_checkpointing is True and len(said) == 1
+    assert not hasattr(args, CHECKPOINTING_OFF_BY_PLAN)
 
 
 @pytest.mark.parametrize("setting", [True, False])

@@ -135,9 +135,9 @@ def load(key: str, root: Path | None = None) -> Entry | None:
     return Entry(samples, meta["meta"])
 
 
-def store(key: str, entry: Entry, root: Path | None = None) -> Path:
+def store(key: str, entry: Entry, root: Path | None = None, prune: bool = True) -> Path:
     """Write the entry atomically (temporary file in the same folder, then rename), then prune entries unused for
-    KEEP_DAYS. Raises OSError when the folder cannot be written."""
+    KEEP_DAYS (`prune`: only in a folder of entries). Raises OSError when the folder cannot be written."""
     import numpy as np
 
     folder = root or cache_dir()
@@ -159,7 +159,8 @@ def store(key: str, entry: Entry, root: Path | None = None) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _prune(folder)
+    if prune:
+        _prune(folder)
     return folder / f"{key}.npz"
 
 

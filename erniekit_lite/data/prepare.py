@@ -4,6 +4,10 @@ Per split: read the sources, turn each record into a conversation (or preference
 samples are kept on disk (data/cache.py) and read back when the files, tokenizer and settings are unchanged;
 large inputs may be tokenized by several processes (`data.num_proc`, see `_processes`), under a progress bar.
 Whichever way they were made, the samples, their order and the statistics are the same.
+
+In a launched run of several processes only each machine's main process tokenizes (and forks workers); the others
+wait for it and read what it wrote: the cache entry, or, when the cache is off or the input too small for it, a
+file beside the run dir (`handing_off_beside`), removed once every process has read it.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import multiprocessing
 import os
 import random
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from erniekit_lite.data import cache, mixing
@@ -67,7 +72,7 @@ class PreparedData:
 
 
 def prepare(data: DataSection, tokenizer, seed: int = 42, log=print) -> PreparedData:
-    with _gc_paused():
+    with _gc_paused(), _handed_off():
         return _prepare(data, tokenizer, seed, log)
 
 
@@ -94,15 +99,16 @@ def _split(sources: list[Source], data: DataSection, tokenize: Tokenizer, store:
            seed: int = 42) -> Split:
     settings = {"max_length": data.max_length, "overlong": data.overlong, "system": data.system}
     key = store.key("sft", sources, settings)
-    entry = store.get(key, sources, "format")
-    if entry is not None:
-        samples = entry.samples
-        stats = TokenStats(**entry.meta["stats"], lengths=[len(s) for s in samples])
-        reports = _reports(entry.meta["sources"], sources)
-    else:
-        samples, stats, reports = _tokenized_split(sources, data, tokenize, log)
-        meta = {k: v for k, v in vars(stats).items() if k != "lengths"}  # lengths are the samples' own
-        store.put(key, samples, {"stats": meta, "sources": [_report_meta(r) for r in reports]})
+    with store.main_first():
+        entry = store.get(key, sources, "format")
+        if entry is not None:
+            samples = entry.samples
+            stats = TokenStats(**entry.meta["stats"], lengths=[len(s) for s in samples])
+            reports = _reports(entry.meta["sources"], sources)
+        else:
+            samples, stats, reports = _tokenized_split(sources, data, tokenize, log)
+            meta = {k: v for k, v in vars(stats).items() if k != "lengths"}  # lengths are the samples' own
+            store.put(key, samples, {"stats": meta, "sources": [_report_meta(r) for r in reports]})
     samples = _mixed(samples, sources, reports, seed, len)
     return Split(_rows(samples, data) if pack_rows else [], samples, stats, reports, max_length=data.max_length)
 
@@ -193,7 +199,7 @@ class PreparedPairs:
 
 def prepare_pairs(data: DataSection, tokenizer, seed: int = 42, log=print) -> PreparedPairs:
     """Preference data -> pairs packed whole into rows of up to 2 x max_length tokens."""
-    with _gc_paused():
+    with _gc_paused(), _handed_off():
         return _prepare_pairs(data, tokenizer, seed, log)
 
 
@@ -215,21 +221,22 @@ def _prepare_pairs(data: DataSection, tokenizer, seed: int, log) -> PreparedPair
 def _pair_split(sources: list[Source], data: DataSection, tokenize: Tokenizer, store: _Store, log, pack_rows: bool = True,
                 seed: int = 42) -> PairSplit:
     key = store.key("dpo", sources, {"max_length": data.max_length, "system": data.system})
-    entry = store.get(key, sources, "preference format")
-    if entry is not None:
-        pairs = [Pair(c, r) for c, r in zip(entry.samples[0::2], entry.samples[1::2])]
-        stats = PairStats(
-            kept=entry.meta["stats"]["kept"],
-            truncated=entry.meta["stats"]["truncated"],
-            skipped=Counter(dict(entry.meta["stats"]["skipped"])),  # stored as pairs: the order is the message's
-            lengths=[len(s) for s in entry.samples],
-        )
-        reports = _reports(entry.meta["sources"], sources)
-    else:
-        pairs, stats, reports = _tokenized_pairs(sources, data, tokenize, log)
-        meta = {"kept": stats.kept, "truncated": stats.truncated, "skipped": list(stats.skipped.items())}
-        samples = [s for p in pairs for s in (p.chosen, p.rejected)]
-        store.put(key, samples, {"stats": meta, "sources": [_report_meta(r) for r in reports]})
+    with store.main_first():
+        entry = store.get(key, sources, "preference format")
+        if entry is not None:
+            pairs = [Pair(c, r) for c, r in zip(entry.samples[0::2], entry.samples[1::2])]
+            stats = PairStats(
+                kept=entry.meta["stats"]["kept"],
+                truncated=entry.meta["stats"]["truncated"],
+                skipped=Counter(dict(entry.meta["stats"]["skipped"])),  # stored as pairs: the order is the message's
+                lengths=[len(s) for s in entry.samples],
+            )
+            reports = _reports(entry.meta["sources"], sources)
+        else:
+            pairs, stats, reports = _tokenized_pairs(sources, data, tokenize, log)
+            meta = {"kept": stats.kept, "truncated": stats.truncated, "skipped": list(stats.skipped.items())}
+            samples = [s for p in pairs for s in (p.chosen, p.rejected)]
+            store.put(key, samples, {"stats": meta, "sources": [_report_meta(r) for r in reports]})
     pairs = _mixed(pairs, sources, reports, seed, len)
     rows = pack_pairs(pairs, data.max_length, data.packing) if pack_rows else []
     return PairSplit(rows, pairs, stats, reports, data.max_length)
@@ -282,12 +289,73 @@ def _reports(metas: list[dict], sources: list[Source]) -> list[SourceReport]:
     return [SourceReport(source.path, **meta) for source, meta in zip(sources, metas)]
 
 
+_BESIDE: Path | None = None  # the run dir whose parent takes hand-off files (`handing_off_beside`)
+_HANDED: list[Path] = []  # hand-off files this process wrote during one `prepare` call
+
+
+@contextmanager
+def handing_off_beside(out: Path):
+    """While in effect, a launched run's main process on each machine hands splits the cache does not hold to the
+    machine's other processes through a file beside the run dir `out` (in its parent: the run dir is claimed only
+    after the data is ready, so a data error leaves nothing in it)."""
+    global _BESIDE
+    before, _BESIDE = _BESIDE, Path(out).expanduser()
+    try:
+        yield
+    finally:
+        _BESIDE = before
+
+
+def _launched():
+    """accelerate's state in a launched run of several processes (the Trainer arguments made it, with their
+    `ddp_timeout` for the waits below); None otherwise."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from accelerate import PartialState
+
+    state = PartialState()
+    return state if state.num_processes > 1 else None
+
+
+@contextmanager
+def _handed_off():
+    """Hand-off files are removed once every process has read them (a barrier on success; on an error each process
+    is on its own, and a reader that finds no file tokenizes itself)."""
+    _HANDED.clear()
+    try:
+        yield
+        state = _launched() if _BESIDE is not None else None
+        if state is not None:  # every process, wrote or read: the barrier must be passed by all
+            state.wait_for_everyone()
+    finally:
+        for path in _HANDED:
+            path.unlink(missing_ok=True)
+        _HANDED.clear()
+
+
 class _Store:
-    """The data cache as a split uses it: one key per split, and writes that never fail a run."""
+    """The data cache as a split uses it: one key per split, and writes that never fail a run. In a launched run,
+    each machine's main process makes a split first (`main_first`) and the others read what it wrote: the cache
+    entry, else its hand-off file."""
 
     def __init__(self, data: DataSection, tokenizer, template: str, log):
         self.enabled, self.tokenizer, self.template, self.log = data.cache, tokenizer, template, log
         self._tokenizer_hash: str | None = None  # computed once, and only when some split is cacheable
+        self.state = _launched()
+        self.splits = 0  # splits seen so far: every process sees the same ones in the same order (hand-off names)
+
+    def main_first(self):
+        """Each machine's main process runs the block first; the machine's others run it after (every process
+        passes the same barriers: accelerate's `local_main_process_first`)."""
+        return self.state.local_main_process_first() if self.state is not None else nullcontext()
+
+    def _handoff(self) -> tuple[str, Path] | None:
+        """The current split's hand-off file (name, folder): per run dir, split and machine (named by its first
+        process's rank; several machines may share the folder); None when this run has none."""
+        if self.state is None or _BESIDE is None:
+            return None
+        machine = self.state.process_index - self.state.local_process_index
+        return f".{_BESIDE.name}.data-{self.splits}-m{machine}", _BESIDE.parent
 
     def key(self, kind: str, sources: list[Source], settings: dict) -> str | None:
         files = cache.local_files([s.path for s in sources]) if self.enabled else None
@@ -299,22 +367,38 @@ class _Store:
         return cache.entry_key(kind, files, self._tokenizer_hash, {"template": self.template, "sources": per_source, **settings})
 
     def get(self, key: str | None, sources: list[Source], what: str) -> cache.Entry | None:
+        self.splits += 1
+        handoff = self._handoff()
         entry = cache.load(key) if key else None
+        paths = ", ".join(s.path for s in sources)
+        said = f"data cache: tokenized samples of {paths} reused ({cache.cache_dir() / key}.npz)" if entry else None
+        if handoff is not None and self.state.is_local_main_process:
+            (handoff[1] / f"{handoff[0]}.npz").unlink(missing_ok=True)  # a crashed run's file must never be read
+        elif entry is None and handoff is not None:
+            entry = cache.load(*handoff)  # None (then this process tokenizes itself) when the main could not write it
+            said = f"data: tokenized samples of {paths} read from this machine's main process"
         if entry is not None:
             for source, meta in zip(sources, entry.meta["sources"]):
                 if meta["detected"]:  # the line a fresh read prints
                     self.log(f"{source.path}: {what} auto-detected as '{meta['format']}'")
-            paths = ", ".join(s.path for s in sources)
-            self.log(f"data cache: tokenized samples of {paths} reused ({cache.cache_dir() / key}.npz)")
+            self.log(said)
         return entry
 
     def put(self, key: str | None, samples: list[Sample], meta: dict) -> None:
-        if key is None:
+        if key is not None:
+            try:
+                cache.store(key, cache.Entry(samples, meta))
+                return
+            except OSError as e:  # a full disk or read-only home must not stop training
+                self.log(f"data cache: not written ({e}); continuing without it")
+        handoff = self._handoff()
+        if handoff is None or not self.state.is_local_main_process:
             return
+        name, folder = handoff
         try:
-            cache.store(key, cache.Entry(samples, meta))
-        except OSError as e:  # a full disk or read-only home must not stop training
-            self.log(f"data cache: not written ({e}); continuing without it")
+            _HANDED.append(cache.store(name, cache.Entry(samples, meta), folder, prune=False))
+        except OSError as e:  # the other processes then tokenize for themselves
+            self.log(f"data: {folder}: hand-off to this machine's other processes not written ({e}); each tokenizes itself")
 
 
 def _processes(setting: int | None, records: int) -> int:
@@ -481,7 +565,7 @@ class PreparedFeedback:
 
 def prepare_feedback(data: DataSection, tokenizer, seed: int = 42, log=print, kl: bool = True) -> PreparedFeedback:
     """Unpaired feedback (KTO) -> examples packed whole into rows, each with its KL twin when `kl` (data/unpaired.py)."""
-    with _gc_paused():
+    with _gc_paused(), _handed_off():
         return _prepare_feedback(data, tokenizer, seed, log, kl)
 
 
@@ -509,19 +593,20 @@ def _prepare_feedback(data: DataSection, tokenizer, seed: int, log, kl: bool) ->
 def _feedback_split(sources: list[Source], data: DataSection, tokenize: Tokenizer, store: _Store, log, kl: bool,
                     pack_rows: bool = True, seed: int = 42) -> FeedbackSplit:
     key = store.key("kto", sources, {"max_length": data.max_length, "system": data.system})
-    entry = store.get(key, sources, "feedback format")
-    if entry is not None:
-        labels = entry.meta["desirable"]  # one character per example: "1" desirable, "0" not
-        examples = [Example(s, flag == "1") for s, flag in zip(entry.samples, labels)]
-        stats = FeedbackStats(kept=len(examples), truncated=entry.meta["stats"]["truncated"],
-                              skipped=Counter(dict(entry.meta["stats"]["skipped"])),  # stored as pairs: the message's order
-                              lengths=[len(e) for e in examples], desirable=labels.count("1"))
-        reports = _reports(entry.meta["sources"], sources)
-    else:
-        examples, stats, reports = _tokenized_feedback(sources, data, tokenize, log)
-        meta = {"truncated": stats.truncated, "skipped": list(stats.skipped.items())}
-        store.put(key, [e.sample for e in examples], {"stats": meta, "sources": [_report_meta(r) for r in reports],
-                                                      "desirable": "".join("1" if e.desirable else "0" for e in examples)})
+    with store.main_first():
+        entry = store.get(key, sources, "feedback format")
+        if entry is not None:
+            labels = entry.meta["desirable"]  # one character per example: "1" desirable, "0" not
+            examples = [Example(s, flag == "1") for s, flag in zip(entry.samples, labels)]
+            stats = FeedbackStats(kept=len(examples), truncated=entry.meta["stats"]["truncated"],
+                                  skipped=Counter(dict(entry.meta["stats"]["skipped"])),  # stored as pairs: the message's order
+                                  lengths=[len(e) for e in examples], desirable=labels.count("1"))
+            reports = _reports(entry.meta["sources"], sources)
+        else:
+            examples, stats, reports = _tokenized_feedback(sources, data, tokenize, log)
+            meta = {"truncated": stats.truncated, "skipped": list(stats.skipped.items())}
+            store.put(key, [e.sample for e in examples], {"stats": meta, "sources": [_report_meta(r) for r in reports],
+                                                          "desirable": "".join("1" if e.desirable else "0" for e in examples)})
     examples = _mixed(examples, sources, reports, seed, len)
     rows = pack_feedback(examples, data.max_length, data.packing, kl) if pack_rows else []
     return FeedbackSplit(rows, examples, stats, reports, data.max_length, kl)

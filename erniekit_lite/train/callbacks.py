@@ -22,7 +22,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from erniekit_lite.errors import Stopped
+from erniekit_lite.errors import Stopped, UserError
 from erniekit_lite.train import checkpoints
 
 PROGRESS = "progress.jsonl"
@@ -106,6 +106,9 @@ def train(trainer, out: Path, resume_from_checkpoint=None):
     try:
         with stop.installed():
             result = trainer.train(resume_from_checkpoint=resume)
+    except UserError:  # e.g. the first step out of memory (trainer.OutOfMemoryRetryMixin): its line after the bar's
+        trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)
+        raise
     except checkpoints.Diverged as e:
         trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)  # closes the progress bar
         found = checkpoints.complete(Path(out))

@@ -16,10 +16,11 @@ from trl import DPOTrainer
 from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.optimizer import LoraPlusMixin
 from erniekit_lite.train.pair_scoring import PairRowsMixin, add_packed_forward
+from erniekit_lite.train.step_weights import StepWeightsMixin
 from erniekit_lite.train.trainer import HostBoundsMixin, ThroughputMixin
 
 
-class ErnieDPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, PairRowsMixin, DPOTrainer):
+class ErnieDPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, StepWeightsMixin, PairRowsMixin, DPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._install_packed_forward()
@@ -30,19 +31,24 @@ class ErnieDPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlu
             if model is not None and not getattr(model, "_erniekit_packed", False):
                 add_packed_forward(model)
                 model._erniekit_packed = True
+        if "sft" in getattr(self, "loss_types", ()):  # a per-token term: weighed by the step's chosen tokens (step_weights.py)
+            weight = self.loss_weights[self.loss_types.index("sft")]
+            policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            policy._erniekit_chosen_nll = lambda value: setattr(self, "_token_term", (weight, value))
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
-        """Reference log-probs per pair, stored per row (a row holds whole pairs, in collator order)."""
+        """Reference log-probs per pair, stored per row (a row holds whole pairs, in collator order); sharded over
+        the processes and cached (reference_logps.py)."""
+        from erniekit_lite.train import reference_logps
+
         self._install_packed_forward()
-        model = self.ref_model or self.model
-        chosen, rejected = [], []
-        for row in dataset:
-            batch = self.data_collator([row])
-            batch = {k: v.to(self.accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items() if k != "token_slots"}
-            c, r = self.compute_ref_log_probs(model, batch)
-            chosen.append(c.float().cpu().tolist())
-            rejected.append(r.float().cpu().tolist())
-        return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
+
+        def score(model, batch):
+            chosen, rejected = self.compute_ref_log_probs(model, batch)
+            return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
+
+        return reference_logps.precompute(self, dataset, name, batch_size, score, per_row=lambda row: len(row["seq_lengths"]) // 2,
+                                          settings={"method": "dpo", "ld_alpha": self.ld_alpha})
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         return dataset  # already tokenized and packed by erniekit_lite.data.pairs

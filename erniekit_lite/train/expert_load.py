@@ -20,14 +20,15 @@ class ExpertLoad:
         self.routers = [(name, m) for name, m in model.named_modules() if name.endswith("mlp.gate") and hasattr(m, "top_k")]
         self.layers = [int(name.split("layers.")[1].split(".")[0]) for name, _ in self.routers]
         self.counts: torch.Tensor | None = None
+        self._biases: list[torch.Tensor | None] | None = None  # the frozen correction biases, whole (`_whole_biases`)
 
     def add(self, router_logits, attention_mask: torch.Tensor | None = None) -> None:
         keep = attention_mask.reshape(-1).bool() if attention_mask is not None else None
         rows = []
         with torch.no_grad():
-            for (_, router), logits in zip(self.routers, router_logits):
+            for (_, router), logits, bias in zip(self.routers, router_logits, self._whole_biases()):
                 probs = torch.softmax(logits.detach().float(), dim=-1)
-                chosen = torch.topk(probs + _bias(router), router.top_k, dim=-1).indices
+                chosen = torch.topk(probs + (bias if bias is not None else _bias(router)), router.top_k, dim=-1).indices
                 if keep is not None:
                     if keep.numel() != chosen.shape[0]:
                         raise ValueError(f"expert load: the attention mask covers {keep.numel()} tokens, the router "
@@ -36,6 +37,15 @@ class ExpertLoad:
                 rows.append(torch.bincount(chosen.reshape(-1), minlength=router.num_experts))
             counts = torch.stack(rows)
         self.counts = counts if self.counts is None else self.counts + counts
+
+    def _whole_biases(self) -> list[torch.Tensor | None]:
+        """Each router's correction bias, whole, taken once at the first count: it is frozen
+        (`model.load.freeze_router_statistics`), and under FSDP2 taking it is a collective per layer (27 on the
+        21B-A3B), which on every forward cost one all-gather per layer and micro-step. A bias that trains (None here)
+        is read at each count."""
+        if self._biases is None:
+            self._biases = [None if _parameter(router).requires_grad else _bias(router) for _, router in self.routers]
+        return self._biases
 
     def save(self, out: Path, main_process: bool = True) -> None:
         """Write the files (main process only); in a launched run every process must call it (counts are summed)."""
@@ -61,10 +71,14 @@ class ExpertLoad:
         _heatmap(data, out / "expert_load.png")
 
 
+def _parameter(router):
+    return router.moe_statics.e_score_correction_bias
+
+
 def _bias(router) -> torch.Tensor:
     """The router's `e_score_correction_bias`, whole: what `moe_statics` adds to the probabilities before top-k. Under
     FSDP2 it is a shard outside the layer's forward, gathered here (every rank counts at the same step)."""
-    bias = router.moe_statics.e_score_correction_bias
+    bias = _parameter(router)
     if hasattr(bias, "full_tensor"):  # a DTensor
         bias = bias.full_tensor()
     return bias.detach().float().squeeze()

@@ -35,6 +35,7 @@ from erniekit_lite.model.attention import remember_lengths
 from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.optimizer import LoraPlusMixin
 from erniekit_lite.train.pair_scoring import add_packed_forward
+from erniekit_lite.train.step_weights import StepWeightsMixin
 from erniekit_lite.train.trainer import HostBoundsMixin, ThroughputMixin
 
 NOT_MODEL_INPUTS = ("completion_mask", "label", "ref_logps", "ref_KL_logps", "token_slots")
@@ -47,7 +48,7 @@ def side(batch: dict, kl: bool) -> dict:
     return {k: v for k, v in batch.items() if not k.startswith("KL_") and k not in NOT_MODEL_INPUTS}
 
 
-class ErnieKTOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, KTOTrainer):
+class ErnieKTOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, StepWeightsMixin, KTOTrainer):
     def __init__(self, *positional, args, **kwargs):
         requested = args.per_device_train_batch_size, args.train_sampling_strategy
         args.per_device_train_batch_size, args.train_sampling_strategy = max(2, requested[0]), "sequential"
@@ -67,6 +68,12 @@ class ErnieKTOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlu
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         return dataset  # already tokenized, paired with KL twins and packed by erniekit_lite.data.unpaired
+
+    def units(self, batch: dict) -> int:
+        return len(batch["label"])  # KTO's loss is a mean over examples (step_weights.py)
+
+    def chosen_tokens(self, batch: dict) -> int:
+        return 0  # no per-token term
 
     def _set_signature_columns_if_needed(self):
         self._signature_columns = ["input_ids", "labels", "seq_lengths", "desirable", "ref_logps", "ref_KL_logps"]
@@ -114,15 +121,15 @@ class ErnieKTOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlu
         return examples, twins
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
-        """Reference log-probs per example and per twin, stored per row (a row holds whole examples, in collator order)."""
+        """Reference log-probs per example and per twin, stored per row (a row holds whole examples, in collator
+        order); sharded over the processes and cached (reference_logps.py)."""
+        from erniekit_lite.train import reference_logps
+
         self._install_packed_forward()
-        model = self.ref_model or self.model
-        examples, twins = [], []
-        for row in dataset:
-            batch = self.data_collator([row])
-            batch = {k: v.to(self.accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items() if k != "token_slots"}
-            logps, kl_logps = self.compute_ref_log_probs(model, batch)
-            examples.append(logps.float().cpu().tolist())
-            twins.append(kl_logps.float().cpu().tolist() if kl_logps is not None else [])
-        dataset = dataset.add_column("ref_logps", examples)
-        return dataset.add_column("ref_KL_logps", twins) if self.calculate_KL else dataset
+
+        def score(model, batch):
+            examples, twins = self.compute_ref_log_probs(model, batch)
+            return {"ref_logps": examples, "ref_KL_logps": twins}  # twins None without a KL term: no column
+
+        return reference_logps.precompute(self, dataset, name, batch_size, score, per_row=lambda row: len(row["desirable"]),
+                                          settings={"method": "kto", "kl": self.calculate_KL})

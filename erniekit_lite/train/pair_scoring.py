@@ -51,6 +51,10 @@ def pair_scores(model, kwargs: dict) -> FusedCausalLMOutput:
         return flat.view(rows, width - 1)
 
     token = scores.log_probs
+    chosen_nll = getattr(model, "_erniekit_chosen_nll", None)
+    if chosen_nll is not None and torch.is_grad_enabled():  # the policy's pass (DPO's `sft` term, step_weights.py)
+        chosen = index < (rows // 2) * (width - 1)  # chosen rows first
+        chosen_nll(-token[chosen].sum() / chosen.sum().clamp(min=1))
     return FusedCausalLMOutput(
         loss=-token.sum() / max(1, token.numel()),
         log_probs=layout(token),

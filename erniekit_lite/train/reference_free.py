@@ -39,6 +39,7 @@ from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.common import trainer_inputs
 from erniekit_lite.train.optimizer import LoraPlusMixin
 from erniekit_lite.train.pair_scoring import PairRowsMixin, add_packed_forward
+from erniekit_lite.train.step_weights import StepWeightsMixin
 from erniekit_lite.train.trainer import HostBoundsMixin, ThroughputMixin
 
 with warnings.catch_warnings():
@@ -72,7 +73,7 @@ class _Tokenized:
         return getattr(self.dataset, name)
 
 
-class ReferenceFreeMixin(PairRowsMixin):
+class ReferenceFreeMixin(StepWeightsMixin, PairRowsMixin):
     """TRL's ORPO / CPO trainer, scoring packed pair rows; `average_log_prob` and `with_nll` say what its loss reads."""
 
     def __init__(self, *args, train_dataset, eval_dataset=None, **kwargs):
@@ -88,6 +89,7 @@ class ReferenceFreeMixin(PairRowsMixin):
 
     average_log_prob: bool
     with_nll: bool
+    nll_coef: float  # what TRL's loss multiplies the NLL by
 
     def concatenated_forward(self, model, batch):
         """TRL's (chosen_logps, rejected_logps, chosen_logits, rejected_logits, nll_loss[, aux_loss]) from one packed
@@ -100,6 +102,7 @@ class ReferenceFreeMixin(PairRowsMixin):
             logps = logps / mask.sum(-1)
         if self.with_nll:
             nll = -token[:n].sum() / mask[:n].sum()
+            self._token_term = (self.nll_coef, nll)  # weighed by the step's chosen tokens (step_weights.py)
         else:
             nll = torch.tensor(0.0, device=token.device)
         logits = out.mean_logits
@@ -114,6 +117,7 @@ class ReferenceFreeMixin(PairRowsMixin):
 class ErnieORPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, ReferenceFreeMixin, ORPOTrainer):
     average_log_prob = True  # the odds ratio of average log-probs
     with_nll = True
+    nll_coef = 1.0
 
 
 class ErnieCPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, ReferenceFreeMixin, CPOTrainer):
@@ -126,6 +130,10 @@ class ErnieCPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlu
     @property
     def with_nll(self) -> bool:
         return self.cpo_alpha != 0
+
+    @property
+    def nll_coef(self) -> float:
+        return self.cpo_alpha
 
 
 def build_trainer(model, tokenizer, args, data, recipe: Recipe):

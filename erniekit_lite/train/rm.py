@@ -30,6 +30,7 @@ from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.common import trainer_inputs
 from erniekit_lite.train.optimizer import LoraPlusMixin
 from erniekit_lite.train.pair_scoring import PairRowsMixin
+from erniekit_lite.train.step_weights import StepWeightsMixin
 from erniekit_lite.train.trainer import HostBoundsMixin, PlainLoraSaveMixin, ThroughputMixin
 
 
@@ -41,8 +42,8 @@ def run(recipe: Recipe, log=print) -> Path:
     return runner.run(recipe, METHOD, log)
 
 
-class ErnieRewardTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, PlainLoraSaveMixin, PairRowsMixin,
-                         RewardTrainer):
+class ErnieRewardTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, PlainLoraSaveMixin, StepWeightsMixin,
+                         PairRowsMixin, RewardTrainer):
     aux_loss_enabled = False  # TRL's RewardTrainer adds no MoE router aux loss (read by train/common.watch_moe)
     router_aux_loss_coef = 0.0
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from erniekit_lite import hub
+from erniekit_lite.data.prepare import handing_off_beside
 from erniekit_lite.model.load import load_tokenizer, tokenizer_path
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import callbacks, distribution, rundir
@@ -33,7 +34,8 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
     rundir.check(recipe)  # fail before any slow step
     hub.check(recipe)
     tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
-    data = method.prepare(recipe.data, tokenizer, seed=args.seed, log=log)
+    with handing_off_beside(Path(recipe.output.dir)):  # launched: one process per machine tokenizes
+        data = method.prepare(recipe.data, tokenizer, seed=args.seed, log=log)
     log(method.describe(data))
     model = load_for_training(recipe, log, apply_lora=not method.adapter_by_trainer)
 
@@ -48,7 +50,7 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
         log(describe_model(trainer.model))  # the adapter exists only now
     result = callbacks.train(trainer, out, args.resume_from_checkpoint)
     metrics = {**result.metrics, **trainer.throughput(result.metrics["train_runtime"]), **method.metrics(trainer),
-               "train_samples": method.trained(data), "distributed": trainer.distribution}
+               "train_samples": method.trained(data), "distributed": trainer.distribution, **trainer.retry_metrics()}
     if data.eval is not None:
         metrics.update(trainer.evaluate())
     callbacks.save_final(trainer, out, metrics, expert_load)

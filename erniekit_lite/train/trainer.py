@@ -6,24 +6,127 @@ Two departures from `SFTTrainer.compute_loss`, both because ERNIE's 103k-entry L
 - real-token accounting (tokens/s without padding, packing efficiency) per logged step and in `train_results.json`.
 Checkpoints are atomic and a diverged run stops before its bad step (`checkpoints.CheckpointMixin`); LoRA+ builds
 the optimizer through peft (`optimizer.LoraPlusMixin`); a PiSSA/OLoRA adapter is saved as a plain LoRA at the end
-(`PlainLoraSaveMixin`); everything else (optimizer, schedule, logging, accumulation) is TRL and transformers.
+(`PlainLoraSaveMixin`); a first step out of memory turns activation checkpointing on when the plan had turned it off
+(`OutOfMemoryRetryMixin`); everything else (optimizer, schedule, logging, accumulation) is TRL and transformers.
 """
 
 from __future__ import annotations
 
+import copy
+import gc
 import time
 
 import torch
 from trl import SFTTrainer
 
+from erniekit_lite.errors import UserError
 from erniekit_lite.model.attention import remember_lengths
 from erniekit_lite.model.lora import INITIAL, save_as_plain_lora
+from erniekit_lite.plan import CHECKPOINTING_OFF_BY_PLAN
 from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.optimizer import LoraPlusMixin
 from erniekit_lite.train.scoring import add_scoring_forward
 
 
-class ThroughputMixin:
+# What a micro-batch's training step adds to, put back before the first step's batches run again: the real-token
+# counts, TRL's logged metrics, GRPO's micro-step counter (it picks the buffered generation) and step time
+_STEP_STATE = ("real_tokens", "token_slots", "_since_log", "_metrics", "_step", "_current_train_step_time")
+RETRIED_AT = "activation_checkpointing_turned_on_at_step"  # train_results.json: the first step ran out of memory
+
+
+class OutOfMemoryRetryMixin:
+    """A first optimizer step that runs out of memory with activation checkpointing off, where the memory plan
+    turned it off (`plan.choose_checkpointing`, one process): checkpointing goes on as transformers turns it on, a
+    trained LM head recomputes its chunks (the plan that kept them is the one that proved low), the step's
+    gradients so far are zeroed and its micro-batches run again from the first, counters as before the step. Any
+    other first-step out-of-memory ends the run with one line naming the settings that lower memory.
+
+    Caught in `training_step`, which every method's Trainer runs once per micro-batch from the Trainer's own loop,
+    so the loop, its loss sum and the optimizer step are left as they are."""
+
+    retried_at: int | None = None  # the step that ran out of memory and ran again
+    _first: tuple[int, dict, list] | None = None  # first step: (global step before it, state before it, its batches)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._first is None:
+            self._first = (self.state.global_step, self._step_state(), [])
+        step, before, batches = self._first
+        if self.state.global_step != step:
+            batches.clear()  # past the first step: the Trainer's batches are not held here any longer
+            return super().training_step(model, inputs, num_items_in_batch)
+        batches.append((inputs, num_items_in_batch))
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        except torch.OutOfMemoryError:
+            if not self._may_retry():
+                raise UserError(self._lower_memory(step + 1)) from None
+        # Out of the handler: its traceback held the failed pass's tensors
+        self._checkpointing_on(step + 1)
+        self._first = (step, before, [])
+        self._restore(before)
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        for inputs, num_items_in_batch in batches:  # this method again: out of memory now is the one-line error
+            loss = self.training_step(model, inputs, num_items_in_batch)
+        return loss  # the earlier batches' losses are already in the Trainer's sum
+
+    def retry_metrics(self) -> dict:
+        """For train_results.json: the step that ran out of memory and ran again with checkpointing on, if any."""
+        return {RETRIED_AT: self.retried_at} if self.retried_at is not None else {}
+
+    def _may_retry(self) -> bool:
+        return (getattr(self.args, CHECKPOINTING_OFF_BY_PLAN, False) and not self.args.activation_checkpointing
+                and not self.is_deepspeed_enabled)  # DeepSpeed accumulates gradients in its own buffers
+
+    def _checkpointing_on(self, step: int) -> None:
+        """Activation checkpointing as `Trainer.train` turns it on (and TRL, for an adapter), and the LM head's chunks
+        recomputed (`common.plan_lm_head`); said in one line."""
+        kwargs = dict(self.args.activation_checkpointing_kwargs or {})
+        every, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+        self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, every_n_layers=every,
+                                                   offload=offload)
+        if hasattr(self.model, "peft_config"):
+            self.model.enable_input_require_grads()
+        self.args.activation_checkpointing = self.args.gradient_checkpointing = True
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        head = ", the LM head's chunks recomputed" if getattr(base, "_erniekit_head_keep_positions", 0) else ""
+        base._erniekit_head_keep_positions = 0
+        self.retried_at = step
+        print(f"out of memory at step {step} with activation checkpointing off (the memory plan said the run fits): "
+              f"turned it on{head}; running the step's batches again")
+
+    def _lower_memory(self, step: int) -> str:
+        args, model = self.args, self.model
+        settings = ["data.max_length", f"train.per_device_train_batch_size (now {args.per_device_train_batch_size}; "
+                    "train.gradient_accumulation_steps keeps the batch)"]
+        if not args.activation_checkpointing:
+            settings.append("train.activation_checkpointing: true")
+        elif not (args.activation_checkpointing_kwargs or {}).get("offload"):
+            settings.append("train.activation_checkpointing_kwargs: {offload: true}")
+        if not hasattr(model, "peft_config"):
+            settings.append("a lora: section (adapters instead of every weight)")
+        elif not getattr(getattr(model, "config", None), "quantization_config", None):
+            settings.append("model.load_in_4bit: true")
+        settings.append("or more GPUs sharding the model (--num-processes N --accelerate-config recipes/accelerate/fsdp2.yaml)")
+        state = "on" if args.activation_checkpointing else "off"
+        return f"out of memory at step {step} (activation checkpointing {state}); these settings lower memory: {', '.join(settings)}"
+
+    def _step_state(self) -> dict:
+        state = {k: copy.deepcopy(self.__dict__[k]) for k in _STEP_STATE if k in self.__dict__}
+        return {**state, "num_input_tokens_seen": self.state.num_input_tokens_seen}
+
+    def _restore(self, saved: dict) -> None:
+        for k in _STEP_STATE:
+            if k in saved:
+                setattr(self, k, copy.deepcopy(saved[k]))
+            else:
+                self.__dict__.pop(k, None)  # back to the class default
+        self.state.num_input_tokens_seen = saved["num_input_tokens_seen"]
+
+
+class ThroughputMixin(OutOfMemoryRetryMixin):  # every method's Trainer has it: the first-step retry comes with it
     """Real-token accounting for any Trainer: totals for train_results.json, rates in each logged step."""
 
     real_tokens = 0  # non-pad tokens forwarded in training

@@ -1,0 +1,79 @@
+"""Every pair (KTO: every example) weighs the same in an optimizer step, whatever the micro-batching, gradient
+accumulation or process count.
+
+TRL's preference losses are means over the pairs of one micro-batch and TRL marks them `loss_is_scaled_for_ga =
+False`: the Trainer divides each micro-batch's loss by the accumulation steps G, and DDP (FSDP, ZeRO) averages the
+W processes' gradients. A packed row holds a variable number of pairs, so a pair would weigh 1/(pairs in its
+micro-batch): 2 rows per micro-batch and 1 row with accumulation 2 computed different things. The Trainer's own
+remedy (`num_items_in_batch`) counts label tokens, and only for batches with `labels`.
+
+Here the Trainer's per-step count is replaced: before each optimizer step the pairs N and the chosen response tokens
+C of all its micro-batches are counted (summed over processes with `average_tokens_across_devices`, the Trainer's
+switch for its token counts, on by default), and each micro-batch's loss (n pairs, c chosen tokens) becomes
+
+    loss · (n/N) · G · W  +  coef · token_term · (c/C − n/N) · G · W
+
+so that after the Trainer's 1/G and the processes' 1/W the step's gradient is that of (Σ per-pair terms)/N +
+coef · (Σ chosen-token terms)/C: per-pair terms (DPO's losses, ORPO's odds ratio, SimPO, the reward model's loss and
+its centring term, KTO's per-example losses) over the step's pairs, per-token terms (ORPO's NLL, CPO's `cpo_alpha`
+NLL, DPO's `sft` loss type) over the step's chosen tokens. TRL's logged metrics are computed before this and keep
+their meaning; the logged `loss` is the step's mean. What depends on the micro-batch by definition stays so, scaled
+as a per-pair term: KTO's KL estimate (a clamped mean over the micro-batch's KL twins), DPO's `aot` /
+`aot_unpaired` (sorted within the micro-batch) and the MoE router aux loss (a mean over the micro-batch's tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from erniekit_lite.train import ragged_gather
+
+
+class StepWeightsMixin:
+    """For a TRL preference trainer: `units(batch)` counts a micro-batch's pairs (or examples); a loss with a
+    per-token term stores it as `self._token_term = (coef, value)` during the forward that computed it."""
+
+    _step_totals: tuple[float, float, int, int] | None = None
+    _token_term: tuple[float, torch.Tensor] | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        ragged_gather.install(self.accelerator)  # a packed micro-batch's pair count differs between processes
+
+    def units(self, batch: dict) -> int:
+        return batch["input_ids"].shape[0] // 2  # TRL's [2B, L] layout: chosen rows, then rejected
+
+    def chosen_tokens(self, batch: dict) -> int:
+        return int(batch["completion_mask"][: self.units(batch)].sum())
+
+    def _get_num_items_in_batch(self, batch_samples: list, device) -> None:
+        """The step's pairs and chosen tokens (the Trainer calls this once per optimizer step, on every process, with
+        all the step's micro-batches). Returns None: TRL's losses take no `num_items_in_batch`."""
+        counts = torch.tensor([[sum(self.units(b) for b in batch_samples), sum(self.chosen_tokens(b) for b in batch_samples)]],
+                              dtype=torch.float64, device=device)
+        processes = 1
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            counts = self.accelerator.gather(counts).sum(0, keepdim=True)
+            processes = self.accelerator.num_processes
+        self._step_totals = (counts[0, 0].item(), counts[0, 1].item(), len(batch_samples), processes)
+        return None
+
+    def weigh(self, loss: torch.Tensor, batch: dict) -> torch.Tensor:
+        """The micro-batch's loss weighted for its share of the step (training only; evaluation keeps TRL's mean)."""
+        token_term, self._token_term = self._token_term, None
+        if not self.model.training or self._step_totals is None:
+            return loss
+        pairs, tokens, accumulation, processes = self._step_totals
+        scale = accumulation * processes
+        share = self.units(batch) / pairs
+        weighed = loss * (share * scale)
+        if token_term is not None and tokens > 0:
+            coef, value = token_term
+            weighed = weighed + coef * value * ((self.chosen_tokens(batch) / tokens - share) * scale)
+        return weighed
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if return_outputs:
+            return self.weigh(out[0], inputs), out[1]
+        return self.weigh(out, inputs)

@@ -1,0 +1,121 @@
+"""Reference log-probs precomputed once (`train.precompute_ref_log_probs`, train/reference_logps.py): sharded over the
+processes, gathered back in row order, cached on disk and reused by a second run or a `--resume`.
+
+The stored values are read from the cache entry itself (`<ERNIEKIT_CACHE>/reference/<key>.npz`); each run line
+"reference log-probs (train): N rows scored, a + b on 2 processes" is what rank 0 saw come back from each rank.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import PAIRS, run_cli, write_recipe
+from test_distributed import SHARDED, fp32_config, train_cli
+
+def recipe(tmp_path: Path, model_dir: Path, lora: bool, **train) -> Path:
+    """DPO with a precomputed reference. The eval split is what is checked: at max_length 40 the 8 demo pairs pack
+    into 7 rows (an odd count: 3 + 4 rows on 2 processes) holding 1 or 2 pairs each. TRL's training step gathers
+    per-pair rewards across processes, which needs equal pair counts, so the one step trains on 2 rows of one pair."""
+    first = PAIRS.read_text().splitlines()[0]  # its chosen answer is cut at 40 tokens: one pair per row
+    (tmp_path / "two.jsonl").write_text(f"{first}\n{first}\n")
+    train = {"max_steps": 1, "per_device_train_batch_size": 1, "precompute_ref_log_probs": True, "activation_checkpointing": False,
+             "eval_strategy": "no", "save_steps": 100, "logging_steps": 1, "seed": 0, **train}
+    data = {"train": [str(tmp_path / "two.jsonl")], "eval": [str(PAIRS)], "max_length": 40}
+    return write_recipe(tmp_path / "dpo.yaml", model_dir, method="dpo", data=data, train=train, output={"sample_prompts": []},
+                        lora={"r": 4, "alpha": 8, "dropout": 0.0} if lora else None)
+
+
+LINE = re.compile(r"reference log-probs \((train|eval)\): (\d+) rows (?:scored, ([\d +]+) on \d+ process(?:es)?; cached in|reused from) (\S+)")
+
+
+def lines(stdout: str) -> dict[str, tuple[int, list[int] | None, Path]]:
+    """Each split's line: (rows, rows scored by each process or None when reused, the cache entry)."""
+    found = {split: (int(n), [int(k) for k in shards.split(" + ")] if shards else None, Path(path))
+             for split, n, shards, path in LINE.findall(stdout)}
+    assert len(LINE.findall(stdout)) == len(found) == 2, stdout  # one line per split, printed by rank 0 alone
+    return found
+
+
+def stored(path: Path) -> dict[str, list[list[float]]]:
+    """The cache entry's values, per row."""
+    with np.load(path) as z:
+        return {name: [z[f"{name}.values"][a:b].tolist() for a, b in zip(z[f"{name}.bounds"], z[f"{name}.bounds"][1:])]
+                for name in ("ref_chosen_logps", "ref_rejected_logps")}
+
+
+def in_process(capsys, recipe_path: Path, cache: Path, *argv: str) -> str:
+    """A 1-process run in this process, with its own reference cache; its stdout."""
+    old = os.environ.get("ERNIEKIT_CACHE")
+    os.environ["ERNIEKIT_CACHE"] = str(cache)
+    try:
+        code, out, err = run_cli(capsys, "train", recipe_path, *argv)
+    finally:
+        os.environ["ERNIEKIT_CACHE"] = old if old is not None else ""
+        if old is None:
+            del os.environ["ERNIEKIT_CACHE"]
+    assert code == 0, err
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_own_dir):
+    """The values a 1-process run stores, per split (the reference is the base model, LoRA or not)."""
+
+    where = tmp_path_factory.mktemp("one-process")
+    done = train_cli(where, str(recipe(where, tiny_own_dir, lora=False)), f"output.dir={where / 'out'}",
+                     env={"ERNIEKIT_CACHE": str(where / "cache")})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {split: stored(p) for split, (_, _, p) in lines(done.stdout).items()}
+
+
+@pytest.mark.slow  # one launch of 2 processes (~15-40 s on 2 cores), and the 1-process run shared by the three
+@pytest.mark.parametrize("strategy, lora", [("ddp", True), ("fsdp2", False), ("zero3", False)])
+def test_two_processes_store_the_one_process_values(tmp_path, tiny_own_dir, one_process, strategy, lora):
+    """2 gloo processes: each scores its contiguous shard of rows (3 + 4 of the 7 eval rows, none above ceil(7/2);
+    1 + 1 train rows), and the stored lists, gathered back in row order, equal the 1-process values (1e-6). Full
+    fine-tuning under FSDP2 scores on TRL's FSDP-sharded reference copy, whose forward is collective (the rank with
+    3 rows runs a 4th, dropped); under ZeRO-3 on TRL's inference engine, which gathers each layer's parameters."""
+    launch = ["--num-processes", "2"]
+    if strategy != "ddp":
+        if strategy == "zero3":
+            pytest.importorskip("deepspeed")
+        launch += ["--accelerate-config", str(fp32_config(tmp_path, SHARDED[strategy][0]))]
+    done = train_cli(tmp_path, str(recipe(tmp_path, tiny_own_dir, lora)), f"output.dir={tmp_path / 'out'}", *launch,
+                     env={"ERNIEKIT_CACHE": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr[-4000:]
+    name = {"ddp": "DDP", **{k: v[1] for k, v in SHARDED.items()}}[strategy]
+    assert f"distributed: {name} over 2 processes (gloo)" in done.stdout
+    found = lines(done.stdout)
+    for split, (n, shards, path) in found.items():
+        assert sum(shards) == n and len(shards) == 2 and max(shards) <= math.ceil(n / 2)
+        values = stored(path)
+        for column, rows in values.items():
+            expected = one_process[split][column]
+            assert [len(row) for row in rows] == [len(row) for row in expected]
+            assert np.allclose(np.concatenate(rows), np.concatenate(expected), rtol=0, atol=1e-6)
+    assert found["eval"][1] == [3, 4] and found["train"][1] == [1, 1]
+
+
+def test_a_second_run_and_a_resume_reuse_the_cached_reference_logps(tmp_path, capsys, tiny_own_dir):
+    """One process: the first run scores every row of both splits and caches them; a second run into a new output
+    dir, and a `--resume` of the first, read the same entries back and score nothing (their lines say "reused"),
+    and the entries stay as written. Rows hold 1 or 2 pairs: the eval entry keeps each row's own list."""
+    path, cache = recipe(tmp_path, tiny_own_dir, lora=True, save_steps=1), tmp_path / "cache"
+    first = lines(in_process(capsys, path, cache))
+    assert {split: (n, shards) for split, (n, shards, _) in first.items()} == {"train": (2, [2]), "eval": (7, [7])}
+    values = stored(first["eval"][2])
+    assert [len(row) for row in values["ref_chosen_logps"]] == [1, 1, 1, 1, 2, 1, 1]
+    written = {split: p.read_bytes() for split, (_, _, p) in first.items()}
+
+    again = lines(in_process(capsys, path, cache, f"output.dir={tmp_path / 'again'}"))
+    resumed = lines(in_process(capsys, path, cache, "--resume", "train.max_steps=2"))
+    for run in (again, resumed):
+        assert run == {split: (n, None, p) for split, (n, _, p) in first.items()}  # reused, not scored
+    assert {split: p.read_bytes() for split, (_, _, p) in first.items()} == written
+    assert len(list((cache / "reference").glob("*.npz"))) == 2
