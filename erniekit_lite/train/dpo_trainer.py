@@ -10,7 +10,6 @@ layout with `logp_index`. The reference pass (adapter disabled, or a frozen copy
 
 from __future__ import annotations
 
-import torch
 from trl import DPOTrainer
 
 from erniekit_lite.train.checkpoints import CheckpointMixin
