@@ -4,14 +4,23 @@ A TRL reward function is called once per generation batch as `f(prompts=, comple
 and returns one float (or None: "does not apply", which TRL averages out) per completion. Here `prompts` are message
 lists, `completions` one-message lists `[{"role": "assistant", "content": text}]`, and the data's reference answers
 arrive as `answer=[...]` (None where a record has none); TRL also passes `trainer_state`, `log_extra`, `log_metric`.
+erniekit-lite adds `prompt_text=[...]`: each prompt as the run's template rendered it for generation, control tokens
+spelled out (ERNIE-4.5-21B-A3B-Thinking's ends in `<|im_start|>assistant\n<think>\n`, so its completions start inside
+the reasoning).
 
 Built-ins (`name:`):
 - `exact_answer`: 1.0 when the completion's final answer equals the reference's, else 0.0 (None, left out of TRL's
   means, without a reference or when the reference has no final answer to read).
-  A final answer is the last `\\boxed{...}`, else what follows the last `####` (GSM8K), else the last number in the
-  text after any `</think>`; numbers compare as numbers (`1,000` = `1000.0`), anything else as stripped text.
-- `think_format`: 1.0 when the completion is exactly one `<think>...</think>` (non-empty reasoning) followed by a
-  non-empty answer, else 0.0: the shape a Thinking model's answers take. It reads the text TRL decodes with
+  The answer is read after the reasoning (`</think>`), inside the last `<response>...</response>` when there is one
+  (the Thinking template's wrapping); a completion whose reasoning never closes (it opened `<think>`, or its prompt
+  did) has no answer and scores 0.0. A final answer is the last `\\boxed{...}`, else what follows the last `####`
+  (GSM8K), else the whole text when it is only numbers and separators, else its last number or comma list of
+  numbers; numbers compare as numbers (`1,234` = `1234.0`: commas only as thousands separators), a list as its text
+  (`2, 3,5` = `2,3,5`, not 235), anything else as stripped text.
+- `think_format`: 1.0 for a well-formed reasoning + answer, else 0.0. After a prompt that opens `<think>` (the
+  Thinking template's), that is reasoning, `</think>`, then an answer, with no `<think>` of its own; after one that
+  does not, or with no prompt to read (`prompt_text`, else `prompts` when they are strings), exactly one
+  `<think>...</think>` then an answer. Reasoning and answer must be non-empty. It reads the text TRL decodes with
   `skip_special_tokens=True`: a tokenizer that marked `<think>` as a special token would hide it (the ERNIE 4.5
   tokenizer in ../shared has no such token; the released Thinking tokenizer is not checked here).
 - `length`: 0 up to `args.target` completion tokens (default 256), then -(tokens - target) / target.
@@ -31,7 +40,10 @@ from typing import Callable
 
 from erniekit_lite.errors import UserError
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# A number, or a comma list of numbers ("2, 3, 5"): a list of 3-digit groups is one number with thousands commas
+_NUMBER = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)(?:\s*,\s*-?(?:\d+(?:\.\d+)?|\.\d+))*")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_ONLY_NUMBERS = re.compile(r"[-+$\d.,\s]*\d[-+$\d.,\s]*")
 
 
 def text_of(completion) -> str:
@@ -45,15 +57,34 @@ def text_of(completion) -> str:
     return str(completion)
 
 
-def final_answer(text: str) -> str | None:
-    """The answer a text ends on: the last \\boxed{...}, else after the last ####, else the last number."""
+def opens_thinking(prompt: str | None) -> bool:
+    """Whether a rendered prompt leaves the completion inside a reasoning block (it ends in an unclosed `<think>`)."""
+    return prompt is not None and prompt.rstrip().endswith("<think>")
+
+
+def answer_part(text: str, prompt: str | None = None) -> str | None:
+    """What follows the reasoning, inside the last <response>...</response> when present; None when the reasoning
+    never closed (the completion or its prompt opened `<think>` and no `</think>` follows)."""
+    if "</think>" not in text and ("<think>" in text or opens_thinking(prompt)):
+        return None
     text = text.rsplit("</think>", 1)[-1]
+    start = text.rfind("<response>")
+    if start >= 0:
+        text = text[start + len("<response>"):].split("</response>", 1)[0]
+    return text
+
+
+def final_answer(text: str) -> str | None:
+    """The answer a text ends on: the last \\boxed{...}, else after the last ####, else the whole text when it is
+    only numbers and separators, else the last number."""
     boxed = _last_boxed(text)
     if boxed is not None:
         return _normal(boxed)
     if "####" in text:
         after = text.rsplit("####", 1)[1].strip()
         return _normal(after.splitlines()[0]) if after else None
+    if _ONLY_NUMBERS.fullmatch(text):
+        return _normal(text)
     numbers = _NUMBER.findall(text)
     return _normal(numbers[-1]) if numbers else None
 
@@ -71,9 +102,11 @@ def _last_boxed(text: str) -> str | None:
 
 
 def _normal(answer: str) -> str:
-    """Numbers as numbers (commas, a leading $ and a trailing period or .0 dropped); other answers stripped."""
+    """Numbers as numbers (thousands commas, a leading $ and a trailing period or .0 dropped); other answers stripped."""
     answer = answer.strip().removeprefix("$").rstrip(".").strip()
-    plain = answer.replace(",", "")
+    if "," in answer and not _THOUSANDS.fullmatch(answer) and _NUMBER.fullmatch(answer):
+        return ",".join(part.strip() for part in answer.split(","))  # a list compares as text, spacing aside
+    plain = answer.replace(",", "") if _THOUSANDS.fullmatch(answer) else answer
     try:
         value = float(plain)
     except ValueError:
@@ -81,10 +114,19 @@ def _normal(answer: str) -> str:
     return str(int(value)) if value.is_integer() else repr(value)
 
 
-def exact_answer(completions, answer=None, **kwargs) -> list[float | None]:
+def _prompts(completions, prompt_text=None, prompts=None) -> list[str | None]:
+    """Each completion's rendered prompt: `prompt_text`, else `prompts` when TRL passes them as strings, else None."""
+    if prompt_text is not None:
+        return list(prompt_text)
+    if prompts is not None and all(isinstance(p, str) for p in prompts):
+        return list(prompts)
+    return [None] * len(completions)
+
+
+def exact_answer(completions, answer=None, prompt_text=None, prompts=None, **kwargs) -> list[float | None]:
     references = answer if answer is not None else [None] * len(completions)
     out: list[float | None] = []
-    for completion, reference in zip(completions, references):
+    for completion, reference, prompt in zip(completions, references, _prompts(completions, prompt_text, prompts)):
         if reference is None or not str(reference).strip():
             out.append(None)
             continue
@@ -92,18 +134,21 @@ def exact_answer(completions, answer=None, **kwargs) -> list[float | None]:
         if want is None:  # a reference with no number, #### or \boxed{} has nothing this reward can compare
             out.append(None)
             continue
-        got = final_answer(text_of(completion))
-        out.append(1.0 if got == want else 0.0)
+        said = answer_part(text_of(completion), prompt)
+        got = final_answer(said) if said is not None else None
+        out.append(1.0 if got is not None and got == want else 0.0)
     return out
 
 
 _THINK = re.compile(r"\s*<think>(?P<reasoning>.*?)</think>(?P<answer>.*)", re.DOTALL)
 
 
-def think_format(completions, **kwargs) -> list[float]:
+def think_format(completions, prompt_text=None, prompts=None, **kwargs) -> list[float]:
     out = []
-    for completion in completions:
+    for completion, prompt in zip(completions, _prompts(completions, prompt_text, prompts)):
         text = text_of(completion)
+        if opens_thinking(prompt):  # the prompt opened the reasoning: the completion only closes it
+            text = "<think>" + text if "<think>" not in text else "<think><think>"  # opening it again is malformed
         match = _THINK.fullmatch(text)
         ok = (match is not None and text.count("<think>") == 1 and text.count("</think>") == 1
               and match["reasoning"].strip() != "" and match["answer"].strip() != "")

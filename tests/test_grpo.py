@@ -124,6 +124,69 @@ def test_think_format_wants_one_think_block_before_an_answer():
     assert rewards.think_format([chat(c) for c in completions]) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 
 
+THINKING = "ernie45/ernie-4.5-21b-a3b-thinking/chat_template.jinja"  # the released template, verbatim, in ../shared
+
+
+@pytest.fixture
+def thinking_render(ernie_tokenizer):
+    """The real ERNIE-4.5-21B-A3B-Thinking template on the shared tokenizer, as GRPO renders prompts with it."""
+    import copy
+
+    from conftest import SHARED
+
+    tokenizer = copy.deepcopy(ernie_tokenizer)
+    tokenizer.chat_template = (SHARED / THINKING).read_text(encoding="utf-8")
+    return Tokenizer(tokenizer, template_for(tokenizer))
+
+
+def test_prompt_text_is_the_rendered_generation_prompt(thinking_render, ernie_tokenizer):
+    """`prompt_text` (what every reward function gets) is the prompt the run generates from, as text: the Thinking
+    template's ends by opening the reasoning; ERNIE's own ends in `Assistant: `. It encodes to the prompt's ids."""
+    from erniekit_lite.data.prompts import prompt_text
+
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    text = prompt_text(thinking_render, messages)
+    assert text == ("<|im_start|>system\n<global_setting>\nthink_mode=True\n</global_setting><|im_end|>\n\n"
+                    "<|im_start|>user\nWhat is 2+3?<|im_end|>\n\n<|im_start|>assistant\n<think>\n")
+    assert text == thinking_render.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert thinking_render.tokenizer.decode(prompt_ids(thinking_render, messages)) == text
+    ernie = Tokenizer(ernie_tokenizer, template_for(ernie_tokenizer))
+    assert prompt_text(ernie, [{"role": "system", "content": "S"}, *messages]) == "<|begin_of_sentence|>S\nUser: What is 2+3?\nAssistant: "
+
+
+def test_think_format_reads_whether_the_prompt_opened_the_reasoning(thinking_render):
+    """After the real Thinking prompt (it ends in `<think>\\n`), the well-formed completion closes the reasoning and
+    answers; opening it again is malformed. After a prompt that does not open it, the completion must."""
+    from erniekit_lite.data.prompts import prompt_text
+
+    opened = prompt_text(thinking_render, [{"role": "user", "content": "What is 2+3?"}])
+    completions = [chat("2 + 3 = 5.\n</think>\n\n<response>\n5\n</response>"),  # the template's own shape
+                   chat("<think>\n2 + 3 = 5.\n</think>\n\n<response>\n5\n</response>"),  # opened twice
+                   chat("2 + 3 = 5, so 5"),  # never closed
+                   chat("\n</think>\n5"),  # no reasoning
+                   chat("2 + 3 = 5.\n</think>\n")]  # no answer
+    assert rewards.think_format(completions, prompt_text=[opened] * 5) == [1.0, 0.0, 0.0, 0.0, 0.0]
+    plain = "User: What is 2+3?\nAssistant: "
+    assert rewards.think_format(completions, prompt_text=[plain] * 5) == [0.0, 1.0, 0.0, 0.0, 0.0]
+    assert rewards.think_format(completions, prompts=[opened] * 5) == [1.0, 0.0, 0.0, 0.0, 0.0]  # string prompts read too
+    assert rewards.think_format(completions) == [0.0, 1.0, 0.0, 0.0, 0.0]  # no prompt: as before
+
+
+def test_exact_answer_reads_the_response_and_lists_and_no_unclosed_reasoning(thinking_render):
+    from erniekit_lite.data.prompts import prompt_text
+
+    opened = prompt_text(thinking_render, [{"role": "user", "content": "List the primes below 6."}])
+    completions = [chat("Primes: 2, 3 and 5; that is 3 of them.\n</think>\n\n<response>\n2,3,5\n</response>"),
+                   chat("Checking 1,234 and 99.\n</think>\n\n<response>\nIt is 1,234.\n</response>"),
+                   chat("The primes are 2, 3, 5"),  # reasoning never closed: no answer
+                   chat("so 2,3,5\n</think>\n<response>\n235\n</response>")]
+    answers = ["2,3,5", "1234", "2,3,5", "2,3,5"]
+    assert rewards.exact_answer(completions, answer=answers, prompt_text=[opened] * 4) == [1.0, 1.0, 0.0, 0.0]
+    assert rewards.exact_answer([chat("<think>still 7")], answer=["7"]) == [0.0]  # opened, never closed
+    assert rewards.exact_answer([chat("2, 3,5."), chat("235"), chat("1,234"), chat("1234.0")], answer=["2,3,5", "2,3,5", "1234", "1,234"]) \
+        == [1.0, 0.0, 1.0, 1.0]
+
+
 def test_length_penalises_tokens_beyond_the_target():
     ids = [[0] * n for n in (5, 10, 15, 30)]
     assert rewards.length([chat("")] * 4, completion_ids=ids, target=10) == [0.0, 0.0, -0.5, -2.0]
@@ -326,6 +389,24 @@ def test_equal_rewards_in_a_group_give_zero_advantage(tiny_own_dir, tmp_path):
     assert out["completion_ids"].shape[0] == 4 and out["completion_mask"].sum() > 0
     assert torch.equal(out["advantages"], torch.zeros(4))
     assert trainer._metrics["train"]["frac_reward_zero_std"] == [1.0]
+
+
+def test_every_reward_gets_the_prompt_as_generated_from(tiny_own_dir, tmp_path):
+    """`prompt_text`: each completion's prompt, rendered for generation: the text of the very ids it was generated
+    from, with the template's markup (the messages TRL passes as `prompts` lack it)."""
+    seen = {}
+
+    def record(completions, prompt_text, prompts, **kwargs):
+        seen["texts"], seen["prompts"] = prompt_text, prompts
+        return [0.0] * len(completions)
+
+    trainer = grpo_trainer(tiny_own_dir, tmp_path, [record])
+    batch = [row for row in trainer.train_dataset for _ in range(2)][:4]  # two prompts, two completions each
+    out = trainer._generate_and_score_completions(batch)
+    ids = [row[mask.bool()].tolist() for row, mask in zip(out["prompt_ids"], out["prompt_mask"])]
+    assert seen["texts"] == [trainer.processing_class.decode(i) for i in ids]
+    assert [m[-1]["content"] for m in seen["prompts"]] == ["What is 0 + 1?"] * 2 + ["What is 1 + 1?"] * 2
+    assert all(t.endswith(m[-1]["content"] + "\nAssistant: ") for t, m in zip(seen["texts"], seen["prompts"]))
 
 
 # --- a run ----------------------------------------------------------------------------------------------------------

@@ -156,15 +156,25 @@ def conversation_messages(conv: Conversation) -> list[dict]:
     return messages + [{"role": "user", "content": conv.turns[-1].user}]
 
 
-def prompt_ids(tok: Tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of the generation prompt for `messages`, as training renders a prompt (template pieces, user text as
-    text)."""
+def _generation_pieces(tok: Tokenizer, messages: list[dict]):
     system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
     rest = messages[1:] if system is not None else messages
     history = [Turn(rest[i]["content"], rest[i + 1]["content"], train=False) for i in range(0, len(rest) - 1, 2)]
-    pieces = tok.template.generation_prompt(system, history, rest[-1]["content"])
+    return tok.template.generation_prompt(system, history, rest[-1]["content"])
+
+
+def prompt_ids(tok: Tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the generation prompt for `messages`, as training renders a prompt (template pieces, user text as
+    text)."""
+    pieces = _generation_pieces(tok, messages)
     encoded = iter(tok.encode_pieces(pieces))
     return [t for p in pieces for t in (next(encoded) if p.text is not None else p.ids)]
+
+
+def prompt_text(tok: Tokenizer, messages: list[dict]) -> str:
+    """The generation prompt for `messages` as text, control tokens spelled out: what `prompt_ids` encodes (the
+    reward functions' `prompt_text`)."""
+    return "".join(p.text if p.text is not None else tok.tokenizer.decode(list(p.ids)) for p in _generation_pieces(tok, messages))
 
 
 def describe_prompts(data: PreparedPrompts) -> str:

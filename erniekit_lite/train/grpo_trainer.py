@@ -34,7 +34,7 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
-from erniekit_lite.data.prompts import prompt_ids
+from erniekit_lite.data.prompts import prompt_ids, prompt_text
 from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import Tokenizer
 from erniekit_lite.model.attention import PACKED
@@ -83,6 +83,11 @@ class ErnieGRPOTrainer(CheckpointMixin, ThroughputMixin, LoraPlusMixin, GRPOTrai
 
     def _tokenize_prompts(self, prompts: list):
         return [prompt_ids(self._render, messages) for messages in prompts], None, {}
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # every reward function also gets `prompt_text`: the prompt as rendered for generation (rewards.py)
+        inputs = [{**x, "prompt_text": prompt_text(self._render, x["prompt"])} for x in inputs]
+        return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
 
     def _generate_single_turn(self, *args, **kwargs):
         with plain_attention(_inner(self.model)):
