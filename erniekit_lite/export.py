@@ -286,12 +286,12 @@ def skipped_tensors(model_dir: Path) -> list[str]:
     return sorted(names)
 
 
-def quantizer():
-    try:
-        import llama_cpp
-    except ImportError:
-        raise UserError("k-quants go through llama.cpp's quantizer: pip install llama-cpp-python (or use --outtype f16/bf16/q8_0)") from None
-    return llama_cpp
+def quantizer() -> None:
+    """Refuses when llama-cpp-python is missing; found, not imported: its native library loads only in the child."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise UserError("k-quants go through llama.cpp's quantizer: pip install llama-cpp-python (or use --outtype f16/bf16/q8_0)")
 
 
 # The quantizer runs in a child process: llama.cpp is native code built for some instruction set, and on a CPU it was

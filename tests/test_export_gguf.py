@@ -374,3 +374,21 @@ def test_quantizer_killed_by_a_signal_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(export, "QUANTIZE", "import sys; print('bad magic', file=sys.stderr); sys.exit(1)")
     with pytest.raises(UserError, match=r"quantizer failed on .* \(q4_k_m\): bad magic$"):
         export.quantize(tmp_path / "model-f16.gguf", tmp_path / "model-q4_k_m.gguf", "q4_k_m", lambda *_: None)
+
+
+def test_no_llama_cpp_python_is_one_line_and_nothing_native_loads_here(monkeypatch):
+    """k-quants without llama-cpp-python: one line saying what to install. Found, it is not imported in this process
+    (its native library loads only in the quantizer's child)."""
+    import sys
+
+    from erniekit_lite import export
+    from erniekit_lite.errors import UserError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    with pytest.raises(UserError, match=r"^k-quants go through llama.cpp's quantizer: pip install llama-cpp-python"):
+        export.quantizer()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "llama_cpp" else real(name, *a))
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    export.quantizer()
+    assert "llama_cpp" not in sys.modules
