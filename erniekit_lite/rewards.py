@@ -197,8 +197,9 @@ def _bound(func: Callable, args: dict) -> Callable:
 def _check_args(func: Callable, args: dict, key: str) -> None:
     import inspect
 
+    # what TRL and the trainer pass at each call is not a recipe setting
     accepted = [p for p, v in inspect.signature(func).parameters.items() if v.kind is v.KEYWORD_ONLY or
-                (v.default is not inspect.Parameter.empty and p not in ("answer", "completion_ids"))]
+                (v.default is not inspect.Parameter.empty and p not in ("answer", "completion_ids", "prompt_text", "prompts"))]
     for name, value in args.items():
         if name not in accepted:
             raise UserError(f"{key}: unknown argument {name!r} for {func.__name__}; expected "

@@ -1471,8 +1471,9 @@ conversations = st.builds(
 
 
 # Models' own templates (the tests that pin each one down live beside them): plain ChatML; the Thinking style (text
-# trimmed, an empty <think> block opening each answer); ERNIE-4.5-21B-A3B-Thinking's own (system setting, tool list,
-# tool results in <tool_response>, calls in <tool_call>); ChatML with tools after Qwen2.5's (each tool as JSON, a
+# trimmed, an empty <think> block opening each answer); ERNIE-4.5-21B-A3B-Thinking's own, as released (system setting,
+# tool list, tool results as JSON strings in <tool_output>, calls in <tool_call>, the generation prompt opening <think>,
+# earlier answers' <think> blocks dropped); ChatML with tools after Qwen2.5's (each tool as JSON, a
 # call's name written as is, its arguments as JSON or as written); and one that drops the reasoning of answered turns
 # once a later turn follows, so that `ModelTemplate.expand` makes each trained turn its own sample.
 OWN_TEMPLATES = {
@@ -1542,6 +1543,30 @@ def _neutral(value, spelling: re.Pattern):
     return [_neutral(v, spelling) for v in value] if isinstance(value, (list, tuple)) else value
 
 
+def _thinking_rewrites(conv: Conversation) -> bool:
+    """Whether the released Thinking template renders an answered turn differently once the next turn follows: an
+    answer keeps its <think> block only after the last user query, and, unless it is the last message, only when it has
+    reasoning (the text before its first `</think>`, after the last `<think>` there, newlines trimmed)."""
+    def reasoning(answer: str) -> str:
+        return answer.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n") if "</think>" in answer else ""
+
+    return conv.turns[0].tool_result or any(
+        not turn.tool_result or not reasoning(before.assistant) for before, turn in zip(conv.turns, conv.turns[1:]))
+
+
+def _thinking_untrainable(conv: Conversation) -> bool:
+    """Whether a sample ends on an answer that no user query precedes (the conversation opens with tool results): the
+    released Thinking template then renders it without the <think> block its generation prompt opened. Such a sample
+    is one trained turn among those, or the whole conversation when none is trained and it holds no query."""
+    leading = next((i for i, t in enumerate(conv.turns) if not t.tool_result), len(conv.turns))
+    return leading > 0 and (any(t.train for t in conv.turns[:leading]) or
+                            (leading == len(conv.turns) and not any(t.train for t in conv.turns)))
+
+
+def _function_tools(tools: list) -> list:
+    return [t if isinstance(t.get("function"), dict) else {"type": "function", "function": t} for t in tools]
+
+
 @fuzz(40)
 @given(convs=st.lists(own_template_conversations, min_size=1, max_size=3))
 @example(convs=[Conversation([Turn("<|im_end|>\n<|im_start|>assistant\nhi", "ok"), Turn("<|im_start|>", "<|im_end|>", tool_result=True)], " <|im_end|> ")])
@@ -1574,10 +1599,16 @@ def test_model_template_never_turns_message_text_into_control_tokens(own_templat
                 tokenize(tokenize.template.expand(conv), 10**6)
             continue
         parts = tokenize.template.expand(conv)
-        if name == "drops-reasoning":  # an earlier turn's reasoning dropped: one sample per trained turn
-            rewritten = any("</think>" in t.assistant for t in conv.turns[:-1])
+        if name == "thinking" and _thinking_untrainable(conv):
+            with pytest.raises(UserError, match="^the model's chat template cannot be split into trained turns"):
+                tokenize(parts, 10**6)
+            event("thinking: an answer before any user query, refused")
+            continue
+        if name in ("drops-reasoning", "thinking"):  # an earlier turn's rendering changed: one sample per trained turn
+            rewritten = (_thinking_rewrites(conv) if name == "thinking"
+                         else any("</think>" in t.assistant for t in conv.turns[:-1]))
             assert len(parts) == (max(1, sum(t.train for t in conv.turns)) if rewritten else 1)
-            event(f"drops-reasoning: {len(parts)} samples from {len(conv.turns)} turns")
+            event(f"{name}: {len(parts)} samples from {len(conv.turns)} turns")
         else:
             assert parts == [conv]
         samples, _ = tokenize(parts, 10**6)
@@ -1590,7 +1621,10 @@ def test_model_template_never_turns_message_text_into_control_tokens(own_templat
                 messages.append({"role": "tool" if turn.tool_result else "user", "content": "x" if turn.user else ""})
                 calls = {"tool_calls": _neutral(turn.tool_calls, spelling)} if turn.tool_calls else {}
                 messages.append({"role": "assistant", "content": turn.assistant, **calls})
-            neutral = tokenizer.apply_chat_template(messages, tools=_neutral(part.tools, spelling) or None, tokenize=False)
+            # training's copy of a template (the released Thinking one appends the generation prompt whatever it is
+            # asked), tools in the shape templates read (the Thinking one renders `tool.function`)
+            neutral = tokenizer.apply_chat_template(messages, tools=_function_tools(_neutral(part.tools, spelling)) or None,
+                                                    tokenize=False, chat_template=tokenize.template.chat_template)
             expected = Counter(i for i in tokenizer(neutral, add_special_tokens=False)["input_ids"] if i in control)
             assert Counter(i for i in sample.input_ids if i in control) == expected
 

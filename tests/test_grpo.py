@@ -85,8 +85,8 @@ def test_prompts_render_as_training_renders_them_and_user_text_stays_text(ernie_
 
 
 def test_a_model_template_renders_prompts_as_its_chat_template_with_text_as_text(ernie_tokenizer):
-    """The Thinking model's own template (tests/test_tool_calls.py's copy): the prompt is what apply_chat_template renders
-    for generation, its markup's control tokens parsed, a user's typed `<|im_end|>` left as text."""
+    """The Thinking model's own template (the released one, from ../shared): the prompt is what apply_chat_template
+    renders for generation, its markup's control tokens parsed, a user's typed `<|im_end|>` left as text."""
     import copy
 
     from test_tool_calls import CONTROL, THINKING_TEMPLATE
@@ -124,18 +124,17 @@ def test_think_format_wants_one_think_block_before_an_answer():
     assert rewards.think_format([chat(c) for c in completions]) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 
 
-THINKING = "ernie45/ernie-4.5-21b-a3b-thinking/chat_template.jinja"  # the released template, verbatim, in ../shared
-
-
 @pytest.fixture
 def thinking_render(ernie_tokenizer):
-    """The real ERNIE-4.5-21B-A3B-Thinking template on the shared tokenizer, as GRPO renders prompts with it."""
+    """The released ERNIE-4.5-21B-A3B-Thinking template (../shared, verbatim) on the shared tokenizer with ChatML's
+    control tokens, as GRPO renders prompts with it."""
     import copy
 
-    from conftest import SHARED
+    from test_tool_calls import CONTROL, THINKING_TEMPLATE
 
     tokenizer = copy.deepcopy(ernie_tokenizer)
-    tokenizer.chat_template = (SHARED / THINKING).read_text(encoding="utf-8")
+    tokenizer.add_special_tokens({"additional_special_tokens": CONTROL})
+    tokenizer.chat_template = THINKING_TEMPLATE
     return Tokenizer(tokenizer, template_for(tokenizer))
 
 
@@ -232,7 +231,9 @@ def test_a_method_rm_reward_model_is_a_reward_function(tiny_own_dir, tmp_path):
      "(ModuleNotFoundError"),
     ({"name": "length", "args": {"goal": 3}}, None, "rewards.0.args: unknown argument 'goal' for length; expected target"),
     ({"name": "length", "args": {"target": 0}}, None, "rewards.0.args.target: expected a whole number of tokens, at least 1 (got 0)"),
-], ids=["import-error", "no-file", "no-function", "no-module", "unknown-arg", "bad-target"])
+    ({"name": "think_format", "args": {"prompt_text": "<think>\n"}}, None,
+     "rewards.0.args: unknown argument 'prompt_text' for think_format; expected none"),  # the trainer passes it
+], ids=["import-error", "no-file", "no-function", "no-module", "unknown-arg", "bad-target", "call-input-as-arg"])
 def test_a_reward_that_cannot_be_made_is_one_line(tmp_path, entry, source, message):
     if source is not None:
         (tmp_path / entry["function"].split("/")[-1].split(":")[0]).write_text(source)
@@ -407,6 +408,41 @@ def test_every_reward_gets_the_prompt_as_generated_from(tiny_own_dir, tmp_path):
     assert seen["texts"] == [trainer.processing_class.decode(i) for i in ids]
     assert [m[-1]["content"] for m in seen["prompts"]] == ["What is 0 + 1?"] * 2 + ["What is 1 + 1?"] * 2
     assert all(t.endswith(m[-1]["content"] + "\nAssistant: ") for t, m in zip(seen["texts"], seen["prompts"]))
+
+
+def test_under_the_thinking_template_rewards_get_prompts_that_open_the_reasoning(tmp_path, ernie_tokenizer_dir):
+    """A tiny model whose tokenizer carries the released Thinking template: the trainer generates from prompts that end
+    by opening `<think>`, hands every reward that text as `prompt_text`, and `think_format` reads it (a completion
+    shaped as the template's answers scores 1 there, one that opens `<think>` again 0)."""
+    from transformers import AutoTokenizer
+
+    from erniekit_lite.tiny import write_tiny
+    from test_tool_calls import CONTROL, THINKING_TEMPLATE
+
+    model_dir = write_tiny(str(tmp_path / "tiny-thinking"), "dense", str(ernie_tokenizer_dir), hidden_size=32, layers=1)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": CONTROL})  # ids below the padded vocabulary
+    tokenizer.chat_template = THINKING_TEMPLATE
+    tokenizer.save_pretrained(model_dir)
+    seen = {}
+
+    def record(completions, prompt_text, **kwargs):
+        seen["texts"], seen["format"] = prompt_text, rewards.think_format(completions, prompt_text=prompt_text)
+        seen["completions"] = [rewards.text_of(c) for c in completions]
+        return [0.0] * len(completions)
+
+    trainer = grpo_trainer(model_dir, tmp_path, [record], max_completion_length=4)
+    batch = [row for row in trainer.train_dataset for _ in range(2)][:4]
+    out = trainer._generate_and_score_completions(batch)
+    ids = [row[mask.bool()].tolist() for row, mask in zip(out["prompt_ids"], out["prompt_mask"])]
+    assert seen["texts"] == [trainer.processing_class.decode(i) for i in ids]
+    assert seen["texts"][0] == ("<|im_start|>system\n<global_setting>\nthink_mode=True\n</global_setting><|im_end|>\n\n"
+                                "<|im_start|>user\nWhat is 0 + 1?<|im_end|>\n\n<|im_start|>assistant\n<think>\n")
+    # the tiny model's 4 tokens close no reasoning: 0 each, as think_format scores them after this prompt
+    assert seen["format"] == [0.0] * 4 and all("</think>" not in c for c in seen["completions"])
+    shaped = ["1 + 0 = 1.\n</think>\n<response>\n1\n</response>", "<think>\n1.\n</think>\n<response>\n1\n</response>"]
+    assert rewards.think_format(shaped, prompt_text=seen["texts"][:2]) == [1.0, 0.0]
+    assert rewards.exact_answer(shaped[:1], answer=["#### 1"], prompt_text=seen["texts"][:1]) == [1.0]
 
 
 # --- a run ----------------------------------------------------------------------------------------------------------

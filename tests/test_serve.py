@@ -146,7 +146,9 @@ def test_commands_and_bad_input(tmp_path, capsys, tiny_own_dir):
     thinking = tmp_path / "thinking"
     thinking.mkdir()
     (thinking / "config.json").write_text("{}")
-    (thinking / "chat_template.jinja").write_text("{{ '<think>\\n' }}")
+    from test_tool_calls import THINKING_TEMPLATE  # the released Thinking template, from ../shared
+
+    (thinking / "chat_template.jinja").write_text(THINKING_TEMPLATE or "{{ '<think>\\n' }}")  # a stand-in without ../shared
     assert serve_command(str(thinking), "vllm", "127.0.0.1", 8000, str(fake))[0][-5:] == [
         "--tool-call-parser", "ernie45", "--enable-auto-tool-choice", "--reasoning-parser", "ernie45"]
 

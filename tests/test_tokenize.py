@@ -11,6 +11,7 @@ import copy
 import json
 import re
 from collections import Counter
+from functools import partial
 
 import pytest
 
@@ -587,8 +588,9 @@ NASTY_TOOLS = [
             "<|end_of_sentence|>": {"type": "string", "description": "<|im_start|>", "enum": ["a<|im_end|>", "<s>"]},
         }},
     }},
-    {"name": "bare", "description": "<|im_end|>"},  # no `type`: the Thinking template wraps it itself
+    {"name": "bare", "description": "<|im_end|>"},  # no `type`: wrapped in {"type": "function", "function": ...}
 ]
+NASTY_TOOLS_WRAPPED = NASTY_TOOLS[:1] + [{"type": "function", "function": NASTY_TOOLS[1]}]  # as every template gets them
 NASTY_CALLS = [
     {"type": "function", "function": {"name": "get<|im_end|>", "arguments": {"<|end_of_sentence|>": NASTY}}},
     {"type": "function", "function": {"name": "bare", "arguments": '{"q": "<|im_end|>"}'}},  # arguments as a string
@@ -621,8 +623,11 @@ def test_control_token_spellings_in_tools_and_calls_stay_text_with_a_models_own_
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Weather?"},
                 {"role": "assistant", "content": "<think>Ask.</think>", "tool_calls": NASTY_CALLS},
                 {"role": "tool", "content": "20 degrees"}, {"role": "assistant", "content": "Warm."}]
-    rendered = tokenizer.apply_chat_template(messages, tools=NASTY_TOOLS, tokenize=False)
+    # (training's copy of the Thinking template: the released one appends the generation prompt to every rendering)
+    render = partial(tokenizer.apply_chat_template, tokenize=False, chat_template=tok.template.chat_template)
+    rendered = render(messages, tools=NASTY_TOOLS_WRAPPED)
     assert tokenizer.decode(sample.input_ids) == rendered
+    assert '{"type": "function", "function": {"name": "bare", "description": "<|im_end|>"}}' in rendered
     assert json.dumps(NASTY, ensure_ascii=False)[1:-1] in rendered  # escaped by tojson: \" and \\ and \n
     assert 'get<|im_end|>", "arguments"' in rendered or template == "thinking"  # ChatML-tools writes the name as is
 
@@ -634,7 +639,7 @@ def test_control_token_spellings_in_tools_and_calls_stay_text_with_a_models_own_
         return [neutral(v) for v in value] if isinstance(value, list) else value
 
     plain = [{**m, "tool_calls": neutral(m["tool_calls"])} if "tool_calls" in m else m for m in messages]
-    expected = _control_ids(tokenizer, _encode(tokenizer, tokenizer.apply_chat_template(plain, tools=neutral(NASTY_TOOLS), tokenize=False)))
+    expected = _control_ids(tokenizer, _encode(tokenizer, render(plain, tools=neutral(NASTY_TOOLS_WRAPPED))))
     assert _control_ids(tokenizer, sample.input_ids) == expected
     whole = _control_ids(tokenizer, _encode(tokenizer, rendered))  # the rendering parsed whole: the spellings counted
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -1,22 +1,22 @@
 """Function-call data end to end: ERNIEKit `messages` + `tool_calls` + `tools` and sharegpt function_call/observation
-records, tokenized through ERNIE 4.5's template (tools and calls as text) and through a Thinking-style template shipped
-with the model (tools, calls and results in the template's own slots), with loss on exactly the assistant tokens.
-
-THINKING_TEMPLATE is not the file released with baidu/ERNIE-4.5-21B-A3B-Thinking (it could not be found); it is
-ERNIEKit's own rendering of that model's chat format written as Jinja, from PaddlePaddle/PaddleFormers
-`paddleformers/datasets/template/template.py` (template "ernie", class ErnieThinkingTemplate, ThinkingFormatter) and
-`paddleformers/datasets/template/tool_utils.py` (ERNIEToolUtils):
+records, tokenized through ERNIE 4.5's template (tools and calls as text) and through the chat template released with
+baidu/ERNIE-4.5-21B-A3B-Thinking (`THINKING_TEMPLATE`, read verbatim from ../shared; tools, calls and results in its
+own slots), with loss on exactly the assistant tokens. What that template does, and these tests pin:
 
     <|im_start|>system\n[<system_setting>\n{system}\n</system_setting>\n\n]<global_setting>\nthink_mode=True\n</global_setting>
-        [\n\n<tool_list>\n[{tool}, {tool}]\n</tool_list>]<|im_end|>\n\n
-    <|im_start|>user\n{q}<|im_end|>\n\n                                            (a tool result:)
-    <|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n\n
-    <|im_start|>assistant\n                                                       (generation prompt)
-    <think>\n{reasoning}\n</think>\n | <think></think>   [<response>\n{answer}\n</response>\n]
-        [\n<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>\n]<|im_end|>\n\n   (trained)
+        [\n\n<tool_list>\n[{"type": "function", "function": {tool.function}},...]\n</tool_list>]<|im_end|>\n\n
+    <|im_start|>user\n{q}<|im_end|>\n\n                                   (a tool result, its text as a JSON string:)
+    <|im_start|>tool\n<tool_output>"{result}"</tool_output><|im_end|>\n\n
+    <|im_start|>assistant\n<think>\n                                     (generation prompt, appended whatever
+                                                                          add_generation_prompt says)
+    {reasoning}\n</think>\n[<response>\n{answer}\n</response>\n][\n<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>\n]
+        <|im_end|>\n\n                                                       (trained)
 
-`<|im_start|>` / `<|im_end|>` are added to the tokenizer as control tokens, as the Thinking tokenizer is assumed to
-have them (FastDeploy feeds them as tokens); every other tag stays text.
+An answer keeps its `<think>` block only after the last user query, and then only when it is the last message or has
+reasoning: an earlier answer loses it once a later user turn follows, an answer without reasoning once a tool result
+follows (so such conversations are cut into one sample per trained turn). `<|im_start|>` / `<|im_end|>` are added to
+the 0.3B tokenizer as control tokens, as the Thinking tokenizer is assumed to have them (FastDeploy feeds them as
+tokens); every other tag stays text.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from erniekit_lite.data.template import ErnieTemplate, ModelTemplate, template_f
 from erniekit_lite.data.tokenize import IGNORE, Tokenizer
 from erniekit_lite.errors import DataError, UserError
 
-from conftest import DATA_DIR, ROOT
+from conftest import DATA_DIR, ROOT, SHARED
 
 BOS, EOT, EOS = 100273, 100272, 2
 X = IGNORE
@@ -41,44 +41,9 @@ ERNIEKIT_FC = DATA_DIR / "erniekit" / "function-call-train.jsonl"
 GLAIVE = DATA_DIR / "llamafactory" / "glaive_toolcall_en_demo.json"
 CONTROL = ["<|im_start|>", "<|im_end|>"]
 
-THINKING_TEMPLATE = (
-    "{%- set system = messages[0].content if messages and messages[0].role == 'system' else '' -%}"
-    "{{- '<|im_start|>system\\n' -}}"
-    "{%- if system -%}{{- '<system_setting>\\n' + system + '\\n</system_setting>\\n\\n' -}}{%- endif -%}"
-    "{{- '<global_setting>\\nthink_mode=True\\n</global_setting>' -}}"
-    "{%- if tools -%}"
-    "{{- '\\n\\n<tool_list>\\n[' -}}"
-    "{%- for tool in tools -%}"
-    "{{- ', ' if not loop.first -}}"
-    "{{- (tool if tool.type == 'function' else {'type': 'function', 'function': tool}) | tojson -}}"
-    "{%- endfor -%}"
-    "{{- ']\\n</tool_list>' -}}"
-    "{%- endif -%}"
-    "{{- '<|im_end|>\\n\\n' -}}"
-    "{%- for m in messages if m.role != 'system' -%}"
-    "{%- if m.role == 'user' -%}"
-    "{{- '<|im_start|>user\\n' + m.content + '<|im_end|>\\n\\n' -}}"
-    "{%- elif m.role == 'tool' -%}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n\\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- set content = m.content or '' -%}"
-    "{%- if '</think>' in content -%}"
-    "{{- '<think>\\n' + content.split('</think>')[0].split('<think>')[-1].strip('\\n') + '\\n</think>\\n' -}}"
-    "{%- set content = content.split('</think>')[-1].strip('\\n') -%}"
-    "{%- else -%}"
-    "{{- '<think></think>' -}}"
-    "{%- endif -%}"
-    "{%- if content -%}{{- '<response>\\n' + content + '\\n</response>\\n' -}}{%- endif -%}"
-    "{%- for call in m.tool_calls or [] -%}"
-    "{{- '\\n<tool_call>\\n' + {'name': call.function.name, 'arguments': call.function.arguments} | tojson"
-    " + '\\n</tool_call>\\n' -}}"
-    "{%- endfor -%}"
-    "{{- '<|im_end|>\\n\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+THINKING_FILE = SHARED / "ernie45" / "ernie-4.5-21b-a3b-thinking" / "chat_template.jinja"
+# the released template, verbatim; without ../shared every test using it is skipped (its fixtures need the tokenizer)
+THINKING_TEMPLATE = THINKING_FILE.read_text(encoding="utf-8") if THINKING_FILE.is_file() else ""
 
 CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"city": "string"}}}
@@ -192,34 +157,39 @@ def test_sharegpt_record_exact_ids_and_labels_with_ernie_template(ernie_tokenize
 SYSTEM_PROMPT_1 = (
     "<|im_start|>system\n<global_setting>\nthink_mode=True\n</global_setting>\n\n<tool_list>\n"
     '[{"type": "function", "function": {"name": "get_weather", "parameters": {"city": "string"}}}]\n</tool_list><|im_end|>\n\n'
-    "<|im_start|>user\nWeather in Paris?<|im_end|>\n\n<|im_start|>assistant\n"
+    "<|im_start|>user\nWeather in Paris?<|im_end|>\n\n<|im_start|>assistant\n<think>\n"
 )
 CALL_TEXT = '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<|im_end|>\n\n'
-RESULT_PROMPT = '<|im_start|>user\n<tool_response>\n{"temp": 20}\n</tool_response><|im_end|>\n\n<|im_start|>assistant\n'
-ANSWER = "<think></think><response>\nIt is 20 degrees.\n</response>\n<|im_end|>\n\n"
+# the tool's text as a JSON string (the template's `tojson`), still tokenized as text
+RESULT_TEXT = '{\\"temp\\": 20}'
+RESULT_PROMPT = '<|im_start|>tool\n<tool_output>"' + RESULT_TEXT + '"</tool_output><|im_end|>\n\n<|im_start|>assistant\n<think>\n'
+ANSWER = "\n</think>\n<response>\nIt is 20 degrees.\n</response>\n<|im_end|>\n\n"  # no reasoning: an empty block
+GENERATION_PROMPT = "<|im_start|>assistant\n<think>\n"
 
 
-@pytest.mark.parametrize(
-    "record, first_response",
-    [(ERNIEKIT_RECORD, "<think>\nAsk the tool.\n</think>\n" + CALL_TEXT), (SHAREGPT_RECORD, "<think></think>" + CALL_TEXT)],
-    ids=["erniekit", "sharegpt"],
-)
-def test_thinking_template_pieces_ids_and_labels(thinking_tokenizer, thinking_tok, record, first_response):
+def test_thinking_template_pieces_ids_and_labels(thinking_tokenizer, thinking_tok):
+    """A reasoned tool call, its result, the answer: one sample (the template keeps a reasoned answer's <think> block
+    when a tool result follows). Each prompt ends by opening the reasoning; the trained piece is the rest of the turn."""
     assert isinstance(thinking_tok.template, ModelTemplate)
-    conv = _conv(record)
+    conv = _conv(ERNIEKIT_RECORD)
+    assert thinking_tok.template.expand(conv) == [conv]
     pieces = thinking_tok.template.pieces(conv)
+    first_response = "Ask the tool.\n</think>\n" + CALL_TEXT
     # prompt pieces: the template's markup, cut where message text (tokenized as text) sits in it
     assert [["".join(p.text for p in turn if p.response == r) for r in (False, True)] for turn in pieces] == [
         [SYSTEM_PROMPT_1, first_response],
         [RESULT_PROMPT, ANSWER],
     ]
     assert [[p.trained for p in turn if p.response] for turn in pieces] == [[True], [True]]
-    assert [p.text for turn in pieces for p in turn if not p.special] == [
-        t for t in (conv.system, *(turn.user for turn in conv.turns)) if t
-    ]
+    assert [p.text for turn in pieces for p in turn if not p.special] == ["Weather in Paris?", RESULT_TEXT]
     sample, stats = _one(thinking_tok, conv)
     texts = [SYSTEM_PROMPT_1, first_response, RESULT_PROMPT, ANSWER]
     encoded = [_encode(thinking_tokenizer, t, special=True) for t in texts]
+    # the tool's text is tokenized on its own, as text: `"{` is one token inside the markup, two here
+    head, tail = RESULT_PROMPT.split(RESULT_TEXT)
+    encoded[2] = _encode(thinking_tokenizer, head, special=True) + _encode(thinking_tokenizer, RESULT_TEXT) + _encode(
+        thinking_tokenizer, tail, special=True)
+    assert encoded[2] != _encode(thinking_tokenizer, RESULT_PROMPT, special=True)
     assert sample.input_ids == [i for e in encoded for i in e]
     assert sample.labels == [X] * len(encoded[0]) + encoded[1] + [X] * len(encoded[2]) + encoded[3]
     assert stats.trained_tokens == len(encoded[1]) + len(encoded[3])
@@ -227,15 +197,42 @@ def test_thinking_template_pieces_ids_and_labels(thinking_tokenizer, thinking_to
     im_start, im_end = thinking_tokenizer.convert_tokens_to_ids(CONTROL)
     assert sample.input_ids.count(im_start) == sample.input_ids.count(im_end) == 5
     assert [thinking_tokenizer.decode([t]) for t in sample.labels if t in (im_start, im_end)] == ["<|im_end|>"] * 2
-    # the whole sample is the model's own rendering of the conversation, with the tools
+    # the whole sample is the model's own rendering of the conversation, with the tools; the released template
+    # appends the generation prompt even without add_generation_prompt, training's repaired copy does not
     messages = [m for turn in conv.turns for m in _chat_messages(turn)]
     rendered = thinking_tokenizer.apply_chat_template(messages, tools=conv.tools, tokenize=False)
-    assert "".join(texts) == rendered
+    assert rendered == "".join(texts) + GENERATION_PROMPT
+    assert thinking_tokenizer.apply_chat_template(messages, tools=conv.tools, tokenize=False,
+                                                  chat_template=thinking_tok.template.chat_template) == "".join(texts)
     # and each response follows exactly what inference feeds the model (the rendering with the generation prompt)
     for n, start in ((1, len(encoded[0])), (3, sum(map(len, encoded[:3])))):
         prompt = thinking_tokenizer.apply_chat_template(messages[:n], tools=conv.tools, tokenize=False, add_generation_prompt=True)
-        assert sample.input_ids[:start] == _encode(thinking_tokenizer, prompt, special=True)
+        assert thinking_tokenizer.decode(sample.input_ids[:start]) == prompt
         assert sample.labels[start - 1] == X and sample.labels[start] != X
+
+
+def test_thinking_template_drops_an_unreasoned_calls_think_block_so_each_turn_is_a_sample(thinking_tokenizer, thinking_tok):
+    """The same conversation from sharegpt (no reasoning; glaive's bare tool schema, wrapped as templates read tools):
+    alone, the call is the last message and renders an empty <think> block; once its result follows it renders none.
+    So each turn is its own sample, its prompt the history as inference renders it."""
+    conv = _conv(SHAREGPT_RECORD)
+    assert conv.tools == [{"name": "get_weather", "parameters": {"city": "string"}}]
+    parts = thinking_tok.template.expand(conv)
+    assert [[(t.user, t.train) for t in p.turns] for p in parts] == [
+        [("Weather in Paris?", True)], [("Weather in Paris?", False), ('{"temp": 20}', True)]]
+    samples, stats = thinking_tok(parts, 100_000)
+    assert stats.kept == 2
+    texts = [(thinking_tokenizer.decode([i for i, l in zip(s.input_ids, s.labels) if l == X]),
+              thinking_tokenizer.decode([l for l in s.labels if l != X])) for s in samples]
+    assert texts == [
+        (SYSTEM_PROMPT_1, "\n</think>\n" + CALL_TEXT),
+        (SYSTEM_PROMPT_1.removesuffix("<think>\n") + CALL_TEXT + RESULT_PROMPT, ANSWER),
+    ]
+    messages = [m for turn in conv.turns for m in _chat_messages(turn)]
+    tools = [{"type": "function", "function": conv.tools[0]}]
+    for sample, n in zip(samples, (1, 3)):
+        prompt = thinking_tokenizer.apply_chat_template(messages[:n], tools=tools, tokenize=False, add_generation_prompt=True)
+        assert thinking_tokenizer.decode(sample.input_ids[: sample.labels.index(next(l for l in sample.labels if l != X))]) == prompt
 
 
 def _chat_messages(turn: Turn) -> list[dict]:
@@ -245,42 +242,64 @@ def _chat_messages(turn: Turn) -> list[dict]:
     return [{"role": "tool" if turn.tool_result else "user", "content": turn.user}, answer]
 
 
+def test_thinking_template_cannot_train_an_answer_before_any_user_query(thinking_tok):
+    """A conversation that opens with a tool result: the released template renders its answer without the <think>
+    block its generation prompt opens (it keeps one only after a user query), so the completion cannot extend the
+    prompt. One line, naming the turn and both texts."""
+    conv = Conversation([Turn('{"temp": 20}', "It is warm.", tool_result=True)])
+    with pytest.raises(UserError, match=r"^the model's chat template cannot be split into trained turns: at turn 1 the "
+                                        r"rendering reads 'response>\\nIt is warm\.\\n</response>.*' where the previous "
+                                        r"one read 'think>\\n'") as e:
+        _one(thinking_tok, conv)
+    assert "\n" not in str(e.value)
+
+
 def test_thinking_template_system_prompt_and_masked_turn(thinking_tok):
     conv = _conv({**ERNIEKIT_RECORD, "messages": [{"role": "system", "content": "Be brief."}] + ERNIEKIT_RECORD["messages"]})
     conv.turns[0].train = False
     pieces = thinking_tok.template.pieces(conv)
     prompt = "".join(p.text for p in pieces[0] if not p.response)
-    assert prompt.startswith("<|im_start|>system\n<system_setting>\nBe brief.\n</system_setting>\n\n<global_setting>")
+    # the system text sits in <system_setting>, before the <global_setting> every rendering has
+    assert prompt == SYSTEM_PROMPT_1.replace("system\n", "system\n<system_setting>\nBe brief.\n</system_setting>\n\n", 1)
     sample, _ = _one(thinking_tok, conv)
     trained = thinking_tok.tokenizer.decode([t for t in sample.labels if t != X])
     assert trained == ANSWER  # the masked tool-calling turn is context only
 
 
 @pytest.mark.parametrize(
-    "path, records, calls, trained_turns",
-    [(ERNIEKIT_FC, 227, 422, 939), (GLAIVE, 300, 211, 957)],
+    "path, records, samples, calls, trained_turns",
+    [(ERNIEKIT_FC, 227, 905, 422, 939), (GLAIVE, 300, 957, 211, 957)],
     ids=["erniekit-messages", "glaive-sharegpt"],
 )
-def test_demo_files_train_exactly_the_assistant_turns(thinking_tokenizer, thinking_tok, ernie_tok, path, records, calls, trained_turns):
+def test_demo_files_train_exactly_the_assistant_turns(thinking_tokenizer, thinking_tok, ernie_tok, path, records, samples,
+                                                      calls, trained_turns):
+    """Multi-turn records are cut into one sample per trained turn wherever the template drops an earlier <think>
+    block (a later user query, or a tool result after an answer without reasoning); every assistant turn is trained
+    exactly once, right after a prompt that opens its reasoning."""
     if not path.is_file():
         pytest.skip(f"{path} not found")
     convs = [to_conversation(r, detect_format(r)) for r in read_records(str(path))]
     assert len(convs) == records and sum(len(c.turns) for c in convs) == trained_turns
-    samples, stats = thinking_tok(convs, 100_000)
-    assert stats.kept == records and stats.truncated == stats.dropped_overlong == stats.dropped_untrained == 0
+    parts = [p for c in convs for p in thinking_tok.template.expand(c)]
+    assert len(parts) == samples and sum(t.train for p in parts for t in p.turns) == trained_turns
+    tokenized, stats = thinking_tok(parts, 100_000)
+    assert stats.kept == samples and stats.truncated == stats.dropped_overlong == stats.dropped_untrained == 0
     decode = thinking_tokenizer.decode
-    for conv, sample in zip(convs, samples):
-        pieces = [p for turn in thinking_tok.template.pieces(conv) for p in turn]
+    for part, sample in zip(parts, tokenized):
+        pieces = [p for turn in thinking_tok.template.pieces(part) for p in turn]
         # the trained tokens are the assistant pieces, concatenated; every other token is masked
         assert decode([t for t in sample.labels if t != X]) == "".join(p.text for p in pieces if p.trained)
         assert decode(sample.input_ids) == "".join(p.text for p in pieces)
-        assert all(p.text.startswith("<think>") and p.text.endswith("<|im_end|>\n\n") for p in pieces if p.trained)
-    trained = "".join(p.text for c in convs for turn in thinking_tok.template.pieces(c) for p in turn if p.trained)
+        for before, piece in zip(pieces, pieces[1:]):
+            if piece.trained:
+                assert before.text.endswith(GENERATION_PROMPT) and not before.trained
+                assert "\n</think>\n" in piece.text and piece.text.endswith("<|im_end|>\n\n")
+    trained = "".join(p.text for c in parts for turn in thinking_tok.template.pieces(c) for p in turn if p.trained)
     assert trained.count('\n<tool_call>\n{"name": ') == calls  # (one reasoning text mentions the tag too)
-    assert "<tool_response>" not in trained and "<tool_list>" not in trained
+    assert "<tool_output>" not in trained and "<tool_list>" not in trained
     # through ERNIE 4.5's template the same records train the same turns: one </s> per assistant turn
-    samples, stats = ernie_tok(convs, 100_000)
-    assert stats.kept == records and sum(s.labels.count(EOS) for s in samples) == trained_turns
+    tokenized, stats = ernie_tok(convs, 100_000)
+    assert stats.kept == records and sum(s.labels.count(EOS) for s in tokenized) == trained_turns
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -393,57 +412,50 @@ def test_thinking_function_call_recipe_validates_on_tiny_model(tmp_path, capsys,
     code = main(["validate", str(RECIPE), *overrides])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert "template model" in out and "227 records -> 227 samples" in out
+    # the released template drops earlier reasoning: multi-turn records become one sample per trained turn
+    assert "template model" in out and "227 records -> 905 samples" in out
+    assert "each trained assistant turn of 193 multi-turn conversations is its own sample" in out
     assert "Ernie4_5_MoeForCausalLM" in out and "LoRA r=32" in out
 
     # what validate planned: the model's template, loss on exactly the assistant turns (tool calls included)
     recipe = load(RECIPE, overrides)
     tokenizer = load_tokenizer(str(model_dir))
     data = prepare(recipe.data, tokenizer, log=lambda *_: None)
-    assert data.template == "model" and len(data.train.samples) == 227
-    first = to_conversation(read_records(str(ERNIEKIT_FC))[0], "messages")
+    assert data.template == "model" and len(data.train.samples) == 905
+    first = template_for(tokenizer).expand(to_conversation(read_records(str(ERNIEKIT_FC))[0], "messages"))[0]
     pieces = [p for turn in template_for(tokenizer).pieces(first) for p in turn]
     sample = data.train.samples[0]
     trained = tokenizer.decode([t for t in sample.labels if t != X])
     assert trained == "".join(p.text for p in pieces if p.trained)
-    assert trained.startswith("<think>\nAlright, the user asked for the current stock price of Apple.")
+    assert trained.startswith("Alright, the user asked for the current stock price of Apple.")  # <think>\n ends the prompt
     assert '<tool_call>\n{"name": "get_stock_price", "arguments": {"company": "Apple"}}\n</tool_call>\n<|im_end|>' in trained
-    assert "<tool_response>" not in trained and "Hi, can you tell me" not in trained
+    assert "<tool_output>" not in trained and "Hi, can you tell me" not in trained
 
 
-# The released Thinking template's tail as quoted by Unsloth's tokenizer fixes: the generation prompt is emitted
-# after the loop whatever add_generation_prompt says (message loop simplified; assistant turns open with it).
-THINKING_TAIL = (
-    "{{- '<|im_start|>system\\n<global_setting>\\nthink_mode=True\\n</global_setting><|im_end|>\\n\\n' }}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'user' %}{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n\\n' }}"
-    "{%- elif message.role == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n</think>\\n\\n<response>\\n' + message.content + '\\n</response>\\n<|im_end|>\\n\\n' }}"
-    "{%- endif %}"
-    '{%- endfor %}\n {{- "<|im_start|>assistant\\n<think>\\n"}}'
-)
-
-
-def test_template_that_always_appends_the_prompt_is_repaired_for_training_only(thinking_tokenizer):
-    from erniekit_lite.data.template import ModelTemplate
-
-    tokenizer = copy.deepcopy(thinking_tokenizer)
-    tokenizer.chat_template = THINKING_TAIL
-    template = template_for(tokenizer)
-    assert isinstance(template, ModelTemplate) and template.chat_template != THINKING_TAIL
-    messages = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
-    # what inference renders (with the generation prompt) is unchanged
-    assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, chat_template=template.chat_template
-    )
-    header = "<|im_start|>assistant\n<think>\n"
-    turns = template.pieces(Conversation([Turn("q1", "a1"), Turn("q2", "a2")]))
-    assert [[(p.text, p.trained) for p in turn] for turn in turns] == [
-        [("<|im_start|>system\n<global_setting>\nthink_mode=True\n</global_setting><|im_end|>\n\n<|im_start|>user\n", False),
-         ("q1", False), ("<|im_end|>\n\n" + header, False), ("</think>\n\n<response>\na1\n</response>\n<|im_end|>\n\n", True)],
-        [("<|im_start|>user\n", False), ("q2", False), ("<|im_end|>\n\n" + header, False),
-         ("</think>\n\n<response>\na2\n</response>\n<|im_end|>\n\n", True)],
-    ]
-    # and the prompt a tuned model is trained on is exactly what inference feeds it
-    prompt = "".join(p.text for p in template.generation_prompt(None, [Turn("q1", "a1")], "q2"))
-    assert prompt == "".join(p.text for p in turns[0]) + "".join(p.text for p in turns[1] if not p.response)
+def test_the_released_template_always_appends_the_prompt_and_is_repaired_for_training_only(thinking_tokenizer):
+    """The released template emits `<|im_start|>assistant\n<think>\n` after its message loop whatever
+    add_generation_prompt says; training wraps exactly that expression in the flag (the template has earlier endfors:
+    the repair once swallowed the loop and failed silently). Inference renders as before; a finished conversation no
+    longer ends in a prompt."""
+    template = template_for(thinking_tokenizer)
+    tail = '{{- "<|im_start|>assistant\n<think>\n"}}'
+    assert isinstance(template, ModelTemplate) and THINKING_TEMPLATE.endswith("{%- endfor %}\n " + tail)
+    assert template.chat_template == THINKING_TEMPLATE.replace(tail, "{%- if add_generation_prompt %}" + tail + "{%- endif %}")
+    head = "<|im_start|>system\n<global_setting>\nthink_mode=True\n</global_setting><|im_end|>\n\n"
+    messages = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "<think>r1</think>a1"}, {"role": "user", "content": "q2"}]
+    render = lambda m, flag, t=None: thinking_tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=flag, chat_template=t)
+    assert render(messages, True) == render(messages, True, template.chat_template)
+    answered = head + "<|im_start|>user\nq1<|im_end|>\n\n<|im_start|>assistant\n<think>\nr1\n</think>\n<response>\na1\n</response>\n<|im_end|>\n\n"
+    assert render(messages[:2], False) == answered + GENERATION_PROMPT and render(messages[:2], False, template.chat_template) == answered
+    # once q2 follows, a1 loses its reasoning: each turn is its own sample, its prompt what inference feeds the model
+    conv = Conversation([Turn("q1", "<think>r1</think>a1"), Turn("q2", "a2")])
+    parts = template.expand(conv)
+    assert len(parts) == 2
+    texts = [["".join(p.text for turn in template.pieces(part) for p in turn if p.trained == t) for t in (False, True)] for part in parts]
+    first = head + "<|im_start|>user\nq1<|im_end|>\n\n" + GENERATION_PROMPT
+    second = (head + "<|im_start|>user\nq1<|im_end|>\n\n<|im_start|>assistant\n<response>\na1\n</response>\n<|im_end|>\n\n"
+              "<|im_start|>user\nq2<|im_end|>\n\n" + GENERATION_PROMPT)
+    assert texts == [[first, "r1\n</think>\n<response>\na1\n</response>\n<|im_end|>\n\n"],
+                     [second, "\n</think>\n<response>\na2\n</response>\n<|im_end|>\n\n"]]
+    assert second == render(messages, True)
+    assert "".join(p.text for p in template.generation_prompt(None, conv.turns[:1], "q2")) == second

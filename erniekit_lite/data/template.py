@@ -157,7 +157,7 @@ class ModelTemplate:
 
     def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt,
+            messages, tools=function_tools(tools) or None, tokenize=False, add_generation_prompt=generation_prompt,
             chat_template=self.chat_template,
         )
 
@@ -356,7 +356,9 @@ class _ControlSpellings:
         return any(text[-k:] in self._heads or text[:k] in self._tails for k in range(1, reach + 1))
 
 
-_TRAILING_OUTPUT = re.compile(r"(\{%-?\s*endfor\s*-?%\})(\s*)(\{\{-?.*?-?\}\})(\s*)$", re.S)
+# the last `{% endfor %}` and one output expression after it; the expression holds no other tag (the released
+# template has earlier endfors, and a lazy `.*?` from the first of them swallowed the whole message loop)
+_TRAILING_OUTPUT = re.compile(r"(\{%-?\s*endfor\s*-?%\})(\s*)(\{\{(?:(?!\{[{%#]).)*?\}\})(\s*)$", re.S)
 
 
 def honour_generation_flag(tokenizer) -> str | None:
@@ -384,6 +386,14 @@ def honour_generation_flag(tokenizer) -> str | None:
     except Exception:  # a template that cannot render this probe is left for pieces() to report
         pass
     return template
+
+
+def function_tools(tools: list[dict] | None) -> list[dict]:
+    """Tools in the shape chat templates read, `{"type": "function", "function": schema}`: a bare schema (glaive's
+    `{"name", "parameters"}`) is wrapped, as transformers wraps a Python function. The released Thinking template
+    renders `tool.function` and fails on a bare one."""
+    return [t if isinstance(t, dict) and isinstance(t.get("function"), dict) else {"type": "function", "function": t}
+            for t in tools or []]
 
 
 def _chat_messages(turn: Turn) -> tuple[dict, dict]:
