@@ -17,7 +17,7 @@ import multiprocessing
 import os
 import random
 from collections import Counter
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -344,10 +344,22 @@ class _Store:
         self.state = _launched()
         self.splits = 0  # splits seen so far: every process sees the same ones in the same order (hand-off names)
 
+    @contextmanager
     def main_first(self):
         """Each machine's main process runs the block first; the machine's others run it after (every process
-        passes the same barriers: accelerate's `local_main_process_first`)."""
-        return self.state.local_main_process_first() if self.state is not None else nullcontext()
+        passes the same barrier, as in accelerate's `local_main_process_first`). The main process reaches the barrier
+        even when the block raises (a data mistake): the others then run the block and stop on the same one-line
+        error, instead of a collective error when the main process is gone."""
+        if self.state is None:
+            yield
+        elif not self.state.is_local_main_process:
+            self.state.wait_for_everyone()
+            yield
+        else:
+            try:
+                yield
+            finally:
+                self.state.wait_for_everyone()
 
     def _handoff(self) -> tuple[str, Path] | None:
         """The current split's hand-off file (name, folder): per run dir, split and machine (named by its first
