@@ -59,6 +59,17 @@ def in_child(module: Path, function: str, *args, timeout: int = 900):
     return json.loads(done.stdout.split(RESULT, 1)[1])
 
 
+def run_logits(run: Path):
+    """A finished run's model as `erniekit-lite chat` loads it (base + adapter), scoring a fixed row: its logits."""
+    import torch
+
+    from erniekit_lite.chat import load
+
+    model, _ = load(str(run))
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([[1, 563, 600, 318, 45, 2]])).logits
+
+
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
     """`erniekit-lite ARGV...` in this process: (exit status, stdout, stderr)."""
     code = main([str(a) for a in argv])

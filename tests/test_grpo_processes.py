@@ -34,11 +34,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from erniekit_lite.cli import main
-from helpers import write_recipe
+from helpers import run_logits, write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 # The in-process run on one thread, as each launched worker (OMP_NUM_THREADS=1): steadier on a busy 2-core machine
@@ -142,7 +141,6 @@ def two_processes(tmp_path_factory, tiny_dense_dir) -> Path:
 
 @pytest.mark.slow  # 65-75 s with the shared launch (~37 s, both runs) on 2 busy cores; the 1-process run 5-7 s
 def test_two_processes_train_grpo_like_one_with_twice_the_accumulation(tmp_path, monkeypatch, tiny_dense_dir, two_processes):
-    from erniekit_lite.chat import load
     from erniekit_lite.train.grpo_trainer import ErnieGRPOTrainer
 
     (tmp_path / "grpo_stand_in.py").write_text(STAND_IN)
@@ -193,12 +191,7 @@ def test_two_processes_train_grpo_like_one_with_twice_the_accumulation(tmp_path,
     assert error <= TOLERANCE
     assert any(float(v.abs().max()) > 0 for k, v in adapters["one"].items() if "lora_B" in k)
 
-    ids = torch.tensor([[1, 563, 600, 318, 45, 2]])
-    logits = []
-    for out in (two, one):
-        model, _ = load(str(out))
-        with torch.no_grad():
-            logits.append(model(input_ids=ids).logits)
+    logits = [run_logits(out) for out in (two, one)]
     assert float((logits[0] - logits[1]).norm() / logits[1].norm()) <= TOLERANCE
 
 

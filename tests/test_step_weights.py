@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import write_recipe
+from helpers import run_logits, write_recipe
 from safetensors.torch import load_file
 
 from erniekit_lite.cli import main
@@ -223,15 +223,7 @@ def test_two_processes_train_like_one_with_twice_the_accumulation(tmp_path, mode
     assert relative(step(two), step(one)) <= TOLERANCE
     if method == "rm":
         return  # a reward model scores with its head (tests/test_reward_model.py reloads it); its adapter compared above
-    from erniekit_lite.chat import load
-
-    ids = torch.tensor([[1, 563, 600, 318, 45, 2]])
-    logits = []
-    for out in (two, one):
-        model, _ = load(str(out))
-        with torch.no_grad():
-            logits.append(model(input_ids=ids).logits)
-    assert torch.allclose(logits[0], logits[1], rtol=TOLERANCE, atol=1e-6)
+    assert torch.allclose(run_logits(two), run_logits(one), rtol=TOLERANCE, atol=1e-6)
 
 
 @pytest.mark.slow
