@@ -26,13 +26,13 @@ class ErnieDPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlu
 
     def _install_packed_forward(self) -> None:
         # Called again from `_precompute_ref_logps`, which TRL runs inside `__init__`, after its own patching
-        for model in (self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model, self.ref_model):
+        policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        for model in (policy, self.ref_model):
             if model is not None and not getattr(model, "_erniekit_packed", False):
                 add_packed_forward(model)
                 model._erniekit_packed = True
         if "sft" in getattr(self, "loss_types", ()):  # a per-token term: weighed by the step's chosen tokens (step_weights.py)
             weight = self.loss_weights[self.loss_types.index("sft")]
-            policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
             policy._erniekit_chosen_nll = lambda value: setattr(self, "_token_term", (weight, value))
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
