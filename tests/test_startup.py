@@ -1,6 +1,6 @@
-"""Start-up of a launched run (issue 30, item 4): only each machine's main process tokenizes, the others read what
-it wrote (the cache entry, or a file beside the run dir, removed afterwards); the MoE expert-load statistics gather
-the frozen correction bias once, not once per layer and forward."""
+"""Start-up of a launched run (issue 30, item 4): only each machine's main process tokenizes (sft, pairs, pt pieces,
+GRPO prompts), the others read what it wrote (the cache entry, or a hand-off beside the run dir, removed afterwards);
+the MoE expert-load statistics gather the frozen correction bias once, not once per layer and forward."""
 
 from __future__ import annotations
 
@@ -14,56 +14,77 @@ import torch
 
 from helpers import IDENTITY, PAIRS
 
-SCENARIOS = {  # name: (preference pairs?, cache on with every file cacheable?)
-    "sft, cache off": (False, False),
-    "sft, cache on": (False, True),
-    "pairs, cache off": (True, False),
+SCENARIOS = {  # name: (kind of data, cache on with every file cacheable?)
+    "sft, cache off": ("sft", False),
+    "sft, cache on": ("sft", True),
+    "pairs, cache off": ("pairs", False),
+    "pt, cache off": ("pt", False),
+    "pt, cache on": ("pt", True),
+    "grpo prompts": ("grpo", False),
 }
 
 
-def _data(pairs: bool, cache_on: bool) -> dict:
-    return {"train": [str(PAIRS if pairs else IDENTITY)], "max_length": 64, "cache": cache_on}
+def _data(kind: str, cache_on: bool, documents: str) -> dict:
+    source = {"sft": IDENTITY, "grpo": IDENTITY, "pairs": PAIRS, "pt": documents}[kind]
+    return {"train": [str(source)], "max_length": 64, "cache": cache_on}
 
 
-def _prepare(section: dict, tokenizer, pairs: bool, log):
+def _prepare(section: dict, tokenizer, kind: str, log):
+    """What each kind of data prepared: the token ids and labels (pt: of each packed row; grpo: each prompt's
+    messages, answer and length)."""
+    from erniekit_lite.data.documents import prepare_documents
     from erniekit_lite.data.prepare import prepare, prepare_pairs
+    from erniekit_lite.data.prompts import prepare_prompts
     from erniekit_lite.recipe import DataSection
 
-    data = (prepare_pairs if pairs else prepare)(DataSection(**section), tokenizer, log=log)
-    items = [s for p in data.train.pairs for s in (p.chosen, p.rejected)] if pairs else data.train.samples
-    return [[s.input_ids, s.labels] for s in items]
+    prepare_kind = {"sft": prepare, "pairs": prepare_pairs, "pt": prepare_documents, "grpo": prepare_prompts}[kind]
+    data = prepare_kind(DataSection(**section), tokenizer, log=log)
+    if kind == "pairs":
+        return [[s.input_ids, s.labels] for p in data.train.pairs for s in (p.chosen, p.rejected)]
+    if kind == "pt":
+        return [[r.input_ids, r.labels] for r in data.train.rows]
+    if kind == "grpo":
+        return [[i.messages, i.answer, i.length] for i in data.train.items]
+    return [[s.input_ids, s.labels] for s in data.train.samples]
 
 
-def _worker(rank: int, port: int, tokenizer_dir: str, run_dir: str, results: str) -> None:
+def _counting(counted: list):
+    """Counting stand-in for the tokenizer: every text `Tokenizer.encode` is given (all kinds of data go through it)."""
+    from erniekit_lite.data.tokenize import Tokenizer
+
+    real = Tokenizer.encode
+
+    def encode(self, texts, *args, **kwargs):
+        counted.append(len(texts))
+        return real(self, texts, *args, **kwargs)
+
+    return encode
+
+
+def _worker(rank: int, port: int, tokenizer_dir: str, run_dir: str, results: str, documents: str) -> None:
     """One of 2 processes, as `accelerate launch` starts them on one machine (gloo, CPU): accelerate's state first (the
-    Trainer arguments make it in a run), then each scenario's `prepare` inside `handing_off_beside`, as run.py calls
-    it. Counting stand-in: `Tokenizer.__call__` counts the conversations this process tokenized."""
+    Trainer arguments make it in a run), then each scenario's `prepare` inside `handoff.beside`, as run.py calls it."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
     from accelerate import PartialState
 
     from erniekit_lite.data import cache
-    from erniekit_lite.data.prepare import handing_off_beside
+    from erniekit_lite.data.handoff import beside
     from erniekit_lite.data.tokenize import Tokenizer
     from erniekit_lite.model.load import load_tokenizer
 
     state = PartialState(cpu=True)
     cache.MIN_BYTES = 0  # "cache on": the demo files are cached
-    counted, real = [], Tokenizer.__call__
-
-    def counting(self, convs, *args, **kwargs):
-        counted.append(len(convs))
-        return real(self, convs, *args, **kwargs)
-
-    Tokenizer.__call__ = counting
+    counted = []
+    Tokenizer.encode = _counting(counted)
     tokenizer = load_tokenizer(tokenizer_dir)
     out = {}
-    for name, (pairs, cache_on) in SCENARIOS.items():
+    for name, (kind, cache_on) in SCENARIOS.items():
         counted.clear()
         said = []
-        with handing_off_beside(Path(run_dir)):
-            samples = _prepare(_data(pairs, cache_on), tokenizer, pairs, said.append)
-        out[name] = {"tokenized": sum(counted), "samples": samples, "said": said}
+        with beside(Path(run_dir)):
+            items = _prepare(_data(kind, cache_on, documents), tokenizer, kind, said.append)
+        out[name] = {"tokenized": sum(counted), "items": items, "said": said}
     Path(results, f"{rank}.json").write_text(json.dumps(out))
     state.wait_for_everyone()
     torch.distributed.destroy_process_group()
@@ -75,38 +96,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow  # ~15-30 s on 2 cores: two spawned processes importing torch and transformers
+@pytest.mark.slow  # ~20-40 s on 2 cores: two spawned processes importing torch and transformers
 def test_only_the_main_process_tokenizes_and_the_other_reads_what_it_wrote(tmp_path, monkeypatch, tiny_own_dir):
     from erniekit_lite.data.tokenize import Tokenizer
     from erniekit_lite.model.load import load_tokenizer
 
     monkeypatch.setenv("ERNIEKIT_CACHE", str(tmp_path / "cache"))  # the workers inherit it: an empty cache
+    documents = tmp_path / "documents.jsonl"  # pt: documents longer than max_length are cut into several pieces
+    documents.write_text("".join(json.dumps({"text": f"Document {i}: " + "words to learn " * (3 + 9 * i)}) + "\n"
+                                 for i in range(6)))
     parent = tmp_path / "runs"
     run_dir, results = parent / "run", tmp_path / "results"
     results.mkdir()
-    torch.multiprocessing.start_processes(_worker, (_free_port(), str(tiny_own_dir), str(run_dir), str(results)), nprocs=2,
-                                          start_method="spawn")
+    torch.multiprocessing.start_processes(_worker, (_free_port(), str(tiny_own_dir), str(run_dir), str(results), str(documents)),
+                                          nprocs=2, start_method="spawn")
     main, other = (json.loads((results / f"{rank}.json").read_text()) for rank in (0, 1))
 
     # What one process alone makes and tokenizes (cache off: nothing read back)
-    counted, real = [], Tokenizer.__call__
-    monkeypatch.setattr(Tokenizer, "__call__", lambda self, convs, *a, **k: counted.append(len(convs)) or real(self, convs, *a, **k))
+    counted = []
+    monkeypatch.setattr(Tokenizer, "encode", _counting(counted))
     tokenizer = load_tokenizer(str(tiny_own_dir))
-    for name, (pairs, _) in SCENARIOS.items():
+    for name, (kind, _) in SCENARIOS.items():
         counted.clear()
-        alone = _prepare(_data(pairs, False), tokenizer, pairs, print)
-        assert main[name]["samples"] == other[name]["samples"] == json.loads(json.dumps(alone)), name
-        assert main[name]["tokenized"] == sum(counted) == (16 if pairs else 18), name  # 8 pairs: 2 conversations each
+        alone = _prepare(_data(kind, False, str(documents)), tokenizer, kind, print)
+        assert main[name]["items"] == other[name]["items"] == json.loads(json.dumps(alone)), name
+        assert main[name]["tokenized"] == sum(counted) > 0, name
         assert other[name]["tokenized"] == 0, name
+    assert len(main["pt, cache off"]["items"]) > 1 and max(len(r[0]) for r in main["pt, cache off"]["items"]) == 64
 
-    handed = f"data: tokenized samples of {IDENTITY} read from this machine's main process"
-    assert other["sft, cache off"]["said"][-1] == handed
-    assert other["pairs, cache off"]["said"][-1] == handed.replace(str(IDENTITY), str(PAIRS))
+    handed = "data: tokenized samples of {} read from this machine's main process"
+    assert other["sft, cache off"]["said"][-1] == handed.format(IDENTITY)
+    assert other["pairs, cache off"]["said"][-1] == handed.format(PAIRS)
+    assert other["pt, cache off"]["said"][-1] == f"data: tokenized pieces of {documents} read from this machine's main process"
+    detected = f"{IDENTITY}: prompt format auto-detected as 'erniekit'"
+    assert other["grpo prompts"]["said"] == [detected, f"data: prompts of {IDENTITY} read from this machine's main process"]
+    assert main["grpo prompts"]["said"] == [detected]
+    assert other["pt, cache off"]["said"][0] == main["pt, cache off"]["said"][0] == \
+        f"{documents}: pre-training format auto-detected as 'text'"
     assert other["sft, cache on"]["said"][-1].startswith(f"data cache: tokenized samples of {IDENTITY} reused (")
-    assert not any("read from this machine's main process" in line for line in main["sft, cache off"]["said"])
-    # The hand-off files were beside the run dir (its parent), and are gone; the run dir itself was never made
+    assert other["pt, cache on"]["said"][-1].startswith(f"data cache: tokenized pieces of {documents} reused (")
+    for name in SCENARIOS:
+        assert not any("read from this machine's main process" in line for line in main[name]["said"]), name
+    # The hand-offs were beside the run dir (its parent), and are gone; the run dir itself was never made
     assert list(parent.iterdir()) == []
-    assert len(list((tmp_path / "cache" / "data").glob("*.npz"))) == 1  # the cached scenario's one entry
+    assert len(list((tmp_path / "cache" / "data").glob("*.npz"))) == 1  # the cached sft scenario's one entry
+    assert len(list((tmp_path / "cache" / "data").glob("pt-*"))) == 1  # the cached pt scenario's piece folder
 
 
 class _CountingBias:

@@ -13,7 +13,9 @@ packed row the token before it belongs to another document, which must never lea
 Pieces are written as they are made to one flat int32 token file, so a corpus larger than memory streams: only
 the pieces' lengths (and the packing plan over them) stay in memory; rows are read from the memory-mapped file when
 the Trainer asks for them. Local inputs of 1 MiB or more keep that file in the data cache (data/cache.py: keyed by
-the files' contents, the tokenizer and the settings), so a second run or `validate` skips tokenizing.
+the files' contents, the tokenizer and the settings), so a second run or `validate` skips tokenizing. In a launched
+run only each machine's main process tokenizes; the others map its folder (the cache entry, or a hand-off beside the
+run dir: data/handoff.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from erniekit_lite.data import cache, mixing
+from erniekit_lite.data import cache, handoff, mixing
 from erniekit_lite.data.packing import Row, best_fit_decreasing
 from erniekit_lite.data.tokenize import IGNORE, TokenStats
 from erniekit_lite.errors import DataError
@@ -146,17 +148,22 @@ class PreparedDocuments:
 
 
 def prepare_documents(data: DataSection, tokenizer, seed: int = 42, log=print) -> PreparedDocuments:
+    with handoff.session() as hand:
+        return _prepare_documents(data, tokenizer, seed, log, hand)
+
+
+def _prepare_documents(data: DataSection, tokenizer, seed: int, log, hand: handoff.HandOff) -> PreparedDocuments:
     end = tokenizer.eos_token_id
     if end is None:
         raise DataError(", ".join(s.path for s in data.train), "method: pt needs the tokenizer's end token (eos_token), which it lacks")
-    train_pieces, train_stats, reports = _tokenized(data.train, data, tokenizer, end, log)
+    train_pieces, train_stats, reports = _tokenized(data.train, data, tokenizer, end, log, hand)
     if not len(train_pieces):
         raise DataError(", ".join(s.path for s in data.train), f"no text to train on ({train_stats.documents} documents, "
                         f"{train_stats.empty} empty)")
     indices = _mixed_indices(data.train, reports, train_pieces, seed)
     evaluation = None
     if data.eval:
-        eval_pieces, eval_stats, eval_reports = _tokenized(data.eval, data, tokenizer, end, log)
+        eval_pieces, eval_stats, eval_reports = _tokenized(data.eval, data, tokenizer, end, log, hand)
         evaluation = DocumentSplit(PackedPieces(eval_pieces, list(range(len(eval_pieces))), data.max_length, data.packing),
                                    eval_pieces, eval_stats, eval_reports, data.max_length)
     elif data.eval_split:
@@ -198,23 +205,48 @@ def describe_documents(data: PreparedDocuments) -> str:
 # Reading -------------------------------------------------------------------------------------------------------
 
 
-def _tokenized(sources: list[Source], data: DataSection, tokenizer, end: int, log) -> tuple[Pieces, DocumentStats, list[SourceReport]]:
-    """Tokenize every source into one piece file (or find it in the cache); returns the pieces and statistics."""
-    from erniekit_lite.data.tokenize import Tokenizer
-
+def _tokenized(sources: list[Source], data: DataSection, tokenizer, end: int, log,
+               hand: handoff.HandOff) -> tuple[Pieces, DocumentStats, list[SourceReport]]:
+    """Tokenize every source into one piece folder, or find it: in the cache, or (a launched run's other processes)
+    in the folder this machine's main process handed off. Returns the pieces and statistics."""
     files = _local_files(sources) if data.cache else None
     key = None
     if files is not None and cache.local_files([str(f) for f in files]) is not None:
         settings = {"max_length": data.max_length, "end": end,
                     "sources": [{"path": s.path, "format": s.format, "max_samples": s.max_samples} for s in sources]}
         key = cache.entry_key("pt", files, cache.tokenizer_digest(tokenizer), settings)
-        folder = cache.cache_dir() / f"pt-{key}"
-        found = _load(folder)
+    paths = ", ".join(s.path for s in sources)
+    with hand.main_first():
+        handed = hand.next()
+        folder = cache.cache_dir() / f"pt-{key}" if key else None
+        found = _load(folder) if folder else None
         if found is not None:
-            log(f"data cache: tokenized pieces of {', '.join(s.path for s in sources)} reused ({folder})")
-            return found
+            return _reused(found, f"data cache: tokenized pieces of {paths} reused ({folder})", log)
+        if handed is not None and hand.reader:
+            found = _load(handed)
+            if found is not None:
+                return _reused(found, f"data: tokenized pieces of {paths} read from this machine's main process", log)
+        if handed is not None and hand.writer and key is None:
+            folder = handed  # the machine's other processes read it there; removed once they have
+        return _tokenize(sources, data, tokenizer, end, log, folder, hand if folder == handed else None)
+
+
+def _reused(found: tuple[Pieces, DocumentStats, list[SourceReport]], said: str, log):
+    for report in found[2]:
+        if report.detected:  # the line a fresh read prints
+            log(f"{report.path}: pre-training format auto-detected as '{report.format}'")
+    log(said)
+    return found
+
+
+def _tokenize(sources: list[Source], data: DataSection, tokenizer, end: int, log, folder: Path | None,
+              hand: handoff.HandOff | None) -> tuple[Pieces, DocumentStats, list[SourceReport]]:
+    """Pieces written to a new folder, then moved to `folder` (the cache entry or the hand-off; when None, or when
+    the move fails, the folder stays private to this process and is removed at exit)."""
+    from erniekit_lite.data.tokenize import Tokenizer
+
     encode = Tokenizer(tokenizer, None).encode
-    work = Path(tempfile.mkdtemp(prefix=".pt-", dir=_writable(cache.cache_dir()) if key else None))
+    work = Path(tempfile.mkdtemp(prefix=".pt-", dir=_writable(folder.parent) if folder else None))
     lengths: list[int] = []
     stats = DocumentStats()
     reports = []
@@ -235,14 +267,14 @@ def _tokenized(sources: list[Source], data: DataSection, tokenizer, end: int, lo
         meta = {"lengths": lengths, "stats": {k: v for k, v in vars(stats).items() if k != "lengths"},
                 "sources": [vars(r) for r in reports]}
         (work / _DONE).write_text(json.dumps(meta))
-        if key is not None:
-            folder = cache.cache_dir() / f"pt-{key}"
-            try:
-                os.replace(work, folder)
-                work = folder
-            except OSError:  # another run wrote it first, or a read-only cache: use our own copy
-                atexit.register(shutil.rmtree, work, True)
-        else:
+        try:
+            if folder is None:
+                raise OSError("no folder to keep it in")
+            os.replace(work, folder)
+            work = folder
+            if hand is not None:
+                hand.written(folder)
+        except OSError:  # another run wrote it first, or a read-only cache: use our own copy
             atexit.register(shutil.rmtree, work, True)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)

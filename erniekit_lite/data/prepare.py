@@ -7,7 +7,7 @@ Whichever way they were made, the samples, their order and the statistics are th
 
 In a launched run of several processes only each machine's main process tokenizes (and forks workers); the others
 wait for it and read what it wrote: the cache entry, or, when the cache is off or the input too small for it, a
-file beside the run dir (`handing_off_beside`), removed once every process has read it.
+file beside the run dir (data/handoff.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from erniekit_lite.data import cache, mixing
+from erniekit_lite.data import cache, handoff, mixing
 from erniekit_lite.data.formats import Skip, check_format, detect_format, detect_preference_format, to_conversation, to_preference
 from erniekit_lite.data.formats import detect_feedback_format, to_feedback
 from erniekit_lite.data.load import read_records
@@ -72,13 +72,13 @@ class PreparedData:
 
 
 def prepare(data: DataSection, tokenizer, seed: int = 42, log=print) -> PreparedData:
-    with _gc_paused(), _handed_off():
-        return _prepare(data, tokenizer, seed, log)
+    with _gc_paused(), handoff.session() as hand:
+        return _prepare(data, tokenizer, seed, log, hand)
 
 
-def _prepare(data: DataSection, tokenizer, seed: int, log) -> PreparedData:
+def _prepare(data: DataSection, tokenizer, seed: int, log, hand: handoff.HandOff) -> PreparedData:
     tokenize = Tokenizer(tokenizer, template_for(tokenizer))
-    store = _Store(data, tokenizer, tokenize.template.name, log)
+    store = _Store(data, tokenizer, tokenize.template.name, log, hand)
     train = _split(data.train, data, tokenize, store, log, pack_rows=not data.eval_split, seed=seed)  # else packed after the hold-out
     if not train.samples:
         s = train.stats
@@ -199,13 +199,13 @@ class PreparedPairs:
 
 def prepare_pairs(data: DataSection, tokenizer, seed: int = 42, log=print) -> PreparedPairs:
     """Preference data -> pairs packed whole into rows of up to 2 x max_length tokens."""
-    with _gc_paused(), _handed_off():
-        return _prepare_pairs(data, tokenizer, seed, log)
+    with _gc_paused(), handoff.session() as hand:
+        return _prepare_pairs(data, tokenizer, seed, log, hand)
 
 
-def _prepare_pairs(data: DataSection, tokenizer, seed: int, log) -> PreparedPairs:
+def _prepare_pairs(data: DataSection, tokenizer, seed: int, log, hand: handoff.HandOff) -> PreparedPairs:
     tokenize = Tokenizer(tokenizer, template_for(tokenizer))
-    store = _Store(data, tokenizer, tokenize.template.name, log)
+    store = _Store(data, tokenizer, tokenize.template.name, log, hand)
     train = _pair_split(data.train, data, tokenize, store, log, pack_rows=not data.eval_split, seed=seed)
     if not train.pairs:
         reasons = ", ".join(f"{n} {why}" for why, n in train.stats.skipped.items()) or "none readable"
@@ -289,85 +289,16 @@ def _reports(metas: list[dict], sources: list[Source]) -> list[SourceReport]:
     return [SourceReport(source.path, **meta) for source, meta in zip(sources, metas)]
 
 
-_BESIDE: Path | None = None  # the run dir whose parent takes hand-off files (`handing_off_beside`)
-_HANDED: list[Path] = []  # hand-off files this process wrote during one `prepare` call
-
-
-@contextmanager
-def handing_off_beside(out: Path):
-    """While in effect, a launched run's main process on each machine hands splits the cache does not hold to the
-    machine's other processes through a file beside the run dir `out` (in its parent: the run dir is claimed only
-    after the data is ready, so a data error leaves nothing in it)."""
-    global _BESIDE
-    before, _BESIDE = _BESIDE, Path(out).expanduser()
-    try:
-        yield
-    finally:
-        _BESIDE = before
-
-
-def _launched():
-    """accelerate's state in a launched run of several processes (the Trainer arguments made it, with their
-    `ddp_timeout` for the waits below); None otherwise."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    from accelerate import PartialState
-
-    state = PartialState()
-    return state if state.num_processes > 1 else None
-
-
-@contextmanager
-def _handed_off():
-    """Hand-off files are removed once every process has read them (a barrier on success; on an error each process
-    is on its own, and a reader that finds no file tokenizes itself)."""
-    _HANDED.clear()
-    try:
-        yield
-        state = _launched() if _BESIDE is not None else None
-        if state is not None:  # every process, wrote or read: the barrier must be passed by all
-            state.wait_for_everyone()
-    finally:
-        for path in _HANDED:
-            path.unlink(missing_ok=True)
-        _HANDED.clear()
-
-
 class _Store:
     """The data cache as a split uses it: one key per split, and writes that never fail a run. In a launched run,
     each machine's main process makes a split first (`main_first`) and the others read what it wrote: the cache
     entry, else its hand-off file."""
 
-    def __init__(self, data: DataSection, tokenizer, template: str, log):
-        self.enabled, self.tokenizer, self.template, self.log = data.cache, tokenizer, template, log
+    def __init__(self, data: DataSection, tokenizer, template: str, log, hand: handoff.HandOff):
+        self.enabled, self.tokenizer, self.template, self.log, self.hand = data.cache, tokenizer, template, log, hand
         self._tokenizer_hash: str | None = None  # computed once, and only when some split is cacheable
-        self.state = _launched()
-        self.splits = 0  # splits seen so far: every process sees the same ones in the same order (hand-off names)
-
-    @contextmanager
-    def main_first(self):
-        """Each machine's main process runs the block first; the machine's others run it after (every process
-        passes the same barrier, as in accelerate's `local_main_process_first`). The main process reaches the barrier
-        even when the block raises (a data mistake): the others then run the block and stop on the same one-line
-        error, instead of a collective error when the main process is gone."""
-        if self.state is None:
-            yield
-        elif not self.state.is_local_main_process:
-            self.state.wait_for_everyone()
-            yield
-        else:
-            try:
-                yield
-            finally:
-                self.state.wait_for_everyone()
-
-    def _handoff(self) -> tuple[str, Path] | None:
-        """The current split's hand-off file (name, folder): per run dir, split and machine (named by its first
-        process's rank; several machines may share the folder); None when this run has none."""
-        if self.state is None or _BESIDE is None:
-            return None
-        machine = self.state.process_index - self.state.local_process_index
-        return f".{_BESIDE.name}.data-{self.splits}-m{machine}", _BESIDE.parent
+        self.main_first = hand.main_first
+        self._path: Path | None = None  # the current split's hand-off (`get` asks for it)
 
     def key(self, kind: str, sources: list[Source], settings: dict) -> str | None:
         files = cache.local_files([s.path for s in sources]) if self.enabled else None
@@ -379,15 +310,12 @@ class _Store:
         return cache.entry_key(kind, files, self._tokenizer_hash, {"template": self.template, "sources": per_source, **settings})
 
     def get(self, key: str | None, sources: list[Source], what: str) -> cache.Entry | None:
-        self.splits += 1
-        handoff = self._handoff()
+        self._path = self.hand.next()
         entry = cache.load(key) if key else None
         paths = ", ".join(s.path for s in sources)
         said = f"data cache: tokenized samples of {paths} reused ({cache.cache_dir() / key}.npz)" if entry else None
-        if handoff is not None and self.state.is_local_main_process:
-            (handoff[1] / f"{handoff[0]}.npz").unlink(missing_ok=True)  # a crashed run's file must never be read
-        elif entry is None and handoff is not None:
-            entry = cache.load(*handoff)  # None (then this process tokenizes itself) when the main could not write it
+        if entry is None and self._path is not None and self.hand.reader:
+            entry = cache.load(self._path.name, self._path.parent)  # None when the main could not write it: tokenized here
             said = f"data: tokenized samples of {paths} read from this machine's main process"
         if entry is not None:
             for source, meta in zip(sources, entry.meta["sources"]):
@@ -403,12 +331,11 @@ class _Store:
                 return
             except OSError as e:  # a full disk or read-only home must not stop training
                 self.log(f"data cache: not written ({e}); continuing without it")
-        handoff = self._handoff()
-        if handoff is None or not self.state.is_local_main_process:
+        if self._path is None or not self.hand.writer:
             return
-        name, folder = handoff
+        folder = self._path.parent
         try:
-            _HANDED.append(cache.store(name, cache.Entry(samples, meta), folder, prune=False))
+            self.hand.written(cache.store(self._path.name, cache.Entry(samples, meta), folder, prune=False))
         except OSError as e:  # the other processes then tokenize for themselves
             self.log(f"data: {folder}: hand-off to this machine's other processes not written ({e}); each tokenizes itself")
 
@@ -577,13 +504,13 @@ class PreparedFeedback:
 
 def prepare_feedback(data: DataSection, tokenizer, seed: int = 42, log=print, kl: bool = True) -> PreparedFeedback:
     """Unpaired feedback (KTO) -> examples packed whole into rows, each with its KL twin when `kl` (data/unpaired.py)."""
-    with _gc_paused(), _handed_off():
-        return _prepare_feedback(data, tokenizer, seed, log, kl)
+    with _gc_paused(), handoff.session() as hand:
+        return _prepare_feedback(data, tokenizer, seed, log, kl, hand)
 
 
-def _prepare_feedback(data: DataSection, tokenizer, seed: int, log, kl: bool) -> PreparedFeedback:
+def _prepare_feedback(data: DataSection, tokenizer, seed: int, log, kl: bool, hand: handoff.HandOff) -> PreparedFeedback:
     tokenize = Tokenizer(tokenizer, template_for(tokenizer))
-    store = _Store(data, tokenizer, tokenize.template.name, log)
+    store = _Store(data, tokenizer, tokenize.template.name, log, hand)
     train = _feedback_split(data.train, data, tokenize, store, log, kl, pack_rows=not data.eval_split, seed=seed)
     where = ", ".join(s.path for s in data.train)
     if not train.examples:
@@ -650,6 +577,7 @@ def describe_feedback(data: PreparedFeedback) -> str:
         lines.append(f"  eval: {len(data.eval.examples)} examples ({held} desirable, {len(data.eval.examples) - held} "
                      f"undesirable) in {len(data.eval.rows)} rows")
     return "\n".join(lines)
+
 
 def _mix_note(src, unit: str) -> str:
     if src.drawn is None:

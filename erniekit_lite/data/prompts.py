@@ -21,10 +21,19 @@ earlier turns' tool calls are not carried into them (TRL's tool-calling rollouts
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from dataclasses import dataclass, field
 
-from erniekit_lite.data.formats import Conversation, Turn, check_format, detect_format, to_conversation
+from erniekit_lite.data import handoff
+from erniekit_lite.data.formats import (
+    Conversation,
+    Turn,
+    check_format,
+    detect_format,
+    to_conversation,
+)
 from erniekit_lite.data.load import Record, read_records
 from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import Tokenizer
@@ -58,12 +67,17 @@ class PreparedPrompts:
 
 
 def prepare_prompts(data: DataSection, tokenizer, seed: int = 42, log=print) -> PreparedPrompts:
+    with handoff.session() as hand:
+        return _prepare_prompts(data, tokenizer, seed, log, hand)
+
+
+def _prepare_prompts(data: DataSection, tokenizer, seed: int, log, hand: handoff.HandOff) -> PreparedPrompts:
     tok = Tokenizer(tokenizer, template_for(tokenizer))
-    train = _split(data.train, data, tok, log)
+    train = _handed_split(data.train, data, tok, log, hand)
     where = ", ".join(s.path for s in data.train)
     if not train.items:
         raise DataError(where, f"no prompts left ({train.dropped_overlong} longer than data.max_length={data.max_length})")
-    evaluation = _split(data.eval, data, tok, log) if data.eval else None
+    evaluation = _handed_split(data.eval, data, tok, log, hand) if data.eval else None
     if data.eval_split:
         items = train.items[:]
         random.Random(seed).shuffle(items)
@@ -73,6 +87,39 @@ def prepare_prompts(data: DataSection, tokenizer, seed: int = 42, log=print) -> 
         evaluation = PromptSplit(items[:n_eval])
         train = PromptSplit(items[n_eval:], train.dropped_overlong, train.sources)
     return PreparedPrompts(train, evaluation, tok.template.name)
+
+
+def _handed_split(sources: list[Source], data: DataSection, tok: Tokenizer, log, hand: handoff.HandOff) -> PromptSplit:
+    """The split, read and measured by this machine's main process and handed to the others as JSON (data/handoff.py);
+    a process that finds no hand-off reads the split itself."""
+    with hand.main_first():
+        path = hand.next()
+        path = path.with_name(path.name + ".json") if path is not None else None
+        if path is not None and hand.reader:
+            try:
+                saved = json.loads(path.read_text())
+            except (OSError, ValueError):
+                saved = None
+            if saved is not None:
+                for source_path, fmt, detected, _ in saved["sources"]:
+                    if detected:  # the line a fresh read prints
+                        log(f"{source_path}: prompt format auto-detected as '{fmt}'")
+                log(f"data: prompts of {', '.join(s.path for s in sources)} read from this machine's main process")
+                return PromptSplit([PromptItem(*item) for item in saved["items"]], saved["dropped_overlong"],
+                                   [tuple(s) for s in saved["sources"]])
+        split = _split(sources, data, tok, log)
+        if path is not None and hand.writer:
+            saved = {"items": [[i.messages, i.answer, i.length] for i in split.items],
+                     "dropped_overlong": split.dropped_overlong, "sources": split.sources}
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text(json.dumps(saved))
+                os.replace(tmp, path)
+                hand.written(path)
+            except OSError as e:  # the other processes then read the prompts themselves
+                log(f"data: {path.parent}: hand-off to this machine's other processes not written ({e}); each reads itself")
+        return split
 
 
 def _split(sources: list[Source], data: DataSection, tok: Tokenizer, log) -> PromptSplit:

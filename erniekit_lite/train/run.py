@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from erniekit_lite import hub
-from erniekit_lite.data.prepare import handing_off_beside
+from erniekit_lite.data import handoff
 from erniekit_lite.model.load import load_tokenizer, tokenizer_path
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import callbacks, distribution, rundir
@@ -34,7 +34,7 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
     rundir.check(recipe)  # fail before any slow step
     hub.check(recipe)
     tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
-    with handing_off_beside(Path(recipe.output.dir)):  # launched: one process per machine tokenizes
+    with handoff.beside(Path(recipe.output.dir)):  # launched: one process per machine tokenizes
         data = method.prepare(recipe.data, tokenizer, seed=args.seed, log=log)
     log(method.describe(data))
     model = load_for_training(recipe, log, apply_lora=not method.adapter_by_trainer)
