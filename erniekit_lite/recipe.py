@@ -74,7 +74,8 @@ class DataSection(_Section):
     )
     cache: bool = Field(
         True, description="Reuse tokenized samples from an earlier run with the same data files, tokenizer and settings "
-        "(local files of 1 MB or more; kept in $ERNIEKIT_CACHE/data, default ~/.cache/erniekit-lite/data).",
+        "(local files of 1 MB or more; kept in $ERNIEKIT_CACHE/data, default ~/.cache/erniekit-lite/data), and DPO/KTO "
+        "reference log-probs precomputed for the same rows and model ($ERNIEKIT_CACHE/reference).",
     )
 
     @field_validator("train", "eval", mode="before")
@@ -128,6 +129,11 @@ class LoraSection(_Section):
     )
     routed_experts: bool = Field(
         True, description="MoE only: also adapt the fused routed-expert weights (one rank-r adapter per expert)."
+    )
+    expert_compute: Literal["split", "merged"] = Field(
+        "split", description="MoE only: how the routed experts' adapters run. split: each expert's tokens through "
+        "x·Wᵀ + s·(x·Aᵀ)·Bᵀ, grouped over the experts, with no merged copy of the expert weights and no gradient for "
+        "them; merged: peft's own path, W + s·B·A for every expert in every forward. Same adapters and results (1e-5)."
     )
     use_rslora: bool = Field(
         False, description="Rank-stabilized LoRA (peft use_rslora): scale = alpha / sqrt(r) instead of alpha / r."

@@ -22,7 +22,7 @@ def run(recipe: Recipe, log=print) -> Path:
 def build_trainer(model, tokenizer, args, data: PreparedPairs, recipe: Recipe):
     from erniekit_lite.train.dpo_trainer import ErnieDPOTrainer
 
-    return trl_trainer(ErnieDPOTrainer, model, recipe, args=args,
+    return trl_trainer(ErnieDPOTrainer, model, recipe, args=args, reference_cache=recipe.data.cache,
                        **trainer_inputs(data, tokenizer, recipe, PackedPairCollator, PaddedPairCollator))
 
 

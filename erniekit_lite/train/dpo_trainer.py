@@ -20,7 +20,8 @@ from erniekit_lite.train.trainer import HostBoundsMixin, ThroughputMixin
 
 
 class ErnieDPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, StepWeightsMixin, PairRowsMixin, DPOTrainer):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, reference_cache: bool = True, **kwargs):
+        self.reference_cache = reference_cache  # read by the reference precompute, which runs inside TRL's __init__
         super().__init__(*args, **kwargs)
         self._install_packed_forward()
 

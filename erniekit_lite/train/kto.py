@@ -44,7 +44,7 @@ def rows_dataset(rows):
 def build_trainer(model, tokenizer, args, data: PreparedFeedback, recipe: Recipe):
     from erniekit_lite.train.kto_trainer import ErnieKTOTrainer
 
-    return trl_trainer(ErnieKTOTrainer, model, recipe, args=args, **trainer_inputs(
+    return trl_trainer(ErnieKTOTrainer, model, recipe, args=args, reference_cache=recipe.data.cache, **trainer_inputs(
         data, tokenizer, recipe, PackedFeedbackCollator, PaddedFeedbackCollator, rows=rows_dataset))
 
 

@@ -49,7 +49,8 @@ def side(batch: dict, kl: bool) -> dict:
 
 
 class ErnieKTOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, StepWeightsMixin, KTOTrainer):
-    def __init__(self, *positional, args, **kwargs):
+    def __init__(self, *positional, args, reference_cache: bool = True, **kwargs):
+        self.reference_cache = reference_cache  # read by the reference precompute, which runs inside TRL's __init__
         requested = args.per_device_train_batch_size, args.train_sampling_strategy
         args.per_device_train_batch_size, args.train_sampling_strategy = max(2, requested[0]), "sequential"
         try:

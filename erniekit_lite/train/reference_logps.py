@@ -12,7 +12,9 @@ rows hold a variable number of pairs or examples, so values come back as one lis
 - under ZeRO-3 without a separate reference, the model runs in TRL's own inference engine (built once, kept on the
   trainer as TRL keeps it for later `evaluate` calls);
 - values are cached on disk (`<cache>/reference/<key>.npz`, beside data/cache.py's `data/`) under a key of everything
-  that decides them (`cache_key`), so a second run, or a `--resume`, reads them instead of scoring again.
+  that decides them (`cache_key`: the same for any number of processes and strategy), so a second run, or a
+  `--resume`, reads them instead of scoring again; `data.cache: false` turns it off, and entries unused for
+  `cache.KEEP_DAYS` are removed whenever one is written, as for the data cache.
 Rank 0 prints one line saying which: the rows each rank scored, or the entry reused.
 """
 
@@ -42,9 +44,10 @@ def precompute(trainer, dataset, name: str, batch_size: int, score: Callable, pe
     tensors over the batch's pairs or examples in collator order, `per_row(row)` how many of them a row holds.
     `settings`: what else changes the values (the loss's own options)."""
     accelerator = trainer.accelerator
-    key = cache_key(trainer, dataset, settings)
-    path = cache_folder() / f"{key}.npz"
-    stored = [load(path, key, len(dataset)) if accelerator.is_main_process else None]
+    cached = getattr(trainer, "reference_cache", True)  # the recipe's `data.cache`
+    key = cache_key(trainer, dataset, settings) if cached else None
+    path = cache_folder() / f"{key}.npz" if cached else None
+    stored = [load(path, key, len(dataset)) if cached and accelerator.is_main_process else None]
     if accelerator.num_processes > 1:  # rank 0 decides, so all ranks take the same branch (collectives below)
         from accelerate.utils import broadcast_object_list
 
@@ -56,6 +59,8 @@ def precompute(trainer, dataset, name: str, batch_size: int, score: Callable, pe
         columns, shards = _score(trainer, dataset, batch_size, score, per_row)
         if accelerator.is_main_process:
             try:
+                if not cached:
+                    raise OSError("data.cache: false")
                 save(path, key, columns)
                 where = f"cached in {path}"
             except OSError as e:
@@ -152,7 +157,7 @@ def cache_key(trainer, dataset, settings: dict) -> str:
         "collator": [type(collator).__name__, vars(collator)],
         "model": {
             "path": getattr(config, "_name_or_path", ""),
-            "class": type(model).__name__,
+            "class": _model_class(model).__name__,
             "config": config.to_dict(),
             "attention": config._attn_implementation,
             "adapters": {k: v.to_dict() for k, v in (getattr(model, "peft_config", None) or {}).items()},
@@ -161,7 +166,22 @@ def cache_key(trainer, dataset, settings: dict) -> str:
         "precision": {"bf16": trainer.args.bf16, "fp16": trainer.args.fp16},
         "settings": settings,
     }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:40]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=_jsonable).encode()).hexdigest()[:40]
+
+
+def _jsonable(value):
+    """Sets (peft's `target_modules`) sorted: str() of a set follows the process's hash seed, which differs per
+    process and per run."""
+    return sorted(map(str, value)) if isinstance(value, (set, frozenset)) else str(value)
+
+
+def _model_class(model) -> type:
+    """The model's own class: FSDP2's `fully_shard` swaps it for a subclass `FSDP<name>(FSDPModule, <name>)`, which
+    must not change the key (a 1-process run and an FSDP2 launch score the same values)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(model)
+    return cls.__bases__[-1] if issubclass(cls, FSDPModule) else cls
 
 
 def _code_digest() -> str:
@@ -263,6 +283,7 @@ def save(path: Path, key: str, columns: dict[str, list[list[float]]]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    cache.prune(path.parent)  # entries unused for cache.KEEP_DAYS, as for the data cache
 
 
 def load(path: Path, key: str, rows: int) -> dict[str, list[list[float]]] | None:
@@ -288,4 +309,8 @@ def load(path: Path, key: str, rows: int) -> dict[str, list[list[float]]] | None
         except OSError:  # a read-only shared cache: just not used
             pass
         return None
+    try:
+        os.utime(path)  # last used: what pruning goes by
+    except OSError:  # a read-only shared cache still serves its entries
+        pass
     return columns
