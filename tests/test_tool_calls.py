@@ -242,15 +242,27 @@ def _chat_messages(turn: Turn) -> list[dict]:
     return [{"role": "tool" if turn.tool_result else "user", "content": turn.user}, answer]
 
 
-def test_thinking_template_cannot_train_an_answer_before_any_user_query(thinking_tok):
+def test_thinking_template_cannot_train_an_answer_before_any_user_query(tmp_path, thinking_tokenizer, thinking_tok):
     """A conversation that opens with a tool result: the released template renders its answer without the <think>
     block its generation prompt opens (it keeps one only after a user query), so the completion cannot extend the
-    prompt. One line, naming the turn and both texts."""
+    prompt. One line, naming the turn and both texts; from a data file, also the file and the record's line.
+    (Preference and feedback prompts read a tool result as a user turn, data/formats.py `_split_prompt`: no error.)"""
+    from erniekit_lite.data.prepare import prepare
+    from erniekit_lite.recipe import DataSection
+
     conv = Conversation([Turn('{"temp": 20}', "It is warm.", tool_result=True)])
-    with pytest.raises(UserError, match=r"^the model's chat template cannot be split into trained turns: at turn 1 the "
-                                        r"rendering reads 'response>\\nIt is warm\.\\n</response>.*' where the previous "
-                                        r"one read 'think>\\n'") as e:
+    message = (r"the model's chat template cannot be split into trained turns: at turn 1 the rendering reads "
+               r"'response>\\nIt is warm\.\\n</response>.*' where the previous one read 'think>\\n'")
+    with pytest.raises(UserError, match="^" + message) as e:
         _one(thinking_tok, conv)
+    assert "\n" not in str(e.value)
+
+    tool_first = [{"role": "tool", "content": '{"temp": 20}'}]
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text(json.dumps(ERNIEKIT_RECORD) + "\n\n" + json.dumps({"messages": tool_first + [
+        {"role": "assistant", "content": "It is warm."}]}) + "\n")
+    with pytest.raises(DataError, match=f"^{sft}:3: " + message) as e:
+        prepare(DataSection(train=[str(sft)]), thinking_tokenizer, log=lambda *_: None)
     assert "\n" not in str(e.value)
 
 

@@ -29,7 +29,7 @@ from erniekit_lite.data.load import read_records
 from erniekit_lite.data.packing import Row, efficiency, one_per_row, pack
 from erniekit_lite.data.pairs import Pair, PairRow, PairStats, pack_pairs, tokenize_pairs
 from erniekit_lite.data.unpaired import Example, FeedbackRow, FeedbackStats, pack_feedback, tokenize_feedback
-from erniekit_lite.data.template import template_for
+from erniekit_lite.data.template import RewritesHistory, template_for
 from erniekit_lite.data.tokenize import Sample, Tokenizer, TokenStats
 from erniekit_lite.errors import DataError
 from erniekit_lite.recipe import DataSection, Source
@@ -120,7 +120,7 @@ def _mixed(items: list, sources: list[Source], reports: list[SourceReport], seed
 def _tokenized_split(
     sources: list[Source], data: DataSection, tokenize: Tokenizer, log
 ) -> tuple[list[Sample], TokenStats, list[SourceReport]]:
-    convs, reports, counts = [], [], []
+    convs, where, reports, counts = [], [], [], []
     for source in sources:
         records, fmt, detected = _read(source, detect_format, "format", log)
         start = len(convs)
@@ -130,6 +130,7 @@ def _tokenized_split(
             parts = tokenize.template.expand(to_conversation(record, fmt, data.system))
             split += len(parts) > 1
             convs += parts
+            where += [(record.path, record.line)] * len(parts)
         reports.append(SourceReport(source.path, fmt, detected, len(records)))
         counts.append(len(convs) - start)
         if split:
@@ -141,7 +142,7 @@ def _tokenized_split(
         return tokenize(convs[lo:hi], data.max_length, data.overlong)
 
     results, stats = [], TokenStats()
-    for part, part_stats in _in_shards(job, len(convs), data.num_proc):
+    for part, part_stats in _in_shards(_located(job, where), len(convs), data.num_proc):
         results += part
         stats.add(part_stats)
     start = 0
@@ -257,7 +258,7 @@ def _read_and_tokenize(sources: list[Source], data: DataSection, tokenize: Token
                        tokenize_all, stats, check=lambda source, fmt: None):
     """Pairs or feedback: each source's records read in its format (`detect`ed when auto) and converted, untrainable
     ones counted by reason, then tokenized in shards (`data.num_proc`); `stats` gathers the shards' counts."""
-    items, reports, skipped = [], [], Counter()
+    items, where, reports, skipped = [], [], [], Counter()
     for source in sources:
         records, fmt, detected = _read(source, detect, what, log)
         check(source, fmt)
@@ -265,6 +266,7 @@ def _read_and_tokenize(sources: list[Source], data: DataSection, tokenize: Token
         for record in records:
             try:
                 items.append(convert(record, fmt, data.system))
+                where.append((record.path, record.line))
             except Skip as why:
                 skipped[str(why)] += 1
         reports.append(SourceReport(source.path, fmt, detected, len(records), len(items) - before))
@@ -273,11 +275,29 @@ def _read_and_tokenize(sources: list[Source], data: DataSection, tokenize: Token
         return tokenize_all(tokenize, items[lo:hi], data.max_length)
 
     tokenized = []
-    for part, part_stats in _in_shards(job, len(items), data.num_proc):
+    for part, part_stats in _in_shards(_located(job, where), len(items), data.num_proc):
         tokenized += part
         stats.add(part_stats)
     stats.skipped.update(skipped)
     return tokenized, stats, reports
+
+
+def _located(job: Callable[[int, int], tuple], where: list[tuple[str, int | None]]) -> Callable[[int, int], tuple]:
+    """`job(lo, hi)`, with an error of the model's chat template (a conversation it cannot split into trained turns)
+    placed at the record it came from: the range is tokenized again item by item until the item that raises."""
+
+    def run(lo: int, hi: int) -> tuple:
+        try:
+            return job(lo, hi)
+        except RewritesHistory:
+            for i in range(lo, hi):
+                try:
+                    job(i, i + 1)
+                except RewritesHistory as e:
+                    raise DataError(where[i][0], str(e), where[i][1]) from None
+            raise
+
+    return run
 
 
 def _report_meta(report: SourceReport) -> dict:
