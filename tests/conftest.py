@@ -1,15 +1,71 @@
 """Shared fixtures: the real ERNIE 4.5 tokenizer from ../shared and tiny random ERNIE 4.5 models.
 
-`ERNIEKIT_SHARED` points at the shared reference files (default: ../shared beside the repository); tests that
-need them are skipped when they are absent.
+`ERNIEKIT_SHARED` points at the shared reference files (default: ../shared beside the repository). A test that needs
+something absent (those files, llama.cpp, vLLM, chromium, an optional package) is skipped, saying what and how to
+get it, except under CI=true (as .ci/run sets): CI installs all of it, so there a missing one fails the test
+(`missing`, `needs`, `optional`), and a broken install can never pass as a green run of skips.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
 import pytest
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def missing(what: str, how: str):
+    """The test needs `what`, which is absent: fail under CI, else skip (a module-level call skips the module)."""
+    if IN_CI:
+        pytest.fail(f"CI=true, but {what} is missing ({how})", pytrace=False)
+    pytest.skip(f"{what} missing ({how})", allow_module_level=True)
+
+
+def needs(present: bool, what: str, how: str):
+    """A mark: the test (or, as `pytestmark`, the module) runs when `present`, else `missing(what, how)` at setup."""
+    return pytest.mark.needs(present=bool(present), what=what, how=how)
+
+
+def optional(name: str):
+    """The module `name`, or None when it is not installed (the tests that use it carry `needs(... is not None)`)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+TEST_EXTRA = "pip install -e '.[test]'"
+
+
+def need_module(name: str, how: str = TEST_EXTRA):
+    """The module `name`; `missing` when it is not installed."""
+    module = optional(name)
+    if module is None:
+        missing(f"the Python package {name!r}", how)
+    return module
+
+
+def chromium() -> Path | None:
+    """A chromium to drive, found as Playwright or a shell would: on PATH (Debian's `chromium`), else the one
+    `playwright install chromium` put in Playwright's browser folder."""
+    import glob
+    import shutil
+
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if found := shutil.which(name):
+            return Path(found)
+    folder = os.environ.get("PLAYWRIGHT_BROWSERS_PATH") or str(Path.home() / ".cache" / "ms-playwright")
+    found = sorted(glob.glob(os.path.join(folder, "chromium-*", "chrome-linux*", "chrome")))
+    return Path(found[-1]) if found else None
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("needs"):
+        if not mark.kwargs["present"]:
+            missing(mark.kwargs["what"], mark.kwargs["how"])
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("ERNIEKIT_SHARED", ROOT.parent / "shared"))
@@ -39,14 +95,15 @@ def _private_data_cache(tmp_path_factory):
         os.environ["ERNIEKIT_CACHE"] = old
 
 
-needs_shared = pytest.mark.skipif(not ERNIE_TOKENIZER_DIR.is_dir(), reason=f"shared reference files not found at {SHARED}")
+SHARED_HOW = "set ERNIEKIT_SHARED, or put the shared reference files beside the repository"
+needs_shared = needs(ERNIE_TOKENIZER_DIR.is_dir(), f"the shared reference files at {SHARED}", SHARED_HOW)
 
 
 @pytest.fixture(scope="session")
 def ernie_tokenizer_dir(tmp_path_factory) -> Path:
     """The real tokenizer, re-saved once as tokenizer.json (loads in ~1 s instead of ~6 s from sentencepiece)."""
     if not ERNIE_TOKENIZER_DIR.is_dir():
-        pytest.skip(f"shared reference files not found at {SHARED}")
+        missing(f"the shared reference files at {SHARED}", SHARED_HOW)
     from transformers import AutoTokenizer
 
     out = tmp_path_factory.mktemp("ernie-tokenizer")

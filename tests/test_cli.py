@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SHARED_HOW, missing
 import torch
 import yaml
 
@@ -193,7 +194,7 @@ def test_real_03b_recipes_validate_against_released_config(capsys, name):
     from conftest import ERNIE_TOKENIZER_DIR
 
     if not ERNIE_TOKENIZER_DIR.is_dir():
-        pytest.skip("shared reference files not found")
+        missing("the shared reference files", SHARED_HOW)
     recipe = ROOT / "recipes" / "ernie-4.5-0.3b" / name
     code, out, err = run_cli(capsys, "validate", recipe, f"model.path={ERNIE_TOKENIZER_DIR}", "train.bf16=false", *shared_data(recipe))
     assert code == 0, err

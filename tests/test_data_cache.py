@@ -19,7 +19,7 @@ from erniekit_lite.data.prepare import prepare, prepare_pairs
 from erniekit_lite.data.template import ErnieTemplate
 from erniekit_lite.errors import UserError
 from erniekit_lite.recipe import DataSection
-from conftest import DATA_DIR
+from conftest import DATA_DIR, SHARED_HOW, missing
 
 ALPACA = DATA_DIR / "llamafactory" / "alpaca_en_demo.json"
 
@@ -36,7 +36,7 @@ def cache_root(tmp_path, monkeypatch):
 def sft_files(tmp_path):
     """Two sources: alpaca records, and multi-turn ERNIEKit records that truncate, drop and mask at max_length 64."""
     if not ALPACA.is_file():
-        pytest.skip(f"shared data not found at {ALPACA}")
+        missing(f"the shared data file {ALPACA}", SHARED_HOW)
     alpaca = tmp_path / "alpaca.json"
     alpaca.write_text(json.dumps(json.loads(ALPACA.read_text())[:40]))
     turns = tmp_path / "turns.jsonl"

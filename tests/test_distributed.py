@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import TEST_EXTRA, need_module
 import torch
 import yaml
 
@@ -210,7 +211,7 @@ def test_sharded_training_equals_ddp_and_saves_the_full_model(tmp_path, tiny_own
     from safetensors.torch import load_file
 
     if sharding == "zero3":
-        pytest.importorskip("deepspeed")
+        need_module("deepspeed", TEST_EXTRA)
     config, strategy = SHARDED[sharding]
     model_dir = tiny_own_dir if arch == "dense" else tiny_moe_dir
     ddp, ddp_log, ddp_info = ddp_run(arch, lora)
@@ -286,7 +287,7 @@ def test_stopped_two_process_run_resumes_like_an_uninterrupted_one(tmp_path, tin
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     if strategy == "zero3":
-        pytest.importorskip("deepspeed")
+        need_module("deepspeed", TEST_EXTRA)
     launch = ["--num-processes", "2"] + (["--accelerate-config", str(fp32_config(tmp_path, SHARDED[strategy][0]))] if strategy != "ddp" else [])
     reference, out = tmp_path / "reference", tmp_path / "stopped"
     done = train_cli(tmp_path, str(path), f"output.dir={reference}", *launch)

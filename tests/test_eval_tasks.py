@@ -14,12 +14,13 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import TEST_EXTRA, needs, optional
 import torch
 
 from erniekit_lite.tasks import run_tasks
 from helpers import IDENTITY, QUESTIONS, identity_run, make_adapter_visible, run_cli, write_lm_eval_tasks, write_recipe
 
-pytest.importorskip("lm_eval")
+pytestmark = needs(optional("lm_eval") is not None, "lm-evaluation-harness (lm_eval)", TEST_EXTRA)
 
 
 @pytest.fixture(scope="module")

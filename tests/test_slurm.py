@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import needs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "recipes" / "slurm" / "sft-full-2x8.sbatch"
@@ -104,7 +105,7 @@ def test_each_node_runs_one_launcher_with_its_rank_and_the_first_nodes_address(t
         assert "data.train.0.path=/shared/data/my data.jsonl" in args["training_script_args"]  # a space stays inside
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+@needs(shutil.which("shellcheck"), "shellcheck", "apt-get install shellcheck")
 def test_shellcheck_finds_nothing():
     done = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout

@@ -32,7 +32,7 @@ from erniekit_lite.data.template import ErnieTemplate, ModelTemplate, template_f
 from erniekit_lite.data.tokenize import IGNORE, Tokenizer
 from erniekit_lite.errors import DataError, UserError
 
-from conftest import DATA_DIR, ROOT, SHARED
+from conftest import DATA_DIR, ROOT, SHARED, SHARED_HOW, missing
 
 BOS, EOT, EOS = 100273, 100272, 2
 X = IGNORE
@@ -289,7 +289,7 @@ def test_demo_files_train_exactly_the_assistant_turns(thinking_tokenizer, thinki
     block (a later user query, or a tool result after an answer without reasoning); every assistant turn is trained
     exactly once, right after a prompt that opens its reasoning."""
     if not path.is_file():
-        pytest.skip(f"{path} not found")
+        missing(str(path), SHARED_HOW)
     convs = [to_conversation(r, detect_format(r)) for r in read_records(str(path))]
     assert len(convs) == records and sum(len(c.turns) for c in convs) == trained_turns
     parts = [p for c in convs for p in thinking_tok.template.expand(c)]
@@ -405,7 +405,7 @@ def test_bad_function_call_records_name_file_and_line(tmp_path, thinking_tokeniz
 
 def test_thinking_function_call_recipe_validates_on_tiny_model(tmp_path, capsys, ernie_tokenizer_dir):
     if not ERNIEKIT_FC.is_file():
-        pytest.skip(f"{ERNIEKIT_FC} not found")
+        missing(str(ERNIEKIT_FC), SHARED_HOW)
     from transformers import AutoTokenizer
 
     from erniekit_lite.cli import main

@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import chromium, needs, TEST_EXTRA
 
 from erniekit_lite.chat import load
 from erniekit_lite.cli import main
@@ -30,15 +31,15 @@ from fake_hub import FakeHub
 from helpers import write_lm_eval_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM = chromium()
 TOKEN = "hf_FAKEwebuiTestToken0123456789abcdef"
 STEPS = 10
 RUN = "runs/webui"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("playwright") is None or not CHROMIUM.is_file(),
-                       reason="needs Playwright (pip install -e '.[test]') and Debian's chromium (apt-get install -y chromium)"),
+    needs(importlib.util.find_spec("playwright") is not None, "Playwright", TEST_EXTRA),
+    needs(CHROMIUM, "a chromium browser", "apt-get install chromium, or `playwright install chromium`"),
 ]
 
 
