@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import TEST_EXTRA, needs, optional
 import torch
 import yaml
 
@@ -22,7 +23,8 @@ from erniekit_lite.model.lora import apply_lora
 from erniekit_lite.recipe import LoraSection
 from helpers import write_recipe
 
-bnb = pytest.importorskip("bitsandbytes")  # the test extra installs it; `pip install 'erniekit-lite[qlora]'`
+bnb = optional("bitsandbytes")  # the test extra installs it; `pip install 'erniekit-lite[qlora]'`
+pytestmark = needs(bnb is not None, "bitsandbytes", TEST_EXTRA)
 
 ROOT = Path(__file__).resolve().parents[1]
 MERGE_TOLERANCE = 0.02  # max |logit| difference, merged model vs 4-bit base + adapter (bf16, dense); measured 0.0078
