@@ -140,7 +140,7 @@ def write_records(src: Path, dst: Path, samples: int | None) -> list[dict]:
 
 
 # What a result measured: the package, the recipes and the benchmark code. Results files and docs are left out,
-# so regenerating one result (or editing the README) does not mark the next one's code as changed.
+# so regenerating one result (or editing the docs) does not mark the next one's code as changed.
 MEASURED_PATHS = ("erniekit_lite", "webui", "recipes", "pyproject.toml", "benchmarks/*.py", "benchmarks/runners")
 
 

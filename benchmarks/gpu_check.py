@@ -7,7 +7,7 @@
 
 On the GPU machine (no network, torch 2.11, no trl/datasets/pydantic/bitsandbytes) the caller carries the assets
 and the wheels `benchmarks/gpu_wheels.sh` downloads into `.whl/` (26 MiB; with the repository and the 2.6 MB of
-assets about 30 MiB of the 64 MiB a call carries); README "On a GPU" gives the exact command. Sections run in the
+assets about 30 MiB of the 64 MiB a call carries); docs/performance.md ("On a GPU") gives the exact command. Sections run in the
 order below; one that fails is recorded and the next runs; the results file is rewritten after each. Each section
 has a share of `--time-limit` (510 s; a device call ends at 600): its first round always runs, further rounds only
 within its share, and no section starts after the limit. Every training runs the product path

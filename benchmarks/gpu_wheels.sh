@@ -7,7 +7,7 @@
 # transformers 5.23 ask for, in case the image's are older. bitsandbytes ships a library for every CUDA and ROCm
 # version (43 MB); only its CPU and CUDA 13 libraries are kept (its RECORD rewritten to match): the image's torch is
 # cu130. About 25 MiB; with the repository and gpu-assets/ a call carries under 30 of its 64 MiB.
-# See README "On a GPU" for the run command.
+# See docs/performance.md ("On a GPU") for the run command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .whl && mkdir -p .whl

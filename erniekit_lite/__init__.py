@@ -5,6 +5,6 @@ __version__ = "0.1.0"
 import logging as _logging
 
 # bitsandbytes (installed for QLoRA) warns at import that its optional CPU 4-bit kernel, fetched from the Hub by the
-# `kernels` package, is missing; it then dequantizes and runs a plain matmul (same result). Said in the README once,
-# not in every command's output.
+# `kernels` package, is missing; it then dequantizes and runs a plain matmul (same result). Said once in docs/moe.md
+# (QLoRA), not in every command's output.
 _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)

@@ -320,7 +320,7 @@ def quantize(source: Path, target: Path, outtype: str, log) -> None:
 
 NATIVE_HINT = (": llama-cpp-python was built for instructions this CPU lacks (llama.cpp builds for the CPU it is built on);"
                " rebuild it portable with CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON\""
-               " (README: GGUF for llama.cpp and Ollama)")
+               " (docs/after-training.md: GGUF for llama.cpp and Ollama)")
 
 
 def signal_name(number: int) -> str:

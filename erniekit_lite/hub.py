@@ -305,7 +305,7 @@ def _usage(name: str, base: str, revision: str | None, adapter: bool, ernie: boo
     if adapter:
         text += ("\n\n**MoE:** an adapter of an ERNIE 4.5 MoE model (21B-A3B) must not be loaded this way: peft re-targets it and silently "
                  "drops the shared-expert and dense-layer adapters. Load it with erniekit-lite (`model.path:` a download of this "
-                 "repo) or push it merged (`erniekit-lite push RUN_DIR --merged`); see the MoE section of erniekit-lite's README.")
+                 "repo) or push it merged (`erniekit-lite push RUN_DIR --merged`); see erniekit-lite's docs/moe.md.")
     return text
 
 

@@ -83,7 +83,7 @@ def test_lm_head_log_probs_accumulate_in_fp32_from_bf16_logits():
     assert (bf16_way - ref).abs().max().item() > 1e-3  # what accumulating in bf16 would have lost
 
 
-PACKED_LOGIT_TOLERANCE = 1e-2  # max |packed - alone| in bf16 logits; measured 0 on the tiny model (README)
+PACKED_LOGIT_TOLERANCE = 1e-2  # max |packed - alone| in bf16 logits; measured 0 on the tiny model (docs/performance.md)
 
 
 @pytest.mark.parametrize("dtype,autocast", [(torch.bfloat16, False), (torch.float32, True)], ids=["bf16-weights", "autocast"])

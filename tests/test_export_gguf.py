@@ -18,7 +18,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import ERNIE_TOKENIZER_DIR
+from conftest import ERNIE_TOKENIZER_DIR, needs
 from helpers import in_child, run_cli, visible_lora_run, write_recipe
 
 from erniekit_lite.cli import main as run_cli_main
@@ -29,9 +29,10 @@ from erniekit_lite.export import OLLAMA_TEMPLATE, STOP
 from erniekit_lite.generate import Prompt, _prompt_ids, stop_ids
 
 CONVERTER = os.environ.get("LLAMA_CPP_DIR")
-needs_converter = pytest.mark.skipif(not CONVERTER, reason="LLAMA_CPP_DIR (llama.cpp's converter) not set")
-needs_llama_cpp = pytest.mark.skipif(not CONVERTER or importlib.util.find_spec("llama_cpp") is None,
-                                     reason="needs llama-cpp-python and LLAMA_CPP_DIR (llama.cpp's converter)")
+LLAMA_HOW = "build llama-cpp-python from its sdist and set LLAMA_CPP_DIR to it, as .ci/run does"
+needs_converter = needs(CONVERTER, "llama.cpp's converter (LLAMA_CPP_DIR)", LLAMA_HOW)
+needs_llama_cpp = needs(CONVERTER and importlib.util.find_spec("llama_cpp") is not None,
+                        "llama-cpp-python and llama.cpp's converter (LLAMA_CPP_DIR)", LLAMA_HOW)
 TOKENS = 12
 SYSTEM = "You are concise."  # dense_full_run's recipe data.system
 
@@ -127,8 +128,8 @@ def test_llama_cpp_greedy_equals_transformers(tmp_path, capsys, request, model):
 @needs_llama_cpp
 def test_f16_and_quantized_ggufs_answer_close_to_transformers(tmp_path, capsys, dense_lora_run):
     """f16 rounds the weights, so greedy answers may part from transformers' late in an answer: at least 75% of the
-    tokens agree before the first difference (README). q8_0 and q4_k_m (llama.cpp's quantizer) load and answer;
-    their agreement is measured by benchmarks/gguf_agreement.py, not asserted."""
+    tokens agree before the first difference (docs/after-training.md). q8_0 and q4_k_m (llama.cpp's quantizer) load
+    and answer; their agreement is measured by benchmarks/gguf_agreement.py, not asserted."""
     merged = tmp_path / "merged"
     assert run_cli(capsys, "merge", dense_lora_run, "--out", merged)[0] == 0
     prompts, expected = transformers_greedy(merged)

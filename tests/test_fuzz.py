@@ -1795,7 +1795,7 @@ def refused_then_fixed(samples: list[Sample], *packers) -> list[Sample]:
 @given(data=st.data(), max_length=st.integers(1, 64))
 @example(data=None, max_length=8)
 def test_packing_properties(data, max_length):
-    if data is None:  # README example: A=5 B=3 C=2 D=4 into rows of 8
+    if data is None:  # docs/data.md (Packing) example: A=5 B=3 C=2 D=4 into rows of 8
         samples = [Sample([1] * n, [IGNORE] * n) for n in (5, 3, 2, 4)]
         assert [r.seq_lengths for r in pack(samples, 8)] == [[5, 3], [4, 2]]
         return

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SHARED_HOW, missing
 import torch
 
 from erniekit_lite import memory
@@ -167,7 +168,7 @@ def test_released_03b_lora_recipe_fits_a_24gb_gpu(capsys):
     from conftest import ERNIE_TOKENIZER_DIR
 
     if not ERNIE_TOKENIZER_DIR.is_dir():
-        pytest.skip("shared reference files not found")
+        missing("the shared reference files", SHARED_HOW)
     recipe = ROOT / "recipes" / "ernie-4.5-0.3b" / "sft-lora.yaml"
     code = main(["validate", str(recipe), f"model.path={ERNIE_TOKENIZER_DIR}", *shared_data(recipe)])
     out, err = capsys.readouterr()
@@ -185,11 +186,11 @@ def test_sharded_estimate_divides_the_states():
     assert memory.sharded_total(est, params, run, 8) == allocated + memory.CONTEXT_BYTES + int(memory.FRAGMENTATION * allocated)
 
 
-def _readme_memory_table() -> dict[str, float]:
-    """The README's memory table as {recipe file: GiB}."""
+def _memory_table() -> dict[str, float]:
+    """The memory table of docs/memory.md ("The shipped recipes") as {recipe file: GiB}."""
     import re
 
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "memory.md").read_text(encoding="utf-8")
     table = text[text.index("| recipe | estimate | fits |"):].split("\n\n")[0]
     figures = {}
     for row in table.splitlines()[2:]:
@@ -202,9 +203,9 @@ def _readme_memory_table() -> dict[str, float]:
 
 
 @pytest.mark.slow  # ~35 s: validate plans ten released recipes (their data prepared, the models built on meta)
-def test_readme_memory_table_is_what_validate_prints(tmp_path):
-    """Each figure of the README's memory table equals `validate`'s estimate for that shipped recipe (to 0.1 GiB),
-    with the released configs (../shared) and the real tokenizer."""
+def test_memory_table_is_what_validate_prints(tmp_path):
+    """Each figure of the memory table in docs/memory.md equals `validate`'s estimate for that shipped recipe (to
+    0.1 GiB), with the released configs (../shared) and the real tokenizer."""
     import shutil
 
     from conftest import ERNIE_TOKENIZER_DIR, SHARED
@@ -214,11 +215,11 @@ def test_readme_memory_table_is_what_validate_prints(tmp_path):
 
     moe_config = SHARED / "ernie45" / "ernie-4.5-21b-a3b-pt" / "config.json"
     if not ERNIE_TOKENIZER_DIR.is_dir() or not moe_config.is_file():
-        pytest.skip("shared reference files not found")
+        missing("the shared reference files", SHARED_HOW)
     moe = tmp_path / "21b"  # the released MoE config with the (shared) ERNIE 4.5 tokenizer: planning reads no weights
     shutil.copytree(ERNIE_TOKENIZER_DIR, moe, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
     shutil.copy(moe_config, moe / "config.json")
-    figures = _readme_memory_table()
+    figures = _memory_table()
     assert len(figures) == 9
     for name, stated in figures.items():
         path = ERNIE_TOKENIZER_DIR if name.startswith("ernie-4.5-0.3b") else moe
@@ -242,7 +243,7 @@ LONG_ROWS = [
 def test_a_32k_token_packed_row_stays_within_the_plan(case, one_thread):
     """Long context: one packed row of 32,768 tokens (64 samples, per-sample attention, the LM head in 4M-element
     chunks) measured against the plan, with the bounds of the small shapes above. The 128k recipes' figures come
-    from the same formula (README memory table), not from a measurement here."""
+    from the same formula (docs/memory.md, "The shipped recipes"), not from a measurement here."""
     result = MC.measure(case)
     est, got = result["estimate"], result["measured"]
     for key in ("weights", "gradients", "optimizer"):
