@@ -160,11 +160,11 @@ def store(key: str, entry: Entry, root: Path | None = None, prune: bool = True) 
         Path(tmp).unlink(missing_ok=True)
         raise
     if prune:
-        prune(folder)
+        prune_unused(folder)
     return folder / f"{key}.npz"
 
 
-def prune(folder: Path) -> None:
+def prune_unused(folder: Path) -> None:
     """Remove entries (and temporary files of interrupted writes) not used for KEEP_DAYS: a new tokenizer, new
     settings or a new erniekit-lite version leaves the old entries unreachable."""
     cutoff = time.time() - KEEP_DAYS * 86400

@@ -283,7 +283,7 @@ def save(path: Path, key: str, columns: dict[str, list[list[float]]]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    cache.prune(path.parent)  # entries unused for cache.KEEP_DAYS, as for the data cache
+    cache.prune_unused(path.parent)  # entries unused for cache.KEEP_DAYS, as for the data cache
 
 
 def load(path: Path, key: str, rows: int) -> dict[str, list[list[float]]] | None:
