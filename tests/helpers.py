@@ -154,12 +154,13 @@ def make_adapter_visible(run: Path) -> Path:
     return run
 
 
-def visible_lora_run(tmp: Path, arch: str, tokenizer_dir: Path | None) -> Path:
+def visible_lora_run(tmp: Path, arch: str, tokenizer_dir: Path | None, hidden_size: int = 64) -> Path:
     """A LoRA run on a tiny model with the given (real) tokenizer (MoE: every routed and shared expert adapted), its
     adapter made visible: what engines must reproduce."""
     from erniekit_lite.tiny import write_tiny
 
-    base = write_tiny(str(tmp / "base"), arch, tokenizer_dir and str(tokenizer_dir), hidden_size=64, layers=3 if arch == "moe" else 2)
+    base = write_tiny(str(tmp / "base"), arch, tokenizer_dir and str(tokenizer_dir), hidden_size=hidden_size,
+                      layers=3 if arch == "moe" else 2)
     recipe = write_recipe(tmp / "r.yaml", base, lora={"r": 4, "alpha": 8}, out=tmp / "run",
                           train={"learning_rate": 1e-2, "max_steps": 1, "per_device_train_batch_size": 2, "activation_checkpointing": False})
     assert main(["train", str(recipe)]) == 0

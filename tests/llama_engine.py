@@ -34,3 +34,16 @@ def metadata(gguf: str) -> dict:
     import llama_cpp
 
     return dict(llama_cpp.Llama(model_path=gguf, n_ctx=64, verbose=False, vocab_only=True).metadata)
+
+
+def tensor_types(gguf: str, llama_cpp_dir: str) -> dict[str, str]:
+    """Each tensor's storage type in the GGUF (`Q8_0`, `Q4_K`, `F32`, ...), read by llama.cpp's own gguf-py."""
+    import sys
+
+    for root in (Path(llama_cpp_dir), Path(llama_cpp_dir) / "vendor" / "llama.cpp"):
+        if (root / "gguf-py").is_dir():
+            sys.path.insert(0, str(root / "gguf-py"))
+            break
+    from gguf import GGUFReader
+
+    return {t.name: t.tensor_type.name for t in GGUFReader(gguf).tensors}

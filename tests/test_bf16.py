@@ -1,5 +1,6 @@
 """bf16 on CPU: `train.bf16: true` (autocast over fp32 weights) and `model.dtype: bfloat16` (bf16 weights) train SFT and
-DPO, LoRA and full, dense and MoE, with the loss falling; the LM head's log-probs accumulate in fp32; packed rows
+DPO, LoRA and full, dense and MoE, along the fp32 run of the same recipe (per-step losses within BF16_LOSS_TOLERANCE);
+the LM head's log-probs accumulate in fp32; packed rows
 match each sample run alone within the bf16 tolerance measured here.
 
 torch autocasts to bf16 on CPU; transformers accepts `bf16` without a GPU only with `use_cpu`, which
@@ -47,15 +48,47 @@ CASES = [
 ]
 
 
+# |bf16 - fp32| of a logged loss over 30 steps may be at most 5% of the fp32 loss plus 0.005 (DPO's loss falls to
+# ~0.003, where bf16's rounding is a larger share: measured 0.0003 there; 2e-3 relative elsewhere)
+BF16_LOSS_TOLERANCE = (0.05, 0.005)
+
+
+def _losses(out: Path) -> list[float]:
+    return [h["loss"] for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+
+
+@pytest.fixture(scope="module")
+def fp32_losses(tmp_path_factory, tiny_own_dir, tiny_moe_dir):
+    """The fp32 run of a case's recipe (same data, seed and steps), made once per (method, arch, lora)."""
+    runs = {}
+
+    def losses(method: str, arch: str, lora: bool) -> list[float]:
+        if (method, arch, lora) not in runs:
+            where = tmp_path_factory.mktemp(f"fp32-{method}-{arch}-{lora}")
+            code = main(["train", str(_recipe(where, tiny_own_dir if arch == "dense" else tiny_moe_dir, method, lora, "fp32"))])
+            assert code == 0
+            runs[method, arch, lora] = _losses(where / "out")
+        return runs[method, arch, lora]
+
+    return losses
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method,arch,lora,precision", CASES, ids=["-".join(map(str, c)).replace("True", "lora").replace("False", "full") for c in CASES])
-def test_bf16_trains_on_cpu_and_the_loss_falls(tmp_path, capsys, tiny_own_dir, tiny_moe_dir, method, arch, lora, precision):
+def test_bf16_trains_on_cpu_along_the_fp32_run(tmp_path, capsys, tiny_own_dir, tiny_moe_dir, fp32_losses, method, arch, lora, precision):
+    """bf16 follows the fp32 run of the same recipe step by step (a broken bf16 path, e.g. a head or a loss in bf16
+    that loses the signal, or adapters cast away, leaves it), and the loss falls."""
     model_dir = tiny_own_dir if arch == "dense" else tiny_moe_dir
+    reference = fp32_losses(method, arch, lora)
     code = main(["train", str(_recipe(tmp_path, model_dir, method, lora, precision))])
     out, err = capsys.readouterr()
     assert code == 0, err
-    history = [h["loss"] for h in json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"] if "loss" in h]
-    assert all(x == x for x in history)  # no NaN
+    history = _losses(tmp_path / "out")
+    assert len(history) == len(reference) == 6
+    relative, absolute = BF16_LOSS_TOLERANCE
+    worst = max(abs(b - f) - relative * abs(f) for b, f in zip(history, reference))
+    print(f"bf16 vs fp32 losses: worst |difference| beyond {relative:.0%} of the fp32 loss: {worst:.3g}")
+    assert worst <= absolute, (history, reference)
     assert history[-1] < 0.97 * history[0], history  # 30 steps: the loss falls, not converges
     # the run says which precision was in effect: autocast over fp32 weights, or bf16 weights without autocast
     distributed = json.loads((tmp_path / "out" / "train_results.json").read_text())["distributed"]
@@ -95,7 +128,7 @@ def test_packed_rows_equal_samples_alone_in_bf16(tiny_dense_dir, ernie_tokenizer
     from erniekit_lite.data.tokenize import Tokenizer
     from erniekit_lite.model.load import load_model
 
-    convs = [Conversation([Turn("user", f"Question {i}: " + "word " * (3 * i)), Turn("assistant", "Answer " * (i + 2))]) for i in range(6)]
+    convs = [Conversation([Turn(f"Question {i}: " + "word " * (3 * i), "Answer " * (i + 2))]) for i in range(6)]
     samples, _ = Tokenizer(ernie_tokenizer, template_for(ernie_tokenizer))(convs, max_length=512)
     model = load_model(str(tiny_dense_dir), "bfloat16" if dtype == torch.bfloat16 else "float32", "packed_sdpa").eval()
     batch = PackedCollator(512)([vars(r) for r in pack(samples, 512)])
