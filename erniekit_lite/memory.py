@@ -35,8 +35,10 @@ b = bytes of matmul outputs (2 under bf16/fp16 autocast, else r).
     output, plus the mask: 1 byte on CUDA). Each adapter adds its rank-r intermediate. Layer 0 keeps nothing for
     its first norm under LoRA without checkpointing (the embedding output needs no gradient).
     fp32 weights under autocast also keep the bf16 copy of every linear weight (2 bytes/param). LoRA on the
-    routed experts (peft target_parameters) merges W + BA for each MoE layer in every forward and keeps it: one
-    full copy of that layer's expert weights.
+    routed experts (peft target_parameters) with `lora.expert_compute: merged` merges W + BA for each MoE layer
+    in every forward and keeps it: one full copy of that layer's expert weights. `split` (the default,
+    model/expert_lora.py) keeps instead each expert adapter's B densely in r (and A too when cast to r), plus
+    k x r x (rank of gate_up + rank of down) per token.
     Activation checkpointing (TRL's default; activation_checkpointing_kwargs every_n_layers / offload honoured):
     a checkpointed layer keeps only its input, r*h per token (none on the device when offloaded), plus the rope
     cos/sin once, 8d.
@@ -147,7 +149,8 @@ class Params:
     lora: frozenset[str] = frozenset()  # per-layer modules with a LoRA adapter (subset of trained)
     lora_rank: dict = field(default_factory=dict)  # module -> rank of its adapter
     lora_dropout: float = 0.0
-    expert_lora: bool = False  # routed experts adapted through peft target_parameters (merged weights per forward)
+    expert_lora: bool = False  # routed experts adapted through peft target_parameters
+    expert_split: bool = False  # ... computed per expert (model/expert_lora.py), not on merged weights per forward
     expert_params_per_layer: int = 0  # numel of one MoE layer's fused expert weights
     head_trains: bool = False  # the LM head / tied embedding trains (full fine-tuning)
     matmul_weights: int = 0  # numel of all nn.Linear weights incl. the LM head and adapters (autocast copies)
@@ -248,14 +251,16 @@ def params_of(model, lora_dropout: float = 0.0) -> Params:
         else:
             other += n
 
-    trained, lora, ranks, expert_lora = set(), set(), {}, False
+    trained, lora, ranks, expert_lora, expert_split = set(), set(), {}, False, False
     layer_weights: dict[int, int] = {}
     for name, module in base.named_modules():
         layer, kind = _layer_kind(name)
         if layer is None or not kind:
             continue
-        if type(module).__name__ == "ParamWrapper":
+        if type(module).__name__ in ("ParamWrapper", "SplitExperts"):
             expert_lora = True
+            expert_split = expert_split or type(module).__name__ == "SplitExperts"
+            ranks[f"experts.{module.parameter_name}"] = next(iter(module.r.values()))
             trained.add("experts")
             lora.add("experts")
             continue
@@ -295,6 +300,7 @@ def params_of(model, lora_dropout: float = 0.0) -> Params:
         lora_rank=ranks,
         lora_dropout=lora_dropout,
         expert_lora=expert_lora,
+        expert_split=expert_split,
         expert_params_per_layer=experts_numel // max(1, moe_layers),
         head_trains=bool(head is not None and head.weight.requires_grad),
         matmul_weights=matmul,
@@ -368,12 +374,14 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
     kept += _final_norm(shape, params, run)
     activations = kept * t
     recompute = max((layer[i] for i in ckpt), default=0) * t  # the layer being recomputed in backward
-    merged = params.expert_params_per_layer * r if params.expert_lora else 0
-    if merged:
-        # peft merges W + B@A per MoE layer in every forward; autograd keeps the merged stack for backward
-        activations += merged * sum(1 for i in shape.moe_layers if i not in ckpt)
+    merged = params.expert_params_per_layer * r if params.expert_lora and not params.expert_split else 0
+    # peft merges W + B@A per MoE layer in every forward; autograd keeps the merged stack for backward. Split keeps
+    # instead each expert adapter's B once more, densely, in the experts' dtype (model/expert_lora.py)
+    per_moe_layer = merged + (_split_copies(shape, params, run) if params.expert_split else 0)
+    if per_moe_layer:
+        activations += per_moe_layer * sum(1 for i in shape.moe_layers if i not in ckpt)
         if any(i in ckpt for i in shape.moe_layers):
-            recompute += merged
+            recompute += per_moe_layer
     weight_copies = run.autocast and r == 4 and not run.load_in_4bit
     if weight_copies:
         # autocast's bf16 copy of every linear weight is kept for backward (of the layers not checkpointed)
@@ -566,11 +574,23 @@ def _one_layer(shape: Shape, params: Params, run: Run, moe: bool, grad_in: bool)
         saved["experts.act"] = k * r * (2 * mi + mi + h)
         if "experts" in trained:
             saved["experts.inputs"] = k * r * (h + mi)  # gathered tokens, down_proj input
+        if params.expert_split:  # each adapter's rank-r intermediate, in the experts' dtype
+            ranks = (params.lora_rank.get(f"experts.{n}", 0) for n in ("gate_up_proj", "down_proj"))
+            saved["experts.lora_mid"] = k * r * sum(ranks)
     else:
         inputs("n2", h, r, ["gate_proj", "up_proj"])
         saved["mlp.act"] = 3 * b * shape.intermediate
         inputs("prod", shape.intermediate, b, ["down_proj"])
     return sum(saved.values())
+
+
+def _split_copies(shape: Shape, params: Params, run: Run) -> int:
+    """Bytes split expert LoRA keeps per MoE layer beside the activations: each adapter's B as a dense copy in the
+    experts' dtype, and A cast to it when the adapters' dtype differs."""
+    r, h, mi = run.dtype_bytes, shape.hidden, shape.moe_intermediate
+    gate_up, down = (params.lora_rank.get(f"experts.{n}", 0) for n in ("gate_up_proj", "down_proj"))
+    cast = r != (2 if run.load_in_4bit else 4)
+    return shape.experts * r * (gate_up * (2 * mi + h * cast) + down * (h + mi * cast))
 
 
 def _final_norm(shape: Shape, params: Params, run: Run) -> int:

@@ -220,7 +220,7 @@ MOE = {
     "pissa": {"init": "pissa", "routed_experts": False},
     "olora": {"init": "olora", "routed_experts": False},
 }
-SLOW = pytest.mark.slow  # the fused routed experts (peft builds a merged weight per forward): ~1.2 s idle, 11 s loaded
+SLOW = pytest.mark.slow  # the fused routed experts: ~1.2 s idle, 11 s loaded
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=SLOW) if MOE[v].get("routed_experts", True) else v for v in MOE])

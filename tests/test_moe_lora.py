@@ -171,11 +171,11 @@ def released_21b_dir(tmp_path_factory):
     """The 21B-A3B config with the real ERNIE 4.5 tokenizer: enough to plan a recipe without the weights."""
     import shutil
 
-    from conftest import ERNIE_TOKENIZER_DIR, SHARED
+    from conftest import ERNIE_TOKENIZER_DIR, SHARED, SHARED_HOW, missing
 
     config = SHARED / "ernie45" / "ernie-4.5-21b-a3b-pt" / "config.json"
     if not config.is_file():
-        pytest.skip("shared reference files not found")
+        missing(str(config), SHARED_HOW)
     out = tmp_path_factory.mktemp("ernie-21b-config")
     shutil.copy(config, out / "config.json")
     for name in ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"):

@@ -5,7 +5,8 @@ On the ERNIE 4.5 MoE, peft 0.21.2 rewrites `target_modules` as if the model stil
 layer-0 MLP and the shared experts silently get no adapter (and `gate` or `all-linear` puts one on the router).
 We therefore name the fused expert parameters ourselves (`target_parameters`) and create and load adapters with
 that rewrite switched off (`targets_as_written`). tests/test_moe_lora.py pins the upstream behaviour, so a peft
-upgrade that changes it fails a test instead of silently training less.
+upgrade that changes it fails a test instead of silently training less. How those expert adapters compute (per
+expert, or peft's merged stack: `lora.expert_compute`) is model/expert_lora.py's job.
 
 LoRA variants (rsLoRA, DoRA, peft's initialisations, LoRA+) are checked here against what peft 0.21.2 supports on
 the weights they would reach (`check_variants`); PiSSA and OLoRA move part of each base weight into the adapter,
@@ -131,8 +132,17 @@ def apply_lora(model, lora: LoraSection):
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=not zero3_unquantized(model))
     adapter_dtypes(peft_model)
     check_adapters(peft_model, config)
+    expert_compute(peft_model, lora.expert_compute)
     remember(peft_model, lora)
     return peft_model
+
+
+def expert_compute(peft_model, mode: str) -> None:
+    """MoE: the routed experts' adapters computed per expert (`split`, model/expert_lora.py) or by peft (`merged`)."""
+    if is_moe(peft_model):
+        from erniekit_lite.model.expert_lora import set_expert_compute
+
+        set_expert_compute(peft_model, mode)
 
 
 def remember(peft_model, lora: LoraSection) -> None:
@@ -221,6 +231,7 @@ def load_adapter(model, path: str, trainable: bool = True):
     with context:
         peft_model = PeftModel.from_pretrained(model, path, is_trainable=trainable)
     adapter_dtypes(peft_model, every=True)  # a QLoRA adapter computes as it trained, for inference too
+    expert_compute(peft_model, "split")  # continued training and inference alike (no recipe lora: section says otherwise)
     return peft_model
 
 

@@ -121,12 +121,13 @@ def trainer_inputs(data, tokenizer, recipe: Recipe, packed, padded, rows=rows_da
 def trl_trainer(trainer_class, model, recipe: Recipe, **kwargs):
     """A TRL trainer (built with `kwargs`) that adds the recipe's adapter itself (given a peft config, its reference is
     then the base with the adapter disabled: no copy), with the adapters checked and LoRA+'s settings attached."""
-    from erniekit_lite.model.lora import SETTINGS, check_adapters, lora_config, targets_as_written
+    from erniekit_lite.model.lora import SETTINGS, check_adapters, expert_compute, lora_config, targets_as_written
 
     config = lora_config(model, recipe.lora) if recipe.lora is not None else None
     with targets_as_written():  # TRL calls get_peft_model itself
         trainer = trainer_class(model=model, peft_config=config, **kwargs)
     if config is not None:
         check_adapters(trainer.model, config)
+        expert_compute(trainer.model, recipe.lora.expert_compute)
         setattr(trainer.model, SETTINGS, recipe.lora)  # LoRA+ (train/optimizer.py) reads it
     return trainer

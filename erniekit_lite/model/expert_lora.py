@@ -1,0 +1,137 @@
+"""LoRA on the MoE's fused routed experts computed expert by expert, never merged (`lora.expert_compute: split`).
+
+peft 0.21.2 adapts a fused 3-D expert weight (`target_parameters`) through a `ParamWrapper` whose forward registers
+a parametrization W' = W + s·B@A over the whole stack (`_LoraFactorsProxy`, one baddbmm) and runs the experts on W'.
+On the 21B-A3B each token uses 6 of the 64 experts, yet every MoE layer forms (and autograd keeps) a full copy of its
+expert weights in every forward, and backward computes the full gradient of W' only to project it onto A and B.
+
+Split computes, for the tokens routed to expert e, x·W_eᵀ + s·(x·A_eᵀ)·B_eᵀ, grouped over the experts (torch's
+grouped_mm, as transformers' default `grouped_mm` experts implementation; a loop over the experts hit where grouped_mm
+cannot run). W is frozen and is only ever a matmul operand, so autograd computes no gradient for it. The outermost
+ParamWrapper of each experts module (peft nests one per adapted parameter) gets this forward by a class swap to
+`SplitExperts`, a ParamWrapper subclass: parameters, names, shapes, rank/alpha patterns and rsLoRA scales stay
+peft's, so saving, loading, merging and export are unchanged. Disabled adapters (DPO's reference), merged ones, or
+more than one active adapter take peft's own forward.
+
+peft's layout (`ParamWrapper.get_delta_factors`), for ERNIE 4.5's experts stored [experts, out, in]
+(gate_up_proj [E, 2m, h], down_proj [E, h, m]): lora_A.weight [E·r, in] holds A_e [r, in] in rows e·r .. e·r + r-1;
+lora_B.weight [out, r·E] holds B_e [out, r] in columns j·E + e (rank-major, expert-minor).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from peft.tuners.lora.layer import ParamWrapper
+
+SPLIT, MERGED = "split", "merged"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what peft folds without upcasting (fp8 experts stay peft's)
+
+
+class SplitExperts(ParamWrapper):
+    """The outermost ParamWrapper of a routed-experts module, computing its adapters per expert (module docstring)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        chain, experts = wrappers(self)
+        factors = {name: lora_factors(w) for name, w in chain.items()}
+        peft_path = any(f is False for f in factors.values()) or experts.gate_up_proj.dtype not in DTYPES
+        if peft_path or len(args) != 2 or kwargs:  # not the MoE block's call (experts(x, top_k_index, top_k_weights))
+            return super().forward(hidden_states, *args, **kwargs)
+        top_k_index, top_k_weights = args
+        return experts_forward(experts, hidden_states, top_k_index, top_k_weights, factors)
+
+
+def wrappers(outer) -> tuple[dict, torch.nn.Module]:
+    """The nested ParamWrappers of one experts module by parameter name, and the experts module itself."""
+    chain, module = {}, outer
+    while isinstance(module, ParamWrapper):
+        chain[module.parameter_name] = module
+        module = module.base_layer
+    return chain, module
+
+
+def lora_factors(wrapper):
+    """(A [E, r, in], B [E, r, out], scale) of the one active adapter, views of peft's weights; None without one; False
+    when peft's own forward must run (adapters disabled or merged, or several active)."""
+    if wrapper.disable_adapters or wrapper.merged:
+        return False
+    active = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+    if len(active) != 1:
+        return None if not active else False
+    name, experts = active[0], wrapper.num_experts
+    weight_a, weight_b = wrapper.lora_A[name].weight, wrapper.lora_B[name].weight
+    a = weight_a.view(experts, -1, weight_a.shape[-1])
+    return a, weight_b.view(weight_b.shape[0], -1, experts).permute(2, 1, 0), wrapper.scaling[name]
+
+
+def splittable(experts) -> bool:
+    """transformers' fused experts as ERNIE 4.5 has them (gated, no bias, no post-norm, not expert-parallel)."""
+    return (getattr(experts, "has_gate", False) and not getattr(experts, "has_bias", True)
+            and not getattr(experts, "has_post_expert_norm", True) and not getattr(experts, "_is_expert_parallel", True)
+            and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) and experts.gate_up_proj.dim() == 3)
+
+
+def set_expert_compute(model, mode: str = SPLIT) -> int:
+    """Make every routed-experts module of `model` (a PeftModel) compute its adapters `split` or `merged` (peft's
+    own path); returns how many modules were set. Call after the adapters exist (get_peft_model, from_pretrained)."""
+    count = 0
+    for parent in model.modules():
+        if isinstance(parent, ParamWrapper):
+            continue  # only the outermost wrapper is called by the MoE block
+        for child in parent.children():
+            if isinstance(child, ParamWrapper) and splittable(wrappers(child)[1]):
+                child.__class__ = SplitExperts if mode == SPLIT else ParamWrapper
+                count += 1
+    return count
+
+
+def experts_forward(experts, hidden_states, top_k_index, top_k_weights, factors):
+    """transformers' grouped_mm experts forward with each projection's adapter added per expert (x·Wᵀ + s·x·Aᵀ·Bᵀ)."""
+    tokens, k = top_k_index.shape
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    counts = torch.bincount(expert_ids, minlength=experts.num_experts)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    dtype = experts.gate_up_proj.dtype
+    # As the merged path: grouped_mm runs in the expert weights' dtype whatever autocast says
+    with torch.autocast(hidden_states.device.type, enabled=False):
+        x = hidden_states[perm // k].to(dtype)
+        x = project(x, experts.gate_up_proj, experts.is_transposed, factors.get("gate_up_proj"), offsets)
+        x = project(experts._apply_gate(x), experts.down_proj, experts.is_transposed, factors.get("down_proj"), offsets)
+        x = x * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(dtype)
+    restore = torch.empty_like(perm)
+    restore[perm] = torch.arange(perm.numel(), device=perm.device)
+    return x[restore].view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def project(x, weight, transposed: bool, lora, offsets):
+    """x [S, in] sorted by expert -> [S, out]: the frozen weight's product plus the adapter's, per expert."""
+    out = grouped(x, weight if transposed else weight.transpose(-2, -1), offsets)
+    if lora is None:
+        return out
+    a, b, scale = lora
+    # As peft's fold: the factors in the weight's dtype. B's view has no unit stride, which grouped_mm needs: a copy
+    # (the size of B, kept for backward)
+    a, b = a.to(x.dtype), b.to(x.dtype).contiguous()
+    return torch.add(out, grouped(grouped(x, a.transpose(-2, -1), offsets), b, offsets), alpha=scale)
+
+
+def grouped(x, weight, offsets):
+    """x [S, in] (rows grouped by expert, group e ending at offsets[e]) @ weight[e] [in, out] for each group."""
+    if can_group(x, weight):
+        return F.grouped_mm(x, weight, offs=offsets)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
+    # unbind, not indexing: one backward for the whole stack (an adapter's gradient), none for a frozen weight
+    parts = [rows @ w for rows, w, n in zip(x.split(counts), weight.unbind(0), counts) if n]
+    return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[-1])
+
+
+def can_group(x, weight) -> bool:
+    """Where torch's grouped_mm runs (as transformers decides): CPU, CUDA from Ampere on, bf16 only under
+    torch.compile; its kernels need the rows of both operands (so of the output and gradients too) 16-byte aligned."""
+    if not hasattr(F, "grouped_mm") or x.device.type not in ("cpu", "cuda"):
+        return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:  # inductor lowers grouped_mm in bf16 only
+        return False
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
+        return False
+    return all(size * x.element_size() % 16 == 0 for size in weight.shape[-2:])
