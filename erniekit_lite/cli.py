@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--join-timeout", type=int, metavar="S", help="seconds to wait for every machine to join (default 120)")
     p.set_defaults(handler=_train)
 
+    p = sub.add_parser("recipes", help="list the shipped recipes (usable by name: `erniekit-lite train quickstart`), or copy them out to edit")
+    p.add_argument("--copy", metavar="DIR", help="copy every shipped recipe and its demo data to DIR/recipes (nothing is overwritten)")
+    p.set_defaults(handler=_recipes)
+
     p = sub.add_parser("validate", help="check a recipe and its data, print the plan, train nothing")
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*")
@@ -136,6 +140,19 @@ def _parse(parser, sub, argv: list[str]) -> argparse.Namespace:
     args = sub.choices[argv[0]].parse_intermixed_args(argv[1:])
     args.command = argv[0]
     return args
+
+
+def _recipes(args) -> int:
+    from erniekit_lite import shipped
+
+    if args.copy:
+        print(f"copied to {shipped.copy_to(args.copy)}; run the commands from {args.copy} (recipes/... paths)")
+        return 0
+    names = shipped.names()
+    width = max(map(len, names))
+    for name in names:
+        print(f"{name:<{width}}  {shipped.summary(name)}")
+    return 0
 
 
 def _train(args) -> int:

@@ -311,10 +311,15 @@ OWNED_TRAIN_KEYS = {
 
 
 def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Read a recipe file, apply `a.b=value` overrides and validate. Raises RecipeError with file:line."""
+    """Read a recipe file (or a shipped recipe by name: `quickstart`, `ernie-4.5-0.3b/sft-lora`), apply `a.b=value`
+    overrides and validate. Raises RecipeError with file:line."""
+    from erniekit_lite import shipped
+
     path = Path(path)
     if not path.is_file():
-        raise RecipeError(str(path), "recipe file not found")
+        path = shipped.find(str(path)) or path
+    if not path.is_file():
+        raise RecipeError(str(path), "recipe file not found (a shipped recipe's name also works: erniekit-lite recipes)")
     text = path.read_text(encoding="utf-8")
     try:
         raw = yaml.safe_load(text)
@@ -326,6 +331,7 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recip
         raise RecipeError(where, f"YAML syntax error: {getattr(e, 'problem', None) or e}{started}") from None
     if not isinstance(raw, dict):
         raise RecipeError(str(path), "expected a mapping of sections (model, data, train, output, ...)")
+    raw = shipped.localize(raw, path)  # a shipped recipe's recipes/... data, outside a clone: the package's copy
     for override in overrides:
         _apply_override(raw, override)
     return from_dict(raw, source=str(path), lines=lines)

@@ -11,6 +11,8 @@ the adapter. The engine then replaces this process (exec), so Ctrl-C and signals
 
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import os
 import shlex
@@ -41,10 +43,14 @@ def serve_command(run: str, engine: str, host: str, port: int, vllm: str | None,
         raise UserError(f"--port: {port}; expected 1-65535")
     executable = vllm_executable(vllm)
     if engine == "vllm" and executable is None:
-        raise UserError("--engine vllm: no `vllm` executable on PATH; install vLLM in its own environment (README: "
-                        "After training) and name it with --vllm PATH")
+        raise UserError("--engine vllm: no `vllm` executable on PATH; install vLLM in its own environment "
+                        "(docs/after-training.md: Serve) and name it with --vllm PATH")
     if engine == "auto":
         engine = "vllm" if executable else "transformers"
+    missing = [m for m in SERVING if importlib.util.find_spec(m) is None] if engine == "transformers" else []
+    if missing:  # transformers serve's own error is a traceback from inside its CLI
+        raise UserError(f"--engine transformers: `transformers serve` needs {', '.join(missing)}: "
+                        "pip install 'transformers[serving]' (erniekit-lite's own install includes it)")
     model = servable(run, log)
     if engine == "vllm":
         python = interpreter(executable)
@@ -57,6 +63,9 @@ def serve_command(run: str, engine: str, host: str, port: int, vllm: str | None,
         return command, model
     return [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve", model, "--host", host,
             "--port", str(port)], model
+
+
+SERVING = ("openai", "fastapi", "uvicorn")  # what `transformers serve` imports (transformers[serving])
 
 
 def interpreter(executable: str) -> str | None:

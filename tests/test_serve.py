@@ -164,3 +164,17 @@ def test_commands_and_bad_input(tmp_path, capsys, tiny_own_dir):
     assert "--vllm" in error(tiny_own_dir, "--vllm", tmp_path / "none")
     if serve_command(str(tiny_own_dir), "auto", "127.0.0.1", 8000, None)[0][0] == sys.executable:
         assert "no `vllm` executable on PATH" in error(tiny_own_dir, "--engine", "vllm")
+
+
+def test_transformers_serve_without_its_packages_is_one_line(tiny_own_dir, monkeypatch):
+    """`transformers serve` imports transformers[serving]'s packages inside its own CLI, where a missing one is a
+    traceback: `serve` names them first (stand-in: find_spec reports openai and uvicorn absent)."""
+    import importlib.util
+
+    from erniekit_lite.errors import UserError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("openai", "uvicorn") else real(name, *a))
+    with pytest.raises(UserError, match=r"^--engine transformers: `transformers serve` needs openai, uvicorn: "
+                                        r"pip install 'transformers\[serving\]'"):
+        serve_command(str(tiny_own_dir), "transformers", "127.0.0.1", 8000, None)
