@@ -121,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args) or 0
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        # one write of the whole line: the processes of a launched run share stderr, and print's two writes (text,
+        # then newline) interleaved there, joining two processes' errors on one line
+        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.flush()
         return 2
     except Stopped as e:
         if os.environ.get("RANK", "0") == "0":  # every process of a launched run stops; one says so
