@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU bf16 path
 
 
 def _recipe(tmp_path: Path, model_dir: Path, method: str, lora: bool, precision: str) -> Path:
-    train = {"learning_rate": 3e-3 if method == "sft" else 5e-3, "max_steps": 30, "per_device_train_batch_size": 2,
+    train = {"learning_rate": 3e-3 if method == "sft" else 5e-3, "max_steps": 15, "per_device_train_batch_size": 2,
              "activation_checkpointing": False, "logging_steps": 5, "save_strategy": "no", "seed": 0}
     if method == "dpo":
         train["beta"] = 0.1
@@ -48,7 +48,7 @@ CASES = [
 ]
 
 
-# |bf16 - fp32| of a logged loss over 30 steps may be at most 5% of the fp32 loss plus 0.005 (DPO's loss falls to
+# |bf16 - fp32| of a logged loss over 15 steps may be at most 5% of the fp32 loss plus 0.005 (DPO's loss falls to
 # ~0.003, where bf16's rounding is a larger share: measured 0.0003 there; 2e-3 relative elsewhere)
 BF16_LOSS_TOLERANCE = (0.05, 0.005)
 
@@ -84,12 +84,12 @@ def test_bf16_trains_on_cpu_along_the_fp32_run(tmp_path, capsys, tiny_own_dir, t
     out, err = capsys.readouterr()
     assert code == 0, err
     history = _losses(tmp_path / "out")
-    assert len(history) == len(reference) == 6
+    assert len(history) == len(reference) == 3
     relative, absolute = BF16_LOSS_TOLERANCE
     worst = max(abs(b - f) - relative * abs(f) for b, f in zip(history, reference))
     print(f"bf16 vs fp32 losses: worst |difference| beyond {relative:.0%} of the fp32 loss: {worst:.3g}")
     assert worst <= absolute, (history, reference)
-    assert history[-1] < 0.97 * history[0], history  # 30 steps: the loss falls, not converges
+    assert history[-1] < 0.99 * history[0], history  # 15 steps: the loss falls (SFT by 2%), not converges
     # the run says which precision was in effect: autocast over fp32 weights, or bf16 weights without autocast
     distributed = json.loads((tmp_path / "out" / "train_results.json").read_text())["distributed"]
     assert distributed["mixed_precision"] == ("bf16 autocast" if precision == "autocast" else "none")
