@@ -15,12 +15,12 @@ HELP = "type a message; /reset clears the history, /exit (or Ctrl-D) quits"
 
 
 def load(path: str, adapter: str | None = None):
-    """Model and tokenizer for inference: bf16 on a CUDA GPU, fp32 on CPU; KV cache on (no packing here)."""
+    """Model and tokenizer for inference: bf16 on a CUDA GPU, fp32 on CPU, a QLoRA run on the 4-bit base it trained
+    against (in the run's model.dtype: the adapter added to the original weights answers otherwise); KV cache on."""
     import torch
 
-    from erniekit_lite.model.load import adapter_base, load_model, load_tokenizer
+    from erniekit_lite.model.load import adapter_base, load_model, load_tokenizer, tokenizer_path, trained_in_4bit
     from erniekit_lite.model.lora import load_adapter
-    from erniekit_lite.model.load import tokenizer_path
 
     if adapter is not None and adapter_base(adapter) is None:
         raise UserError(f"--adapter: {adapter}: not a LoRA adapter dir (no adapter_config.json)")
@@ -30,8 +30,9 @@ def load(path: str, adapter: str | None = None):
 
     for given in (path, adapter):
         refuse_reward_run(given, "chat")
-    dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    model = load_model(path, dtype, "sdpa", trainable_adapter=False)
+    four_bit = trained_in_4bit(adapter or path)
+    dtype = four_bit or ("bfloat16" if torch.cuda.is_available() else "float32")
+    model = load_model(path, dtype, "sdpa", trainable_adapter=False, load_in_4bit=bool(four_bit))
     if adapter is not None:
         model = load_adapter(model, adapter, trainable=False)
     if torch.cuda.is_available():

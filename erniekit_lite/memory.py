@@ -15,8 +15,9 @@ b = bytes of matmul outputs (2 under bf16/fp16 autocast, else r).
   adapters in fp32 (peft upcasts them) or bf16 under QLoRA (TRL casts them). model.load_in_4bit: bitsandbytes
   NF4 stores each nn.Linear weight in 0.516 B (4 bits + double-quantized scales), plus 1,092 B of code tables per
   quantized linear (checked against a loaded 4-bit model in tests/test_qlora.py), but leaves the LM head / tied
-  embeddings, norms, the router and the MoE's fused routed-expert weights (3-D parameters, not nn.Linear) in
-  model.dtype, so on the 21B-A3B most of the weights stay bf16.
+  embeddings, norms and the router in model.dtype. The MoE's fused routed-expert weights (3-D parameters, which
+  bitsandbytes leaves) are NF4 too (model/expert_4bit.py): 0.516 B each, plus 1,088 B of code tables and 4 B per
+  expert for each fused parameter.
 - gradients: one per trainable parameter, in its dtype (Trainer's bf16 is autocast: no fp32 master copy).
 - optimizer: AdamW (adamw_torch_fused, the default; any adam*): 2 states per trainable parameter in its dtype;
   *8bit optimizers 2 bytes; lion/rmsprop/adagrad 1 state; sgd and adafactor counted as none.
@@ -158,6 +159,9 @@ class Params:
     layer_matmul_max: int = 0  # nn.Linear weights of the largest decoder layer
     layer_matmul_total: int = 0  # nn.Linear weights of all decoder layers
     linear_modules: int = 0  # how many linears `linear` counts (each 4-bit one has its own quantization tables)
+    experts_frozen: int = 0  # frozen fused routed-expert weights (part of `other`; NF4 under load_in_4bit)
+    expert_stacks: int = 0  # how many fused expert parameters those are (each 4-bit one has its own tables)
+    experts_per_stack: int = 0  # E (each 4-bit stack keeps one absmax offset per expert)
     layer_params_max: int = 0  # all parameters of the largest decoder layer (what FSDP / ZeRO-3 gathers at once)
 
 
@@ -239,9 +243,11 @@ def params_of(model, lora_dropout: float = 0.0) -> Params:
         if type(module) is torch.nn.Linear and id(module.weight) not in head_ids and not _is_lora_factor(name):
             linear_ids.add(id(module.weight))
             largest = max(largest, module.weight.numel())
-    linear = fp32 = other = trainable = 0
+    linear = fp32 = other = trainable = experts_frozen = stacks = per_stack = 0
     for name, p in base.named_parameters():
         n = p.numel()
+        if name.replace(".base_layer", "").endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) and not p.requires_grad:
+            experts_frozen, stacks, per_stack = experts_frozen + n, stacks + 1, p.shape[0]
         if p.requires_grad:
             trainable += n
         elif id(p) in linear_ids:
@@ -291,6 +297,9 @@ def params_of(model, lora_dropout: float = 0.0) -> Params:
             per_layer[int(index)] = per_layer.get(int(index), 0) + p.numel()
     return Params(
         linear_modules=len(linear_ids),
+        experts_frozen=experts_frozen,
+        expert_stacks=stacks,
+        experts_per_stack=per_stack,
         linear=linear,
         fp32=fp32,
         other=other,
@@ -357,6 +366,9 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
     weights = int(params.linear * linear_bytes + params.fp32 * 4 + params.other * r + params.trainable * train_bytes)
     if run.load_in_4bit:
         weights += params.linear_modules * NF4_MODULE_BYTES
+        # the routed experts too (model/expert_4bit.py): NF4 as a Linear4bit, with one absmax offset per expert
+        weights += int(params.experts_frozen * (NF4_BYTES - r))
+        weights += params.expert_stacks * (NF4_MODULE_BYTES - 4 + 4 * params.experts_per_stack)
     gradients = params.trainable * train_bytes
     states, state_bytes = _optimizer(run.optim, train_bytes)
     if states is None:
@@ -451,10 +463,11 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
     four_bit = ""
     if run.load_in_4bit:
         linears = "attention, dense-layer MLP and shared-expert" if shape.experts else "attention and MLP"
-        kept = "embeddings/LM head, norms" + (", fused routed experts (bitsandbytes quantizes nn.Linear only)" if shape.experts else "")
+        experts = f" + {params.experts_frozen:,} (fused routed experts)" if params.experts_frozen else ""
         four_bit = (
-            f"4-bit NF4: {params.linear:,} parameters ({linears} nn.Linear weights); "
-            f"{_dtype_name(r)}: {params.other:,} ({kept})" + (f"; fp32: {params.fp32:,} (router)" if params.fp32 else "")
+            f"4-bit NF4: {params.linear:,} parameters ({linears} nn.Linear weights){experts}; "
+            f"{_dtype_name(r)}: {params.other - params.experts_frozen:,} (embeddings/LM head, norms)"
+            + (f"; fp32: {params.fp32:,} (router)" if params.fp32 else "")
         )
     return Estimate(weights, gradients, optimizer, activations, logits, transient, reference, overhead, notes, four_bit, reference_copy,
                     generation)

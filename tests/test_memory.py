@@ -88,8 +88,9 @@ def test_per_layer_formula_is_the_documented_one():
     assert memory._one_layer(shape, params, run, moe=False, grad_in=True) == norms + attention + mlp + inputs == 101448
 
 
-def test_qlora_counts_4bit_linears_only():
-    """bitsandbytes quantizes nn.Linear only: on the MoE the fused routed experts stay in model.dtype."""
+def test_qlora_counts_4bit_linears_and_routed_experts():
+    """bitsandbytes quantizes nn.Linear; model/expert_4bit.py the MoE's fused routed experts, in the same NF4 layout
+    with one quantization state per fused parameter (its code tables) and one absmax offset per expert."""
     from erniekit_lite.recipe import LoraSection
     from erniekit_lite.tiny import tiny_config
 
@@ -97,7 +98,8 @@ def test_qlora_counts_4bit_linears_only():
     params = memory.params_of(_meta(config, LoraSection(r=4)))
     experts = sum(p.numel() for n, p in _meta(config).named_parameters() if ".experts." in n)
     embeddings = 1024 * 64
-    assert params.other >= experts + embeddings  # routed experts and embeddings: not quantizable
+    assert params.other >= experts + embeddings  # routed experts and embeddings: not nn.Linear
+    assert params.experts_frozen == experts and params.expert_stacks == 2 * 2 and params.experts_per_stack == config.moe_num_experts
     linears = 3 * (64 * 64 * 2 + 64 * 32 * 2)  # q, o (64x64) and k, v (64x32) in every layer
     linears += 3 * 64 * 64 + 2 * 3 * 64 * 64  # dense layer-0 MLP (32 x 2 shared x 1 kv head wide, as released), 2 layers of shared experts (2 x 32 wide)
     assert params.linear == linears
@@ -106,9 +108,11 @@ def test_qlora_counts_4bit_linears_only():
     est = memory.estimate(shape, params, run)
     lora = params.trainable * 2  # TRL casts QLoRA adapters to bf16
     assert params.linear_modules == 3 * 4 + 3 + 2 * 3  # attention, the dense MLP, the shared experts' projections
-    assert est.weights == int(params.linear * memory.NF4_BYTES + params.fp32 * 4 + params.other * 2 + lora) + params.linear_modules * memory.NF4_MODULE_BYTES
+    linears_4bit = int(params.linear * memory.NF4_BYTES + params.fp32 * 4 + params.other * 2 + lora) + params.linear_modules * memory.NF4_MODULE_BYTES
+    experts_4bit = int(experts * (memory.NF4_BYTES - 2)) + 4 * (memory.NF4_MODULE_BYTES - 4 + 4 * config.moe_num_experts)
+    assert est.weights == linears_4bit + experts_4bit
     assert est.gradients == lora and est.optimizer == 2 * lora
-    assert "fused routed experts" in est.four_bit
+    assert f"+ {experts:,} (fused routed experts)" in est.four_bit
 
 
 def test_smallest_gpu():
@@ -160,7 +164,7 @@ def test_validate_plans_qlora_without_a_gpu_note(tmp_path, capsys, tiny_moe_dir)
     assert code == 0, err
     assert "needs a CUDA GPU" not in out
     assert "bf16 autocast, 4-bit base" in out
-    assert "4-bit NF4: " in out and "fused routed experts (bitsandbytes quantizes nn.Linear only)" in out
+    assert "4-bit NF4: " in out and " (fused routed experts); bf16: " in out
     assert not (tmp_path / "out").exists()
 
 
@@ -202,7 +206,7 @@ def _memory_table() -> dict[str, float]:
     return figures
 
 
-@pytest.mark.slow  # ~35 s: validate plans ten released recipes (their data prepared, the models built on meta)
+@pytest.mark.slow  # ~40 s: validate plans eleven released recipes (their data prepared, the models built on meta)
 def test_memory_table_is_what_validate_prints(tmp_path):
     """Each figure of the memory table in docs/memory.md equals `validate`'s estimate for that shipped recipe (to
     0.1 GiB), with the released configs (../shared) and the real tokenizer."""
@@ -220,7 +224,7 @@ def test_memory_table_is_what_validate_prints(tmp_path):
     shutil.copytree(ERNIE_TOKENIZER_DIR, moe, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
     shutil.copy(moe_config, moe / "config.json")
     figures = _memory_table()
-    assert len(figures) == 9
+    assert len(figures) == 11
     for name, stated in figures.items():
         path = ERNIE_TOKENIZER_DIR if name.startswith("ernie-4.5-0.3b") else moe
         recipe = recipes.load(str(ROOT / "recipes" / name), [f"model.path={path}", f"output.dir={tmp_path / 'out'}"])

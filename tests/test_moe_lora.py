@@ -57,6 +57,24 @@ def test_lora_reaches_every_group_and_never_the_router(tiny_moe_dir):
             assert not param.requires_grad and "lora" not in name, name
 
 
+def test_expert_r_sets_the_routed_experts_rank_alone_at_scale_alpha_over_it(tiny_moe_dir):
+    """lora.expert_r: rank 2·expert_r on the fused [gate; up], expert_r on down, scale alpha / expert_r there (rsLoRA:
+    alpha / sqrt(expert_r)); attention, the dense MLP and the shared experts keep r (their down_proj is not matched)."""
+    hidden, moe_inter, experts = 64, 32, 8
+    for rslora in (False, True):
+        full = trainable_groups(apply_lora(moe(tiny_moe_dir), LoraSection(r=4, alpha=8, use_rslora=rslora)))
+        model = apply_lora(moe(tiny_moe_dir), LoraSection(r=4, alpha=8, expert_r=2, use_rslora=rslora))
+        groups = trainable_groups(model)
+        assert {g: n for g, n in groups.items() if g != "routed experts"} == {g: n for g, n in full.items() if g != "routed experts"}
+        assert groups["routed experts"] == 2 * (experts * 4 * (hidden + 2 * moe_inter) + experts * 2 * (moe_inter + hidden))
+        scales = {name: module.scaling["default"] for name, module in model.named_modules()
+                  if hasattr(module, "scaling") and ".layers.1.mlp." in name}
+        expected = (lambda r: 8 / r ** 0.5) if rslora else (lambda r: 8 / r)
+        assert scales["base_model.model.model.layers.1.mlp.shared_experts.down_proj"] == pytest.approx(expected(4))
+        wrapped = [s for n, s in scales.items() if ".mlp.experts" in n]
+        assert wrapped and all(s == pytest.approx(expected(2)) for s in wrapped), scales
+
+
 def test_router_target_and_dropout_on_experts_are_refused(tiny_moe_dir):
     with pytest.raises(UserError, match="router"):
         apply_lora(moe(tiny_moe_dir), LoraSection(targets=["q_proj", "gate"]))
@@ -77,14 +95,15 @@ with torch.no_grad():
 """
 
 
-def test_adapter_reloads_in_a_fresh_process_and_merges_to_a_plain_checkpoint(tmp_path, tiny_moe_dir):
+@pytest.mark.parametrize("expert_r", [None, 2])
+def test_adapter_reloads_in_a_fresh_process_and_merges_to_a_plain_checkpoint(expert_r, tmp_path, tiny_moe_dir):
     from peft import PeftModel
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     from erniekit_lite.model.merge import merge
 
-    model = apply_lora(moe(tiny_moe_dir), LoraSection(r=4)).eval()
+    model = apply_lora(moe(tiny_moe_dir), LoraSection(r=4, expert_r=expert_r)).eval()
     torch.manual_seed(0)
     with torch.no_grad():  # B starts at zero; make every adapter matter
         for name, param in model.named_parameters():

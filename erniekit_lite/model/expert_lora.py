@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import ParamWrapper
 
+from erniekit_lite.errors import UserError
+from erniekit_lite.model import expert_4bit
+
 SPLIT, MERGED = "split", "merged"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what peft folds without upcasting (fp8 experts stay peft's)
 
@@ -34,7 +37,9 @@ class SplitExperts(ParamWrapper):
     def forward(self, hidden_states, *args, **kwargs):
         chain, experts = wrappers(self)
         factors = {name: lora_factors(w) for name, w in chain.items()}
-        peft_path = any(f is False for f in factors.values()) or experts.gate_up_proj.dtype not in DTYPES
+        peft_path = any(f is False for f in factors.values()) or compute_dtype(experts) not in DTYPES
+        if expert_4bit.is_4bit(experts) and any(f is False for f in factors.values()) and not self.disable_adapters:
+            raise ValueError("4-bit routed experts: peft cannot merge an adapter into them (or run several at once)")
         if peft_path or len(args) != 2 or kwargs:  # not the MoE block's call (experts(x, top_k_index, top_k_weights))
             return super().forward(hidden_states, *args, **kwargs)
         top_k_index, top_k_weights = args
@@ -68,13 +73,53 @@ def splittable(experts) -> bool:
     """transformers' fused experts as ERNIE 4.5 has them (gated, no bias, no post-norm, not expert-parallel)."""
     return (getattr(experts, "has_gate", False) and not getattr(experts, "has_bias", True)
             and not getattr(experts, "has_post_expert_norm", True) and not getattr(experts, "_is_expert_parallel", True)
-            and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) and experts.gate_up_proj.dim() == 3)
+            and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
+            and (experts.gate_up_proj.dim() == 3 or expert_4bit.is_4bit(experts)))
+
+
+def compute_dtype(experts) -> torch.dtype:
+    """What the experts' matmuls run in: their weights' dtype, or what 4-bit ones dequantize to."""
+    return experts.nf4_dtype if expert_4bit.is_4bit(experts) else experts.gate_up_proj.dtype
+
+
+class FourBitExperts:
+    """Mixed into a 4-bit experts module's class (`quantize_experts`): its own forward, taken when no expert adapter
+    wraps it (routed experts not adapted, inference of the base, adapters disabled), computes as the split path."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return experts_forward(self, hidden_states, top_k_index, top_k_weights, {})
+
+
+def quantize_experts(model, dtype: torch.dtype) -> int:
+    """Store every routed-experts module of `model` in NF4 (`expert_4bit`) and give it the 4-bit forward; how many.
+    One module at a time: only one layer's stack is ever quantized at once."""
+    count = 0
+    for module in list(model.modules()):
+        if splittable(module) and not isinstance(module, FourBitExperts):
+            expert_4bit.restore_stats(module)
+            for name in expert_4bit.NAMES:
+                if name not in (getattr(module, "nf4_shapes", None) or {}):  # not already quantized as loaded
+                    expert_4bit.quantize(module, name, dtype)
+            module.__class__ = type(f"FourBit{type(module).__name__}", (FourBitExperts, type(module)), {})
+            count += 1
+    return count
+
+
+def unquantize_experts(model) -> None:
+    """Dequantize every 4-bit experts module back to bf16/fp32 parameters and its original class (merge)."""
+    for module in list(model.modules()):
+        if expert_4bit.is_4bit(module):
+            expert_4bit.unquantize(module)
+            module.__class__ = next(c for c in type(module).__mro__[1:] if c is not FourBitExperts)
 
 
 def set_expert_compute(model, mode: str = SPLIT) -> int:
     """Make every routed-experts module of `model` (a PeftModel) compute its adapters `split` or `merged` (peft's
     own path); returns how many modules were set. Call after the adapters exist (get_peft_model, from_pretrained)."""
     count = 0
+    if mode == MERGED and any(expert_4bit.is_4bit(m) for m in model.modules()):
+        raise UserError("lora.expert_compute: merged needs the routed experts unquantized, and model.load_in_4bit stores "
+                        "them in 4-bit; use lora.expert_compute: split")
     for parent in model.modules():
         if isinstance(parent, ParamWrapper):
             continue  # only the outermost wrapper is called by the MoE block
@@ -91,21 +136,26 @@ def experts_forward(experts, hidden_states, top_k_index, top_k_weights, factors)
     expert_ids, perm = torch.sort(top_k_index.reshape(-1))
     counts = torch.bincount(expert_ids, minlength=experts.num_experts)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    dtype = experts.gate_up_proj.dtype
+    dtype = compute_dtype(experts)
     # As the merged path: grouped_mm runs in the expert weights' dtype whatever autocast says
     with torch.autocast(hidden_states.device.type, enabled=False):
         x = hidden_states[perm // k].to(dtype)
-        x = project(x, experts.gate_up_proj, experts.is_transposed, factors.get("gate_up_proj"), offsets)
-        x = project(experts._apply_gate(x), experts.down_proj, experts.is_transposed, factors.get("down_proj"), offsets)
+        x = project(x, experts, "gate_up_proj", factors.get("gate_up_proj"), offsets)
+        x = project(experts._apply_gate(x), experts, "down_proj", factors.get("down_proj"), offsets)
         x = x * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(dtype)
     restore = torch.empty_like(perm)
     restore[perm] = torch.arange(perm.numel(), device=perm.device)
     return x[restore].view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
-def project(x, weight, transposed: bool, lora, offsets):
-    """x [S, in] sorted by expert -> [S, out]: the frozen weight's product plus the adapter's, per expert."""
-    out = grouped(x, weight if transposed else weight.transpose(-2, -1), offsets)
+def project(x, experts, name: str, lora, offsets):
+    """x [S, in] sorted by expert -> [S, out]: the frozen weight `experts.<name>`'s product plus the adapter's, per
+    expert. A 4-bit weight is dequantized one expert at a time (`expert_4bit.grouped_4bit`)."""
+    if expert_4bit.is_4bit(experts):
+        out = expert_4bit.grouped_4bit(x, experts, name, offsets)
+    else:
+        weight = getattr(experts, name)
+        out = grouped(x, weight if experts.is_transposed else weight.transpose(-2, -1), offsets)
     if lora is None:
         return out
     a, b, scale = lora

@@ -6,6 +6,7 @@ in `auto_map` is never run unless the recipe sets `model.trust_remote_code: true
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -20,6 +21,17 @@ def adapter_base(path: str) -> str | None:
     if not config.is_file():
         return None
     return json.loads(config.read_text())["base_model_name_or_path"]
+
+
+def trained_in_4bit(run_dir: str) -> str | None:
+    """For a QLoRA run dir (its recipe.yaml has model.load_in_4bit: true), the dtype its unquantized weights had."""
+    import yaml
+
+    recipe = Path(run_dir) / "recipe.yaml"
+    if not recipe.is_file():
+        return None
+    model = (yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}).get("model") or {}
+    return model.get("dtype", "float32") if model.get("load_in_4bit") else None
 
 
 def tokenizer_path(model_path: str) -> str:
@@ -77,18 +89,30 @@ def load_model(
 
     base = adapter_base(path)
     check_source(base or path)
+    context = contextlib.nullcontext()
+    if load_in_4bit:
+        from erniekit_lite.model.expert_4bit import quantized_as_loaded
+        from erniekit_lite.model.expert_lora import splittable
+
+        # bitsandbytes leaves the fused routed experts (3-D parameters) in model.dtype: NF4 too, as each is loaded
+        context = quantized_as_loaded(splittable, getattr(torch, DTYPES[dtype]))
     try:
-        model = (model_class or AutoModelForCausalLM).from_pretrained(
-            base or path,
-            dtype=getattr(torch, DTYPES[dtype]),
-            attn_implementation=attn_implementation,
-            trust_remote_code=trust_remote_code,
-            **({"quantization_config": four_bit_config()} if load_in_4bit else {}),
-        )
+        with context:
+            model = (model_class or AutoModelForCausalLM).from_pretrained(
+                base or path,
+                dtype=getattr(torch, DTYPES[dtype]),
+                attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code,
+                **({"quantization_config": four_bit_config()} if load_in_4bit else {}),
+            )
     except (OSError, ValueError) as e:
         raise UserError(missing_source(base or path, e) or f"{base or path}: could not load the model: {_first_line(e)}") from None
     if load_in_4bit:
         keep_cpu_layout(model)
+        from erniekit_lite.model.expert_lora import quantize_experts
+
+        # their 4-bit forward (and NF4 for any that loading did not quantize)
+        quantize_experts(model, getattr(torch, DTYPES[dtype]))
     freeze_router_statistics(model)
     if base:
         from erniekit_lite.model.lora import load_adapter

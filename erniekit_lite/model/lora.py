@@ -60,11 +60,11 @@ def lora_config(model, lora: LoraSection):
                 raise UserError(f"lora.targets: the routed experts fuse {' and '.join(parts)} into one weight; target both or neither")
             if present:
                 parameters.append(f"mlp.experts.{fused}")
-            if len(present) > 1:
+            if present and (len(parts) > 1 or lora.expert_r):
                 # Rank r per fused projection, as transformers 4's separate gate_proj/up_proj had (peft's own convention),
                 # at the scale of a rank-r adapter: alpha x 2 keeps alpha / r, alpha x sqrt(2) keeps rsLoRA's alpha / sqrt(r)
-                rank[rf".*\.{fused}"] = lora.r * len(parts)
-                alpha[rf".*\.{fused}"] = lora.alpha * (math.sqrt(len(parts)) if lora.use_rslora else len(parts))
+                rank[rf".*\.experts\.{fused}"] = (lora.expert_r or lora.r) * len(parts)
+                alpha[rf".*\.experts\.{fused}"] = lora.alpha * (math.sqrt(len(parts)) if lora.use_rslora else len(parts))
     return LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,

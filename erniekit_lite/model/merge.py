@@ -3,7 +3,7 @@
 The result loads with `AutoModelForCausalLM.from_pretrained` alone (no peft). transformers 5 saves the MoE's fused
 routed experts back in the released per-expert layout (`mlp.experts.N.gate_proj.weight`), which serving engines
 expect. Weights are saved in the base checkpoint's dtype. A QLoRA run's adapter is merged into the base it trained
-against: quantized to NF4 and dequantized again (exactly what the 4-bit layers computed with), its other weights in
+against: quantized to NF4 and dequantized again (exactly what the 4-bit layers computed with, the routed experts' too), its other weights in
 the run's `model.dtype`; merged into the original weights it would answer differently from the trained model.
 
 Tensors of the base checkpoint that the model class does not load (the 21B-A3B's multi-token-prediction block,
@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
-from erniekit_lite.model.load import adapter_base, load_model, load_tokenizer
+from erniekit_lite.model.load import adapter_base, load_model, load_tokenizer, trained_in_4bit
 
 MARKER = "erniekit_merged.json"  # written last: a dir holding it is a complete merge
 CARRIED = "model-carried-over.safetensors"  # base tensors the model class did not load, copied unchanged
@@ -32,17 +32,6 @@ def base_dtype(path: str) -> str:
     config = AutoConfig.from_pretrained(path)
     dtype = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
     return dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
-
-
-def trained_in_4bit(run_dir: str) -> str | None:
-    """For a QLoRA run dir (its recipe.yaml has model.load_in_4bit: true), the dtype its unquantized weights had."""
-    import yaml
-
-    recipe = Path(run_dir) / "recipe.yaml"
-    if not recipe.is_file():
-        return None
-    model = (yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}).get("model") or {}
-    return model.get("dtype", "float32") if model.get("load_in_4bit") else None
 
 
 def merge(adapter_dir: str, out_dir: str, overwrite: bool = False, log=print) -> Path:
@@ -69,9 +58,11 @@ def merge(adapter_dir: str, out_dir: str, overwrite: bool = False, log=print) ->
         # QLoRA: the adapter learned against the 4-bit base, its other weights in the run's model.dtype. It is merged
         # into that base dequantized (what the 4-bit model computes with), not into the original weights, so the
         # merged model answers as the run did; saved in that dtype
+        from erniekit_lite.model.expert_lora import unquantize_experts
         from erniekit_lite.model.lora import load_adapter
 
         four_bit = load_model(base, qlora_dtype, "sdpa", load_in_4bit=True, model_class=model_class)
+        unquantize_experts(four_bit)  # the NF4 routed experts (model/expert_4bit.py), which transformers doesn't know
         model = load_adapter(four_bit.dequantize(), adapter_dir, trainable=False)
     else:
         model = load_model(adapter_dir, base_dtype(base), "sdpa", trainable_adapter=False, model_class=model_class)
