@@ -1,7 +1,7 @@
 """LoRA SFT on the ERNIE-4.5-21B-A3B MoE widths: routed-expert adapters `split` vs `merged`, per MoE layer (issue 31, item 4).
 
     python benchmarks/moe_lora.py [--rounds 3] [--steps 2] [--warmup 1] [--length 1024] [--lora-r 8] [--vocab 1024]
-                                  [--modes merged,split] [--four-bit] [--threads N]
+                                  [--modes merged,split] [--four-bit [--four-bit-rounds 1]] [--threads N]
 
 What runs
 - Random-weight ERNIE 4.5 MoE models at the released 21B-A3B widths (config `ernie45/ernie-4.5-21b-a3b-pt` under
@@ -130,6 +130,29 @@ def packed_row(length: int, vocab: int, seed: int = 0) -> dict:
             "max_length_q": max(lengths), "max_length_k": max(lengths)}
 
 
+class AnonPeak:
+    """The largest RssAnon (anonymous memory: what the process itself allocated, not the checkpoint's memory-mapped
+    pages, which VmHWM also counts) seen while active, sampled every 5 ms by a thread."""
+
+    def __enter__(self):
+        import threading
+
+        self.peak, self.done = _status_kib("RssAnon") or 0, threading.Event()
+
+        def sample():
+            while not self.done.wait(0.005):
+                self.peak = max(self.peak, _status_kib("RssAnon") or 0)
+
+        self.thread = threading.Thread(target=sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        self.peak = max(self.peak, _status_kib("RssAnon") or 0)
+
+
 def child(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     import torch
@@ -145,9 +168,16 @@ def child(spec_path: str) -> int:
 
     baseline = _status_kib("VmRSS")
     t0 = time.perf_counter()
-    model = build(spec)
+    with AnonPeak() as loading:
+        model = build(spec)
     four_bit = sum(1 for m in model.modules() if expert_4bit.is_4bit(m))
-    result = {"experts_4bit_modules": four_bit}
+    result = {"experts_4bit_modules": four_bit, "load_peak_anon_mib": round(loading.peak / 1024, 1)}
+    if spec.get("model_dir"):  # what loading in 4-bit held at most, next to the checkpoint it read
+        result["checkpoint_mib"] = round(sum(f.stat().st_size for f in Path(spec["model_dir"]).glob("*.safetensors")) / 2**20, 1)
+    stacks = [m for m in model.modules() if expert_4bit.is_4bit(m)]
+    if stacks:  # the 4-bit experts' bytes (packed weights and statistics) against the same weights in bf16
+        result["experts_4bit_bytes"] = sum(expert_4bit.stack_bytes(m) for m in stacks)
+        result["experts_bf16_bytes"] = sum(2 * getattr(m, n).numel() * 2 for m in stacks for n in m.nf4_shapes)
     if spec.get("model_dir") and not four_bit:
         result.update({"unavailable": NOT_AVAILABLE, "build_seconds": round(time.perf_counter() - t0, 1)})
         result["peak_rss_mib"], _ = peak_rss_mib()
@@ -244,6 +274,8 @@ def main(argv=None) -> int:
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (alpha = 2r) on every target, routed experts included")
     p.add_argument("--modes", default="merged,split", help="comma-separated subset of: merged, split")
     p.add_argument("--four-bit", action="store_true", help="also split with 4-bit experts (model.load_in_4bit), see above")
+    p.add_argument("--four-bit-rounds", type=int, default=1, help="rounds of the 4-bit rows (on CPU bitsandbytes dequantizes "
+                   "in plain code: minutes per step, and the CPU figure says nothing of a GPU's)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in every child (default: torch's own)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds before a child process is killed")
     p.add_argument("--verbose", action="store_true", help="show each child's own output")
@@ -277,6 +309,8 @@ def main(argv=None) -> int:
         for rnd in range(1, args.rounds + 1):
             for model_name, moe in MODELS.items():
                 for mode in modes:
+                    if mode == "split-4bit" and rnd > args.four_bit_rounds:
+                        continue
                     spec = {**base, "moe_layers": moe, "compute": "split" if mode == "split-4bit" else mode}
                     if mode == "split-4bit":
                         spec["model_dir"] = save_model(spec, tmp / f"model-{model_name}")
@@ -351,6 +385,8 @@ def summarise(runs, modes, args) -> dict:
             "trainable_params": ok[0]["trainable_params"],
             "split_modules": ok[0]["split_modules"],
             "experts_4bit_modules": ok[0]["experts_4bit_modules"],
+            "load_peak_anon_mib": max(r["load_peak_anon_mib"] for r in ok),
+            **{k: ok[0][k] for k in ("checkpoint_mib", "experts_4bit_bytes", "experts_bf16_bytes") if k in ok[0]},
             "losses": [r["losses"] for r in ok],
             "threads": ok[0]["threads"],
             "child_wall_seconds": [r.get("child_wall_seconds") for r in rs],
@@ -401,6 +437,16 @@ def print_tables(summary, modes, args) -> None:
         print(f"| {mode} | {s['seconds_per_step']:.2f} ({', '.join(f'{x:.2f}' for x in s['per_round_seconds'])}) | "
               f"{tps:.1f} | {ratio} | {s['peak_rss_mib']:.0f} | {s['trainable_params']:,} |" if tps else
               f"| {mode} | {s['seconds_per_step']:.2f} | n/a (L2 not slower than L1) | - | {s['peak_rss_mib']:.0f} | {s['trainable_params']:,} |")
+    loads = [(model, s) for (model, mode), s in configs.items() if "checkpoint_mib" in s]
+    if loads:
+        print("\n4-bit routed experts, loading and weights:\n")
+        print("| model | checkpoint read (fp32) MiB | peak anonymous memory while loading MiB | 4-bit expert bytes | the same in bf16 | ratio |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for model, s in loads:
+            print(f"| {model} | {s['checkpoint_mib']:.0f} | {s['load_peak_anon_mib']:.0f} | {s['experts_4bit_bytes']:,} | "
+                  f"{s['experts_bf16_bytes']:,} | {s['experts_4bit_bytes'] / s['experts_bf16_bytes']:.3f} |")
+        print("(peak anonymous memory: RssAnon sampled every 5 ms while `load_model(..., load_in_4bit=True)` ran, so the "
+              "memory-mapped checkpoint's pages are not counted; it includes the Python and torch start-up, ~0.4 GiB)")
     print(f"\ntokens: one packed row of {args.length} random token ids (4 samples) per step, all real; seconds: wall clock of a "
           "timed optimizer step (forward, backward, AdamW), mean over the timed steps of every round; peak RSS: VmHWM of "
           "the child process; per MoE layer: L2 minus L1.")
