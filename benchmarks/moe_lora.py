@@ -31,11 +31,12 @@ Metrics
   used, Linux folds the parent's mark into a child's); per MoE layer = peak(L2) - peak(L1).
 - --four-bit: also runs `split` with the routed experts in 4-bit (`model.load_in_4bit`): the parent saves each random
   model once (fp32 safetensors, in the temp dir) and the child loads it through `erniekit_lite.model.load.load_model(...,
-  load_in_4bit=True)`; after loading, the child checks whether the experts modules really are NF4
-  (`expert_4bit.is_4bit`). If they are not, the row reads "4-bit experts: not available at this commit" instead of a
-  figure. (bitsandbytes quantizes the other Linear layers too, so this row is QLoRA, not split-with-4-bit-experts alone;
-  its peak RSS includes loading the fp32 checkpoint before the experts are quantized.) Checked once at commit 12a4a27
-  (L1, 64 tokens, busy machine): the experts loaded in NF4 (1 module) and a step ran, much slower than fp32 split on CPU.
+  load_in_4bit=True)` (bitsandbytes quantizes the other Linear layers too: this row is QLoRA). It records what loading
+  held at most (RssAnon, sampled every 5 ms: the memory-mapped checkpoint's pages are not counted) next to the size
+  of the checkpoint it read, the 4-bit experts' bytes (packed weights and statistics) against the same weights in
+  bf16, and one training step without warm-up, in --four-bit-rounds rounds (default 1): on CPU bitsandbytes'
+  Linear4bit runs its plain-code gemm (its fast CPU kernel comes from the Hub), minutes per step, a figure that says
+  nothing of a GPU's. If loading left no experts module in NF4 the row reads "4-bit experts: not available".
 
 Targets (issue 31): split >= 1.5x merged real tokens/s per MoE layer, at no more peak memory (peak RSS of split <= merged,
 for L1 and L2 alike).
@@ -274,8 +275,8 @@ def main(argv=None) -> int:
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (alpha = 2r) on every target, routed experts included")
     p.add_argument("--modes", default="merged,split", help="comma-separated subset of: merged, split")
     p.add_argument("--four-bit", action="store_true", help="also split with 4-bit experts (model.load_in_4bit), see above")
-    p.add_argument("--four-bit-rounds", type=int, default=1, help="rounds of the 4-bit rows (on CPU bitsandbytes dequantizes "
-                   "in plain code: minutes per step, and the CPU figure says nothing of a GPU's)")
+    p.add_argument("--four-bit-rounds", type=int, default=1, help="rounds of the 4-bit rows, each one untimed-warm-up-free step "
+                   "(on CPU bitsandbytes' Linear4bit runs its plain-code gemm: minutes per step, a figure that says nothing of a GPU's)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in every child (default: torch's own)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds before a child process is killed")
     p.add_argument("--verbose", action="store_true", help="show each child's own output")
@@ -312,8 +313,8 @@ def main(argv=None) -> int:
                     if mode == "split-4bit" and rnd > args.four_bit_rounds:
                         continue
                     spec = {**base, "moe_layers": moe, "compute": "split" if mode == "split-4bit" else mode}
-                    if mode == "split-4bit":
-                        spec["model_dir"] = save_model(spec, tmp / f"model-{model_name}")
+                    if mode == "split-4bit":  # loading, the weights' bytes and one step that shows it trains
+                        spec.update(model_dir=save_model(spec, tmp / f"model-{model_name}"), warmup=0, steps=1)
                     r = run_child(spec, tmp, f"{model_name}-{mode}-{rnd}", args)
                     runs[(model_name, mode)].append(r)
                     if "error" in r:
@@ -321,7 +322,7 @@ def main(argv=None) -> int:
                     elif "unavailable" in r:
                         print(f"round {rnd} {model_name} {mode}: {r['unavailable']} (load_in_4bit left 0 experts modules in NF4)", flush=True)
                     else:
-                        print(f"round {rnd} {model_name} {mode}: steps {r['step_seconds']} s (warm-up {r['warmup_seconds']} s), "
+                        print(f"round {rnd} {model_name} {mode}: steps {r['step_seconds']} s (warm-up {r.get('warmup_seconds')} s), "
                               f"{r['tokens_per_step'] / mean(r['step_seconds']):.1f} tokens/s; peak RSS {r['peak_rss_mib']:.0f} MiB "
                               f"(after build {r['model_rss_mib']:.0f}); split modules {r['split_modules']}, 4-bit experts modules "
                               f"{r['experts_4bit_modules']}; loss {r['losses']}; child wall {r['child_wall_seconds']} s", flush=True)
@@ -376,7 +377,7 @@ def summarise(runs, modes, args) -> dict:
             "step_seconds": round(mean(steps), 3),
             "per_round_step_seconds": [round(mean(r["step_seconds"]), 3) for r in ok],
             "all_step_seconds": [r["step_seconds"] for r in ok],
-            "warmup_seconds": [r["warmup_seconds"] for r in ok],
+            "warmup_seconds": [r.get("warmup_seconds") for r in ok],
             "tokens_per_step": ok[0]["tokens_per_step"],
             "tokens_per_second": round(ok[0]["tokens_per_step"] / mean(steps), 2),
             "peak_rss_mib": max(r["peak_rss_mib"] for r in ok),
