@@ -27,6 +27,8 @@ real tokenizer), and writes `benchmarks/results-gpu-<device>.txt` (with --smoke:
 4. QLoRA at the 0.3B shape (sft-lora.yaml with model.load_in_4bit): load, `--qlora-steps` steps, peak memory vs plan.
 5. 21B-A3B LoRA SFT (recipes/ernie-4.5-21b-a3b/sft-lora.yaml) with the layers cut to `--moe-layers` (two cuts):
    peak memory and tokens/s per cut, the per-layer slope, extrapolated to the released 28 layers next to the plan.
+   5x: at the smaller cut, the routed experts' adapters `split` (the default) vs peft's `merged` path vs `split` on
+   4-bit experts (sft-qlora.yaml), as benchmarks/moe_lora.py compares them on CPU.
 6. FSDP2 with 1 process (`train --num-processes 1 --accelerate-config recipes/accelerate/fsdp2.yaml`): steps run,
    the run reports FSDP2, the model saves and loads with plain transformers.
 
@@ -588,6 +590,8 @@ def moe_section(results: Results, assets: Path, tmp: Path, args, tokenizer) -> N
         recipe = recipe_from("ernie-4.5-21b-a3b/sft-lora.yaml", model_dir, assets / "data" / "sft.json", tmp / f"moe-{layers}", args,
                              **{"train.activation_checkpointing": None})
         rows.append(training_section(results, f"5.{layers}", f"21B-A3B LoRA SFT (r 32) cut to {layers} layers", recipe, model_dir, tokenizer, args))
+        if layers == cuts[0]:
+            expert_compute(results, assets, model_dir, tmp, args, tokenizer, rows[0])
         shutil.rmtree(model_dir, ignore_errors=True)  # gigabytes each
     released = AutoConfig.from_pretrained(assets / "configs" / "21b-a3b.json").num_hidden_layers
     (a, ra), (b, rb) = zip(cuts, rows)
@@ -607,6 +611,41 @@ def moe_section(results: Results, assets: Path, tmp: Path, args, tokenizer) -> N
         extrapolated.update(per_layer_gib=per_layer, peak_allocated_gib=full)
     results.data["moe_extrapolated"] = extrapolated
     results.section(f"5. 21B-A3B extrapolated to {released} layers (from the {a}- and {b}-layer cuts)", line)
+
+
+def expert_compute(results: Results, assets: Path, model_dir: Path, tmp: Path, args, tokenizer, split: dict) -> None:
+    """5x. The routed experts' adapters three ways at the 21B-A3B shape (the smaller cut), as benchmarks/moe_lora.py
+    compares them on CPU: `split` (5.N above), peft's `merged` path, and `split` on 4-bit NF4 experts (sft-qlora.yaml,
+    the whole base 4-bit). Real tokens/s and peak allocated memory of each; the issue's target: split >= 1.5x merged
+    tokens/s at no more peak memory."""
+    import importlib.util
+
+    layers = int(model_dir.name.rsplit("-", 1)[-1])
+    lines = []
+    merged = training_section(results, f"5.{layers}m", f"21B-A3B LoRA SFT (r 32) cut to {layers} layers, expert_compute: merged",
+                              recipe_from("ernie-4.5-21b-a3b/sft-lora.yaml", model_dir, assets / "data" / "sft.json", tmp / "moe-merged", args,
+                                          **{"train.activation_checkpointing": None, "lora.expert_compute": "merged"}),
+                              model_dir, tokenizer, args, flops=False)
+    rows = {"split": split, "merged": merged}
+    if importlib.util.find_spec("bitsandbytes") is None:
+        lines.append("split, 4-bit experts: not run (bitsandbytes is not installed)")
+    else:
+        rows["split, 4-bit experts"] = training_section(
+            results, f"5.{layers}q", f"21B-A3B QLoRA SFT (r 32, 4-bit routed experts) cut to {layers} layers",
+            recipe_from("ernie-4.5-21b-a3b/sft-qlora.yaml", model_dir, assets / "data" / "sft.json", tmp / "moe-qlora", args,
+                        **{"train.activation_checkpointing": None}), model_dir, tokenizer, args, flops=False)
+    for name, row in rows.items():
+        peak = row.get("peak_allocated_gib")
+        lines.append(f"{name}: {row['tokens_per_second']['median']:.0f} real tokens/s (median)"
+                     + (f", {peak:.2f} GiB peak allocated" if peak is not None else ""))
+    speed = split["tokens_per_second"]["median"] / merged["tokens_per_second"]["median"]
+    less = split.get("peak_allocated_gib") is None or split["peak_allocated_gib"] <= merged["peak_allocated_gib"]
+    target = "MET" if speed >= 1.5 and less else "MISSED"
+    lines.append(f"split / merged: {speed:.2f}x real tokens/s, peak {'no more' if less else 'more'} than merged: {target} "
+                 "(target: >= 1.5x at no more peak memory; the whole model, not one MoE layer: the dense layer and the head dilute it)")
+    results.data["moe_expert_compute"] = {name: {"tokens_per_second": row["tokens_per_second"]["median"],
+                                                 "peak_allocated_gib": row.get("peak_allocated_gib")} for name, row in rows.items()}
+    results.section(f"5x. Routed-expert adapters at the 21B-A3B shape, {layers} layers: split vs merged vs 4-bit experts", *lines)
 
 
 def fsdp2_section(results: Results, assets: Path, tmp: Path, args) -> None:
