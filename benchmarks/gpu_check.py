@@ -622,6 +622,8 @@ def expert_compute(results: Results, assets: Path, model_dir: Path, tmp: Path, a
 
     layers = int(model_dir.name.rsplit("-", 1)[-1])
     lines = []
+    if args.smoke:  # the code path only: 2 steps (bitsandbytes' 4-bit gemm is slow on CPU)
+        args = argparse.Namespace(**{**vars(args), "steps": 2})
     merged = training_section(results, f"5.{layers}m", f"21B-A3B LoRA SFT (r 32) cut to {layers} layers, expert_compute: merged",
                               recipe_from("ernie-4.5-21b-a3b/sft-lora.yaml", model_dir, assets / "data" / "sft.json", tmp / "moe-merged", args,
                                           **{"train.activation_checkpointing": None, "lora.expert_compute": "merged"}),
