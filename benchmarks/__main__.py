@@ -71,7 +71,7 @@ BENCHES = [
           10, writes_own=True),
     Bench("gguf_agreement", "results-gguf_agreement.txt", ("gguf_agreement.py",),
           ("gguf_agreement.py", "--seeds", "1", "--outtypes", "f32,q8_0"), 12, writes_own=True, llama_cpp=True),
-    Bench("moe_lora", "results-moe_lora-cpu.txt", ("moe_lora.py", "--rounds", "3", "--steps", "1", "--four-bit"),
+    Bench("moe_lora", "results-moe_lora-cpu.txt", ("moe_lora.py", "--rounds", "3", "--steps", "1", "--four-bit", "--four-bit-steps", "0"),
           ("moe_lora.py", "--rounds", "1", "--steps", "1", "--length", "128"), 60),
     Bench("sft-peers", "results-sft-peers-cpu-tiny.txt", ("sft.py", "--steps", "6", "--rounds", "3"),
           ("sft.py", "--steps", "1", "--samples", "64", "--modes", "erniekit-padded,erniekit-packed,trl-padded"), 75, peers=True),

@@ -192,6 +192,10 @@ def child(spec_path: str) -> int:
     result["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     result["build_seconds"] = round(time.perf_counter() - t0, 1)
     result["model_rss_mib"] = round((_status_kib("VmRSS") or 0) / 1024, 1)
+    if not spec["warmup"] + spec["steps"]:  # --four-bit-steps 0: loading and bytes only
+        result["peak_rss_mib"], result["peak_rss_source"] = peak_rss_mib()
+        Path(spec["result"]).write_text(json.dumps({**result, "load_only": True}))
+        return 0
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     batch = packed_row(spec["length"], spec["vocab"])
     times, losses = [], []
@@ -275,6 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (alpha = 2r) on every target, routed experts included")
     p.add_argument("--modes", default="merged,split", help="comma-separated subset of: merged, split")
     p.add_argument("--four-bit", action="store_true", help="also split with 4-bit experts (model.load_in_4bit), see above")
+    p.add_argument("--four-bit-steps", type=int, default=1, help="timed steps of the 4-bit rows, no warm-up (0: loading and bytes only)")
     p.add_argument("--four-bit-rounds", type=int, default=1, help="rounds of the 4-bit rows, each one untimed-warm-up-free step "
                    "(on CPU bitsandbytes' Linear4bit runs its plain-code gemm: minutes per step, a figure that says nothing of a GPU's)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in every child (default: torch's own)")
@@ -314,11 +319,14 @@ def main(argv=None) -> int:
                         continue
                     spec = {**base, "moe_layers": moe, "compute": "split" if mode == "split-4bit" else mode}
                     if mode == "split-4bit":  # loading, the weights' bytes and one step that shows it trains
-                        spec.update(model_dir=save_model(spec, tmp / f"model-{model_name}"), warmup=0, steps=1)
+                        spec.update(model_dir=save_model(spec, tmp / f"model-{model_name}"), warmup=0, steps=args.four_bit_steps)
                     r = run_child(spec, tmp, f"{model_name}-{mode}-{rnd}", args)
                     runs[(model_name, mode)].append(r)
                     if "error" in r:
                         print(f"round {rnd} {model_name} {mode}: FAILED {r['error']}", flush=True)
+                    elif r.get("load_only"):
+                        print(f"round {rnd} {model_name} {mode}: loaded (no step); peak anonymous memory while loading "
+                              f"{r['load_peak_anon_mib']:.0f} MiB, checkpoint {r['checkpoint_mib']:.0f} MiB", flush=True)
                     elif "unavailable" in r:
                         print(f"round {rnd} {model_name} {mode}: {r['unavailable']} (load_in_4bit left 0 experts modules in NF4)", flush=True)
                     else:
@@ -366,6 +374,10 @@ def summarise(runs, modes, args) -> dict:
     configs = {}
     for key, rs in runs.items():
         ok = [r for r in rs if "error" not in r and "unavailable" not in r]
+        if ok and all(r.get("load_only") for r in ok):
+            configs[key] = {"unavailable": "loaded only (--four-bit-steps 0)", "load_peak_anon_mib": max(r["load_peak_anon_mib"] for r in ok),
+                            **{k: ok[0][k] for k in ("checkpoint_mib", "experts_4bit_bytes", "experts_bf16_bytes") if k in ok[0]}}
+            continue
         if not ok:
             first = rs[0] if rs else {}
             configs[key] = {"unavailable": first["unavailable"]} if "unavailable" in first else {
