@@ -55,6 +55,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="allow a non-empty --out")
     p.set_defaults(handler=_merge)
 
+    p = sub.add_parser("prune", help="an MoE cut to the K experts per layer that your data routes to: a smaller standard checkpoint")
+    p.add_argument("source", metavar="RUN_OR_MODEL", help="a run's output dir (LoRA: merged first) or an ERNIE 4.5 MoE model dir or Hub id")
+    p.add_argument("--experts", type=int, required=True, metavar="K", help="experts kept per MoE layer: those carrying the most routing weight")
+    p.add_argument("--out", required=True, help="new directory for the pruned model")
+    p.add_argument("--data", metavar="FILE", help="data to measure routing on (default for a run: its training data; a model needs it)")
+    p.add_argument("--top-k", type=int, metavar="N", help="experts each token picks in the pruned model (default: the model's moe_k)")
+    p.add_argument("--report", metavar="K1,K2,...", help="held-out loss of the original and of each K: OUT.report.md and OUT.report.png")
+    p.add_argument("--eval", metavar="FILE", help="held-out data for --report (default: the run's data.eval or data.eval_split)")
+    p.add_argument("--batch-size", type=int, default=8, help="packed rows per scoring forward")
+    p.add_argument("--overwrite", action="store_true", help="allow replacing a previous prune in --out")
+    p.set_defaults(handler=_prune)
+
     p = sub.add_parser("push", help="upload a finished run to the Hugging Face Hub, with a model card and loss plot")
     p.add_argument("output_dir", help="a finished run's output dir")
     p.add_argument("--repo", required=True, metavar="USER/NAME", help="repository to push to (created if missing)")
@@ -220,6 +232,14 @@ def _merge(args) -> int:
     loads = ("AutoModelForSequenceClassification.from_pretrained({!r}) once erniekit_lite.model.reward is imported"
              if is_reward_run(str(out)) else "AutoModelForCausalLM.from_pretrained({!r})")
     print(f"merged {args.output_dir} into {out}: loads with {loads.format(str(out))}")
+    return 0
+
+
+def _prune(args) -> int:
+    _quiet_libraries()
+    from erniekit_lite.prune import prune
+
+    prune(args.source, args.experts, args.out, args.data, args.top_k, args.report, args.eval, args.overwrite, args.batch_size)
     return 0
 
 

@@ -1,0 +1,478 @@
+"""`erniekit-lite prune`: an ERNIE 4.5 MoE cut to the K experts per layer that a data set routes to.
+
+    erniekit-lite prune RUN_OR_MODEL --experts K --out DIR [--data FILE] [--top-k N] [--report K1,K2,...] [--eval FILE]
+
+1. Measure. The data goes through the pipeline training used (`data.prepare`: the run's recipe settings and the
+   template its tokenizer carries; a model dir gets `eval --data`'s defaults) and is scored once by the model (a LoRA
+   run merged first). A hook on each MoE layer's router reads what the router returns: the experts each token picks
+   (top-k of the softmax over all experts plus `e_score_correction_bias`) and the weights its experts' outputs are
+   mixed with (those experts' probabilities divided by their sum). An expert's routing weight in a layer is the sum
+   of those weights over every token of the data (prompt and answer tokens alike): an expert never picked weighs 0,
+   and a layer's total is its token count.
+2. Cut. Per layer the K experts of most routing weight are kept (ties: the lower index), in their original order;
+   the others are dropped from the fused expert weights (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj`
+   [E, H, I]), the router's rows (`mlp.gate.weight` [E, H]) and the correction bias (`[1, E]`). The config gets
+   `moe_num_experts: K` (and `moe_k: N` with `--top-k`); nothing else is sized by the expert count.
+3. Check and write. The cut model scores the data again; a hook on each cut router runs the original router on the
+   same input and counts the tokens that now pick an expert the original did not pick for them. A token that picked
+   a dropped expert must change. So can one that did not: the softmax now runs over the kept experts only, so their
+   probabilities grow by 1 / (the kept experts' probability mass), while the correction bias added to them before
+   top-k stays the same; a bias that separated two experts by more than their probability did may no longer
+   (`--top-k` below the model's also changes choices). With a zero bias and dropped experts no token picked, the
+   choice and the mixing weights are the original's (the weights are normalised over the picked experts, so the
+   common factor cancels), and so are the logits. The model, tokenizer, chat template, generation config and
+   `erniekit_pruned.json` (kept experts, shares and changes per layer) are written to a folder beside `--out` and
+   renamed when complete.
+
+`--report K1,K2,...`: held-out loss (`eval --data`'s computation) of the original and of each K, as a Markdown table
+`OUT.report.md` and a plot of loss against bf16 size `OUT.report.png`, beside `--out`. Held out: `--eval FILE`, else
+the run's own `data.eval` / `data.eval_split`.
+
+Tensors of the base checkpoint that the model class does not load (the released 21B-A3B's multi-token-prediction
+block, `model.mtp_*`, which `merge` carries over) are not written: they were not measured or cut.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from erniekit_lite.errors import UserError
+
+MARKER = "erniekit_pruned.json"  # written last: a dir holding it is a complete prune
+ROUTING = "sum over tokens of the normalised top-k routing weight (the weight each expert's output is mixed with)"
+
+
+@dataclass
+class Layer:
+    index: int  # the decoder layer
+    kept: list[int]  # original expert indices, ascending
+    share: float  # of the layer's routing weight, on the measuring data
+    changed: int = 0  # tokens whose choice changed (see `ChoiceChanges`)
+    tokens: int = 0
+
+
+@dataclass
+class Result:
+    experts: int
+    top_k: int
+    layers: list[Layer]
+    parameters: int
+    loss: float | None = None  # on the data it was scored on
+
+    @property
+    def changed(self) -> float:
+        return sum(la.changed for la in self.layers) / max(1, sum(la.tokens for la in self.layers))
+
+
+def prune(source: str, experts: int, out: str, data: str | None = None, top_k: int | None = None,
+          report: str | None = None, eval_data: str | None = None, overwrite: bool = False, batch_size: int = 8,
+          log=print) -> dict:
+    """Measure `source`'s routing over the data, keep `experts` experts per MoE layer, write the model to `out`;
+    returns what `erniekit_pruned.json` holds."""
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1 (got {batch_size})")
+    target = Path(out)
+    report_files = [target.with_name(f"{target.name}.report{ext}") for ext in (".md", ".png")] if report else []
+    check_out(source, target, report_files, overwrite)
+    config = moe_config(source)
+    sizes = report_sizes(report, config, top_k)
+    check_experts(experts, top_k, config, "--experts")
+    measured, held_out = data_sections(source, data, eval_data, bool(report))
+
+    from erniekit_lite.data.prepare import prepare
+    from erniekit_lite.model.load import load_tokenizer, tokenizer_path
+
+    tokenizer = load_tokenizer(tokenizer_path(source))
+    prepared = prepare(measured, tokenizer, log=log)
+    held_rows = None
+    if report:
+        held_rows = prepare(held_out, tokenizer, log=log).train.rows if held_out is not None else prepared.eval.rows
+        if not held_rows:
+            raise UserError("--report: the held-out data holds no samples to score; give --eval FILE")
+    top_k = top_k or config.moe_k
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.pruning")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        summary, table = _prune(source, experts, top_k, sizes, config, measured, prepared, held_rows, tokenizer, batch_size,
+                                staging, log)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # nothing half-written is left beside --out
+        raise
+    if target.exists():
+        shutil.rmtree(target)
+    staging.rename(target)
+    if table is not None:
+        write_report(table, report_files, source, log)
+    log(f"prune: wrote {target}: loads with AutoModelForCausalLM.from_pretrained({str(target)!r})")
+    return summary
+
+
+def _prune(source, experts, top_k, sizes, config, measured, prepared, held_rows, tokenizer, batch_size, staging, log):
+    """Measure, cut, check and write into `staging`; (the summary, the --report table or None)."""
+    from erniekit_lite.evaluate import score_rows
+
+    rows = prepared.train.rows
+    with loaded(source, staging.parent, log) as model:
+        weights = RoutingWeight(model)
+        with weights:
+            nll, tokens = score_rows(model, rows, batch_size, measured.max_length)
+        before = Result(config.moe_num_experts, config.moe_k, [], parameters(model), nll / tokens)
+        result = Result(experts, top_k, weights.layers_for(experts), 0)
+        with ChoiceChanges(model, result), pruned(model, result):
+            nll, _ = score_rows(model, rows, batch_size, measured.max_length)
+            result.loss, result.parameters = nll / tokens, parameters(model)
+            model.config.use_cache = True  # the loader turns the cache off for packed rows; inference wants it
+            model.save_pretrained(staging, max_shard_size="5GB")
+            model.config.use_cache = False
+        log_layers(result, weights.tokens, log)
+        log(f"prune: parameters {before.parameters:,} -> {result.parameters:,}; bf16 size {_size(2 * before.parameters)} -> "
+            f"{_size(2 * result.parameters)}; loss on the measuring data {before.loss:.4f} -> {result.loss:.4f}")
+        table = held_out_table(model, weights, sizes, top_k, held_rows, batch_size, measured.max_length, log) if sizes else None
+    tokenizer.save_pretrained(staging)
+    spm = sentencepiece_model(source)
+    if spm is not None and not (staging / "tokenizer.model").is_file():
+        shutil.copy(spm, staging / "tokenizer.model")  # what llama.cpp's converter reads (`export --to gguf`)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(staging)
+    summary = {
+        "source": source,
+        "data": [s.path for s in measured.train],
+        "routing_weight": ROUTING,
+        "experts_before": before.experts, "experts": experts, "top_k_before": before.top_k, "top_k": top_k,
+        "parameters_before": before.parameters, "parameters": result.parameters,
+        "bf16_bytes_before": 2 * before.parameters, "bf16_bytes": 2 * result.parameters,
+        "tokens": weights.tokens, "trained_tokens": tokens, "loss_before": before.loss, "loss": result.loss,
+        "layers": [vars(la) for la in result.layers],
+        "report": table,
+    }
+    (staging / MARKER).write_text(json.dumps(summary, indent=1) + "\n")
+    return summary, table
+
+
+# ---------------------------------------------------------------- inputs, checked before anything loads
+
+def check_out(source: str, target: Path, report_files: list[Path], overwrite: bool) -> None:
+    """A non-empty `--out` (or an existing report beside it) only with --overwrite, and only over a previous prune."""
+    if target.resolve() == Path(source).resolve():
+        raise UserError(f"--out {target}: is the model itself; choose a new directory for the pruned model")
+    if target.exists() and not target.is_dir():
+        raise UserError(f"--out {target}: is a file; choose a new directory for the pruned model")
+    taken = [str(p) for p in report_files if p.exists()]
+    if (target.is_dir() and any(target.iterdir())) or taken:
+        if not overwrite:
+            what = f"{target}: not empty" if not taken else f"{taken[0]}: exists"
+            raise UserError(f"{what}; choose a new --out, or --overwrite (nothing was written)")
+        if target.is_dir() and any(target.iterdir()) and not (target / MARKER).is_file():
+            raise UserError(f"{target}: not empty and not a previous prune; --overwrite only replaces a pruned model (nothing was written)")
+
+
+def moe_config(source: str):
+    """The source's model config (a LoRA run's base); a one-line error when it is no ERNIE 4.5 MoE."""
+    from erniekit_lite.evaluate import check_model_path
+    from erniekit_lite.model.load import adapter_base, check_source
+    from erniekit_lite.model.reward import refuse_reward_run
+
+    check_model_path(source)
+    refuse_reward_run(source, "prune")
+    path = adapter_base(source) or source
+    check_source(path)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: could not read the model config: {str(e).strip().splitlines()[0]}") from None
+    if config.model_type != "ernie4_5_moe":
+        raise UserError(f"{source}: a {config.model_type} model has no routed experts to prune; prune takes an ERNIE 4.5 MoE (ernie4_5_moe)")
+    return config
+
+
+def check_experts(experts: int, top_k: int | None, config, flag: str) -> None:
+    """K experts per layer: at least the experts each token picks, at most the model's."""
+    total, picks = config.moe_num_experts, top_k or config.moe_k
+    if top_k is not None and top_k < 1:
+        raise UserError(f"--top-k {top_k}: each token must pick at least 1 expert")
+    if experts < 1 or experts > total:
+        raise UserError(f"{flag} {experts}: must be from {picks} (the experts each token picks) to {total} (moe_num_experts)")
+    if experts < picks:
+        raise UserError(f"{flag} {experts}: below top-k {picks} ({'--top-k' if top_k else 'moe_k'}): each token picks "
+                        f"{picks} experts; keep at least {picks}, or lower --top-k")
+
+
+def report_sizes(report: str | None, config, top_k: int | None) -> list[int]:
+    if report is None:
+        return []
+    try:
+        sizes = [int(part) for part in report.split(",")]
+    except ValueError:
+        raise UserError(f"--report {report}: expected expert counts separated by commas, e.g. 32,16,8") from None
+    for k in sizes:
+        check_experts(k, top_k, config, "--report")
+    return sorted(set(sizes), reverse=True)
+
+
+def data_sections(source: str, data: str | None, eval_data: str | None, report: bool):
+    """(the data to measure routing on, the held-out data for --report or None: the run's own eval split)."""
+    from erniekit_lite.evaluate import resolve
+
+    recipe_file = Path(source) / "recipe.yaml"
+    run = recipe_file.is_file()
+    held = resolve(str(recipe_file) if run else source, eval_data, None)[1] if eval_data else None
+    if data is not None:
+        measured = resolve(str(recipe_file) if run else source, data, None)[1]
+    elif not run:
+        raise UserError(f"--data: {source} is a model, not a run; give the data to measure its routing on with --data FILE")
+    else:
+        from erniekit_lite import recipe as recipes
+
+        recipe = recipes.load(str(recipe_file))
+        if recipe.method != "sft":
+            raise UserError(f"--data: {source} is a {recipe.method} run, whose training data holds no conversations "
+                            "to score; give the data to measure routing on with --data FILE")
+        measured = recipe.data
+    if report and held is None and not (run and data is None and (measured.eval or measured.eval_split)):
+        raise UserError("--report: needs held-out data: --eval FILE (a run trained with data.eval or data.eval_split "
+                        "uses that when --data is not given)")
+    if not report or held is not None:
+        measured = measured.model_copy(update={"eval": []})  # its held-out sources are not scored: not prepared
+    return measured, held
+
+
+@contextlib.contextmanager
+def loaded(source: str, scratch: Path, log):
+    """The model in eval mode, in its checkpoint's dtype, a LoRA run merged into its base (QLoRA through `merge`,
+    into the base it trained against), on the GPU when there is one."""
+    import torch
+
+    from erniekit_lite.model.attention import NAME
+    from erniekit_lite.model.load import adapter_base, load_model
+    from erniekit_lite.model.merge import base_dtype, merge, trained_in_4bit
+
+    base = adapter_base(source)
+    with contextlib.ExitStack() as stack:
+        path = source
+        if base is not None and trained_in_4bit(source):
+            path = str(Path(stack.enter_context(tempfile.TemporaryDirectory(dir=scratch, prefix=".prune-merge-"))) / "merged")
+            log(f"prune: merging the QLoRA run {source} into its dequantized base first")
+            merge(source, path, log=log)
+        model = load_model(path, base_dtype(base or path), NAME, trainable_adapter=False)
+        if hasattr(model, "merge_and_unload"):
+            model = model.merge_and_unload()
+        if torch.cuda.is_available():
+            model = model.to("cuda")
+        yield model.eval()
+
+
+def sentencepiece_model(source: str) -> Path | None:
+    """The sentencepiece `tokenizer.model` of the run, its base or its recipe's model, when there is one."""
+    from erniekit_lite.export import sentencepiece_model as find
+    from erniekit_lite.model.load import adapter_base
+
+    try:
+        return find(Path(source), adapter_base(source))
+    except UserError:
+        return None
+
+
+# ---------------------------------------------------------------- routing, cutting, checking
+
+def moe_blocks(model) -> list[tuple[int, object]]:
+    """(decoder layer index, sparse MoE block) of each MoE layer, in order."""
+    return [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+
+
+class RoutingWeight:
+    """Inside `with`: each MoE layer's routing weight per expert, from the router's own output (chosen experts and
+    their normalised weights), summed over every token the model sees."""
+
+    def __init__(self, model):
+        import torch
+
+        self.blocks = moe_blocks(model)
+        self.weight = [torch.zeros(b.gate.num_experts, dtype=torch.float64, device=b.gate.weight.device) for _, b in self.blocks]
+        self.tokens = 0  # routed by each MoE layer
+        self._hooks = []
+
+    def __enter__(self):
+        for n, ((_, block), weight) in enumerate(zip(self.blocks, self.weight)):
+            def add(module, args, output, weight=weight, first=n == 0):
+                _, mixed, chosen = output  # (logits, [T, k] weights, [T, k] expert indices)
+                weight.index_add_(0, chosen.reshape(-1), mixed.reshape(-1).to(weight.dtype))
+                if first:
+                    self.tokens += chosen.shape[0]
+
+            self._hooks.append(block.gate.register_forward_hook(add))
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def layers_for(self, experts: int) -> list[Layer]:
+        """The `experts` experts of most weight per layer (ties: the lower index), ascending, with their share."""
+        import torch
+
+        out = []
+        for (index, _), weight in zip(self.blocks, self.weight):
+            order = sorted(range(len(weight)), key=lambda e: (-float(weight[e]), e))
+            kept = sorted(order[:experts])
+            total = float(weight.sum())
+            share = float(weight[torch.tensor(kept, device=weight.device)].sum()) / total if total else 1.0
+            out.append(Layer(index, kept, share))
+        return out
+
+
+@contextlib.contextmanager
+def pruned(model, result: Result):
+    """The model cut to `result`'s experts per layer and its top-k, in place; restored on leaving."""
+    import torch
+
+    config = model.config
+    saved_config = (config.moe_num_experts, config.moe_k, model.num_experts, model.num_experts_per_tok)
+    saved = []
+    for (_, block), layer in zip(moe_blocks(model), result.layers):
+        gate, experts = block.gate, block.experts
+        statics = gate.moe_statics
+        saved.append((block, gate.weight, statics.e_score_correction_bias, experts.gate_up_proj, experts.down_proj,
+                      gate.num_experts, gate.top_k, block.num_experts, block.top_k, experts.num_experts))
+        kept = torch.tensor(layer.kept, device=gate.weight.device)
+        gate.weight = _cut(gate.weight, kept, 0)  # [E, H] rows
+        statics.e_score_correction_bias = _cut(statics.e_score_correction_bias, kept, 1)  # [1, E]
+        experts.gate_up_proj = _cut(experts.gate_up_proj, kept, 0)  # [E, 2I, H]
+        experts.down_proj = _cut(experts.down_proj, kept, 0)  # [E, H, I]
+        gate.num_experts = block.num_experts = experts.num_experts = result.experts
+        gate.top_k = block.top_k = result.top_k
+    config.moe_num_experts = model.num_experts = result.experts
+    config.moe_k = model.num_experts_per_tok = result.top_k
+    try:
+        yield model
+    finally:
+        for (block, weight, bias, gate_up, down, gate_n, gate_k, block_n, block_k, experts_n) in saved:
+            block.gate.weight, block.gate.moe_statics.e_score_correction_bias = weight, bias
+            block.experts.gate_up_proj, block.experts.down_proj = gate_up, down
+            block.gate.num_experts, block.gate.top_k, block.num_experts, block.top_k = gate_n, gate_k, block_n, block_k
+            block.experts.num_experts = experts_n
+        config.moe_num_experts, config.moe_k, model.num_experts, model.num_experts_per_tok = saved_config
+
+
+def _cut(param, kept, dim: int):
+    import torch
+
+    return torch.nn.Parameter(param.data.index_select(dim, kept).contiguous(), requires_grad=False)
+
+
+class ChoiceChanges:
+    """Inside `with`, entered before `pruned` cuts the model: per MoE layer, the tokens that pick an expert the
+    original router did not pick for them from the same input (a copy of the original router runs beside the cut one)."""
+
+    def __init__(self, model, result: Result):
+        self.result = result
+        self.blocks = moe_blocks(model)
+        self._hooks = []
+
+    def __enter__(self):
+        import torch
+
+        for (_, block), layer in zip(self.blocks, self.result.layers):
+            kept = torch.tensor(layer.kept, device=block.gate.weight.device)
+            original = copy.deepcopy(block.gate)  # small: [E, H] rows and the bias
+
+            def count(module, args, output, original=original, kept=kept, layer=layer):
+                before = original(args[0])[2]  # [T, k] original expert indices
+                after = kept[output[2]]  # the cut router's picks, as original indices
+                new = (after[:, :, None] != before[:, None, :]).all(-1).any(-1)
+                layer.changed += int(new.sum())
+                layer.tokens += new.numel()
+
+            self._hooks.append(block.gate.register_forward_hook(count))
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())  # a tied LM head counted once
+
+
+# ---------------------------------------------------------------- output
+
+def log_layers(result: Result, tokens: int, log) -> None:
+    log(f"prune: kept {result.experts} experts per MoE layer (top-{result.top_k}); routing weight = {ROUTING}, over {tokens:,} tokens")
+    log("  layer  routing weight kept  tokens picking an expert the original did not")
+    for la in result.layers:
+        log(f"  {la.index:>5}  {la.share:>19.1%}  {la.changed:,} of {la.tokens:,} ({la.changed / max(1, la.tokens):.1%})")
+
+
+def held_out_table(model, weights: RoutingWeight, sizes: list[int], top_k: int, rows, batch_size: int, max_length: int, log) -> dict:
+    """The held-out loss of the original and of each size (kept by the same measured routing)."""
+    from erniekit_lite.evaluate import score_rows
+
+    config = model.config
+    nll, tokens = score_rows(model, rows, batch_size, max_length)
+    entries = [{"experts": config.moe_num_experts, "top_k": config.moe_k, "original": True, "parameters": parameters(model),
+                "loss": nll / tokens, "share_min": 1.0, "share_mean": 1.0, "changed": 0.0}]
+    for k in sizes:
+        result = Result(k, top_k, weights.layers_for(k), 0)
+        with ChoiceChanges(model, result), pruned(model, result):
+            nll, _ = score_rows(model, rows, batch_size, max_length)
+            result.parameters = parameters(model)
+        shares = [la.share for la in result.layers]
+        entries.append({"experts": k, "top_k": top_k, "original": False, "parameters": result.parameters, "loss": nll / tokens,
+                        "share_min": min(shares), "share_mean": sum(shares) / len(shares), "changed": result.changed})
+        log(f"prune --report: {k} experts: held-out loss {nll / tokens:.4f}")
+    return {"tokens": tokens, "rows": entries}
+
+
+def report_markdown(table: dict, source: str) -> str:
+    base = table["rows"][0]
+    lines = [(f"Held-out loss of {source} and of it pruned (`eval --data`'s loss, over {table['tokens']:,} trained tokens); "
+              "routing weight kept: on the data the experts were chosen by; tokens picking a new expert: on the "
+              "held-out data, all MoE layers together."), "",
+             ("| experts per layer | top-k | parameters | bf16 size | routing weight kept (mean / min layer) | "
+              "tokens picking a new expert | held-out loss | vs original |"),
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in table["rows"]:
+        name = f"{r['experts']} (original)" if r["original"] else str(r["experts"])
+        lines.append(f"| {name} | {r['top_k']} | {r['parameters']:,} | {_size(2 * r['parameters'])} | "
+                     f"{r['share_mean']:.1%} / {r['share_min']:.1%} | {r['changed']:.1%} | {r['loss']:.4f} | "
+                     f"{r['loss'] - base['loss']:+.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(table: dict, files: list[Path], source: str, log) -> None:
+    markdown, plot = files
+    markdown.write_text(report_markdown(table, source), encoding="utf-8")
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    rows = table["rows"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([2 * r["parameters"] / 1e9 for r in rows], [r["loss"] for r in rows], marker="o")
+    for r in rows:
+        ax.annotate(f"{r['experts']}{' (original)' if r['original'] else ''}", (2 * r["parameters"] / 1e9, r["loss"]),
+                    textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("bf16 size (GB)")
+    ax.set_ylabel("held-out loss")
+    ax.set_title("pruned to K experts per layer")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(plot, dpi=100)
+    plt.close(fig)
+    log(f"prune --report: wrote {markdown} and {plot}")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
