@@ -73,6 +73,8 @@ BENCHES = [
           ("gguf_agreement.py", "--seeds", "1", "--outtypes", "f32,q8_0"), 12, writes_own=True, llama_cpp=True),
     Bench("moe_lora", "results-moe_lora-cpu.txt", ("moe_lora.py", "--rounds", "3", "--steps", "1", "--four-bit", "--four-bit-steps", "0"),
           ("moe_lora.py", "--rounds", "1", "--steps", "1", "--length", "128"), 60),
+    Bench("prune_tiny", "results-prune_tiny.txt", ("prune_tiny.py", "--steps", "200", "--samples", "400"),
+          ("prune_tiny.py", "--steps", "5", "--samples", "60"), 55, writes_own=True),
     Bench("sft-peers", "results-sft-peers-cpu-tiny.txt", ("sft.py", "--steps", "6", "--rounds", "3"),
           ("sft.py", "--steps", "1", "--samples", "64", "--modes", "erniekit-padded,erniekit-packed,trl-padded"), 75, peers=True),
     Bench("dpo-peers", "results-dpo-peers-cpu-tiny.txt", ("dpo.py", "--steps", "4", "--rounds", "3"),
