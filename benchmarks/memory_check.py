@@ -6,7 +6,8 @@ CPU has no allocator peak counter, so this measures what it can measure exactly,
 tiny dense and MoE ERNIE 4.5 models (real transformers classes, `erniekit_lite.tiny.tiny_config`, hidden 256,
 4 layers) on one packed row, scored through erniekit-lite's own LM-head path (`scoring.py`):
 - weights, gradients, optimizer states: bytes of the parameters, their `.grad`s and AdamW's states after real
-  optimizer steps (torch.optim.AdamW(fused=True), what `adamw_torch_fused` builds);
+  optimizer steps (torch.optim.AdamW(fused=True), what `adamw_torch_fused` builds); a 4-bit base (loaded by
+  `load_model(..., load_in_4bit=True)` from a saved checkpoint) adds its quantization states, by storage;
 - activations: bytes of the tensors autograd saves during one training forward
   (`torch.autograd.graph.saved_tensors_hooks`, deduplicated by storage, parameters excluded), split into the
   backbone and the LM-head part (logits) by running the backbone alone as well;
@@ -14,6 +15,8 @@ tiny dense and MoE ERNIE 4.5 models (real transformers classes, `erniekit_lite.t
   `TorchDispatchMode` that registers a weakref finalizer on each new storage); the peak of their sum plus the
   parameters and optimizer states (which predate it) is the step's peak tensor memory (two micro-batches of
   gradient accumulation, then the optimizer step, after a warm-up step that created the optimizer states).
+The MoE cases run the routed experts' LoRA split (model/expert_lora.py, the default) unless they say merged; the
+estimate of a 4-bit case counts the model built on the meta device, as validate does.
 The estimate's `overhead` (CUDA context, allocator fragmentation) has no CPU counterpart and is left out of the
 comparison. Output: one table per case (estimate vs measured per component) and a final JSON line.
 """
@@ -99,11 +102,22 @@ class Case:
     trained: float = 0.5  # fraction of each sample's tokens that are trained (its response)
     lora: bool = False
     checkpointing: bool = False
-    precision: str = "fp32"  # fp32 | bf16 (bf16 weights) | autocast (fp32 weights, bf16 autocast)
+    precision: str = "fp32"  # fp32 | bf16 (bf16 weights) | autocast (fp32 weights, bf16 autocast) | bf16 autocast (both)
     chunk_elements: int | None = None  # override scoring.MAX_CHUNK_ELEMENTS
     lora_rank: int = 16
     lora_dropout: float = 0.0
     released_shape: bool = False  # the released 0.3B / 21B-A3B layer shapes (random weights) instead of hidden/layers
+    expert_compute: str = "split"  # lora.expert_compute: split (model/expert_lora.py, the default) | merged (peft's)
+    expert_r: int | None = None  # lora.expert_r: the routed experts' own rank (None: lora_rank)
+    load_in_4bit: bool = False  # model.load_in_4bit: saved, then loaded through load_model (NF4 linears and routed experts)
+
+    @property
+    def dtype(self):
+        return torch.bfloat16 if self.precision in ("bf16", "bf16 autocast") else torch.float32
+
+    @property
+    def autocast(self) -> bool:
+        return self.precision in ("autocast", "bf16 autocast")
 
 
 def build(case: Case):
@@ -114,19 +128,33 @@ def build(case: Case):
 
     config = tiny_config(case.arch, case.vocab, case.hidden, case.layers, released_shape=case.released_shape)
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if case.precision == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="packed_sdpa", dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="packed_sdpa", dtype=case.dtype)
     model.config.use_cache = False
+    if case.load_in_4bit:  # as `train` loads a QLoRA base: from a checkpoint, quantized as it is read
+        import tempfile
+
+        from erniekit_lite.model.load import load_model
+
+        with tempfile.TemporaryDirectory() as folder:
+            model.save_pretrained(folder)
+            del model
+            model = load_model(folder, "bfloat16" if case.dtype == torch.bfloat16 else "float32", "packed_sdpa", load_in_4bit=True)
     return config, model
+
+
+def lora_section(case: Case):
+    from erniekit_lite.recipe import LoraSection
+
+    return LoraSection(r=case.lora_rank, alpha=2 * case.lora_rank, dropout=case.lora_dropout, expert_r=case.expert_r,
+                       expert_compute=case.expert_compute)
 
 
 def adapt(model, case: Case):
     if not case.lora:
         return model
     from erniekit_lite.model.lora import apply_lora
-    from erniekit_lite.recipe import LoraSection
 
-    return apply_lora(model, LoraSection(r=case.lora_rank, alpha=2 * case.lora_rank, dropout=case.lora_dropout))
+    return apply_lora(model, lora_section(case))
 
 
 def packed_inputs(case: Case, seed: int = 0):
@@ -156,18 +184,44 @@ def packed_inputs(case: Case, seed: int = 0):
 def estimate_for(case: Case, config, model, scored: int):
     from erniekit_lite import memory
 
+    if case.load_in_4bit:  # as validate counts: the unquantized model built on the meta device, with its adapters
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=case.dtype)
+        model = adapt(model, case)
     params = memory.params_of(model, case.lora_dropout)
     run = memory.Run(
         tokens=case.tokens,
         scored=scored,
-        dtype_bytes=2 if case.precision == "bf16" else 4,
-        autocast=case.precision == "autocast",
+        dtype_bytes=2 if case.dtype == torch.bfloat16 else 4,
+        autocast=case.autocast,
+        load_in_4bit=case.load_in_4bit,
         checkpointing=case.checkpointing,
         attention="sdpa",
         chunk_elements=case.chunk_elements or 2**27,
         device="cpu",
     )
     return memory.estimate(memory.Shape.from_config(config), params, run)
+
+
+def quantization_states(model) -> dict[int, int]:
+    """The storages (data pointer -> bytes) a 4-bit model keeps beside its parameters: each bitsandbytes Linear4bit's
+    quantization state (absmax, NF4 code, and the double quantization's absmax, code and offset) and each 4-bit
+    routed-experts module's statistics buffers (model/expert_4bit.py). By storage: bitsandbytes' double-quantization
+    code table is one tensor shared by every Linear4bit quantized in the process, and counts once."""
+    from erniekit_lite.model import expert_4bit
+
+    tensors = []
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None:
+            tensors += [state.absmax, state.code]
+            if state.nested:
+                tensors += [state.state2.absmax, state.state2.code, state.offset]
+        if expert_4bit.is_4bit(module):
+            tensors += [getattr(module, f"{name}_{stat}") for name in module.nf4_shapes for stat in expert_4bit.STATS]
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
 
 def measure(case: Case) -> dict:
@@ -187,9 +241,10 @@ def measure(case: Case) -> dict:
         scoring.MAX_CHUNK_ELEMENTS = case.chunk_elements
     try:
         est = estimate_for(case, config, model, scored)
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "autocast")
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast)
         params = list(model.parameters())
-        param_keys = {p.untyped_storage().data_ptr() for p in params}
+        quant = quantization_states(model)
+        param_keys = {p.untyped_storage().data_ptr() for p in params} | set(quant)
         trainable = [p for p in params if p.requires_grad]
 
         def loss_of(out):
@@ -230,7 +285,8 @@ def measure(case: Case) -> dict:
         tracker = StorageTracker()
         with tracker:
             step(2)  # measured: two micro-batches of gradient accumulation, then the optimizer step
-        param_bytes = sum(p.untyped_storage().nbytes() for p in params)
+        # the weights: the parameters (packed NF4 bytes under 4-bit) and the 4-bit quantization states beside them
+        param_bytes = sum(p.untyped_storage().nbytes() for p in params) + sum(quant.values())
         grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
         measured = {
             "weights": param_bytes,
@@ -283,6 +339,24 @@ HELD_OUT = [
     Case("held-out dense LoRA bf16 chunked, hidden 320 x 3", precision="bf16", hidden=320, layers=3, vocab=50000,
          tokens=1536, samples=4, trained=0.8, lora=True, chunk_elements=2**22),
 ]
+# The routed experts' other paths (issue 31), on CASES' shapes, added after the constants were fixed: peft's merged
+# expert LoRA (the MoE LoRA cases above run split, the default), a lower expert rank (lora.expert_r), and QLoRA with
+# the routed experts in NF4 (model/expert_4bit.py; hidden 256 makes each expert's gate_up [256, 256] and down
+# [256, 128] whole 64 x 256-element blocks: one quantization state per stack, as on the released 21B-A3B), loaded from
+# a checkpoint by load_model, bf16 base and adapters under bf16 autocast, as the QLoRA recipes train.
+EXPERT_PATHS = [
+    Case("moe LoRA fp32 merged", arch="moe", lora=True, expert_compute="merged"),
+    Case("moe LoRA fp32 ckpt merged", arch="moe", lora=True, checkpointing=True, expert_compute="merged"),
+    Case("moe LoRA fp32 expert_r 4", arch="moe", lora=True, expert_r=4),
+    Case("moe QLoRA 4-bit experts, bf16 autocast", arch="moe", lora=True, load_in_4bit=True, precision="bf16 autocast", tokens=1024),
+    Case("moe QLoRA 4-bit experts, bf16 autocast ckpt", arch="moe", lora=True, load_in_4bit=True, precision="bf16 autocast",
+         tokens=1024, checkpointing=True),
+    # a shape none of the others has (hidden 512: the 4-bit per-stack path too), small vocabulary and few trained
+    # positions, so the peak is in the layer phase (the dense layer's recompute and its 4096 x 512 4-bit MLP weights)
+    Case("held-out moe QLoRA r8 expert_r 4 ckpt, hidden 512 x 3", arch="moe", hidden=512, layers=3, vocab=2048, tokens=768,
+         samples=3, trained=0.2, lora=True, lora_rank=8, expert_r=4, load_in_4bit=True, precision="bf16 autocast",
+         checkpointing=True),
+]
 QUICK = [c for c in CASES if c.name in ("dense full fp32", "dense LoRA fp32 ckpt", "moe LoRA fp32", "dense LoRA fp32 chunked")]
 
 
@@ -301,9 +375,10 @@ def main(argv=None) -> None:
     p.add_argument("--case", action="append", help="run only cases whose name contains this")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    cases = QUICK + HELD_OUT[:1] if args.quick else CASES + HELD_OUT
+    everything = CASES + HELD_OUT + EXPERT_PATHS
+    cases = QUICK + HELD_OUT[:1] + EXPERT_PATHS[3:4] if args.quick else everything
     if args.case:
-        cases = [c for c in CASES + HELD_OUT if any(s in c.name for s in args.case)]
+        cases = [c for c in everything if any(s in c.name for s in args.case)]
     print(f"torch {torch.__version__}, CPU threads {torch.get_num_threads()}; estimate excludes its overhead term\n")
     results = []
     for case in cases:
@@ -312,7 +387,8 @@ def main(argv=None) -> None:
         results.append(result)
         print(table(result))
         print(f"({time.perf_counter() - start:.1f} s)\n", flush=True)
-    for label, names in (("fitted shapes", {c.name for c in CASES}), ("held-out shapes", {c.name for c in HELD_OUT})):
+    groups = (("fitted shapes", CASES), ("held-out shapes", HELD_OUT), ("expert paths and 4-bit experts", EXPERT_PATHS))
+    for label, names in ((label, {c.name for c in group}) for label, group in groups):
         ratios = [r["estimate"]["peak"] / r["measured"]["peak"] - 1 for r in results if r["case"] in names]
         if ratios:
             print(f"peak, estimate vs measured, {label} ({len(ratios)} cases): {min(ratios):+.1%} ... {max(ratios):+.1%}")

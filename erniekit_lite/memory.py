@@ -54,8 +54,9 @@ b = bytes of matmul outputs (2 under bf16/fp16 autocast, else r).
   and with several chunks at least 3 x V x h gradient bytes: a chunk's head-weight gradient, the running sum, the new sum); the layer phase, one
   recomputed layer (with checkpointing) + a quarter of a layer's activations (gradients in flight; fitted to the
   measurements) + 2 x the layer's parameters in gradient bytes (full FT) + the merged expert stack's gradient
-  (expert LoRA), less the trained head's kept buffers, freed by then. QLoRA adds the largest dequantized linear
-  weight (x2, bf16).
+  (expert LoRA, merged), less the trained head's kept buffers, freed by then. QLoRA's layer phase adds the largest
+  4-bit weight dequantized (a linear, or one routed expert's gate_up; x2, bf16); its LM-head phase nothing (the
+  tied head is not quantized).
 - DPO (ORPO and SimPO have no reference): LoRA DPO's reference is the base with the adapter disabled: its no-grad
   forward (one layer's activations, or one logits chunk at (8 + b) x CV) counts where it exceeds the working set. Full DPO adds a frozen
   copy of the model (not with precompute_ref_log_probs). Not yet measured. KTO: the same reference; T counts one
@@ -406,6 +407,13 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
     chunk = min(scored, step)
     b = 2 if (run.autocast or r == 2) else 4
     layer_phase = recompute + max(layer.values()) * t // 4 + merged
+    if run.load_in_4bit:
+        # The largest 4-bit weight dequantized to bf16 as it runs (a linear, or one routed expert's gate_up: ExpertMatmul
+        # dequantizes one expert at a time), x2 for forward's and backward's copies: a bound, since bitsandbytes'
+        # MatMul4Bit and ExpertMatmul free forward's copy as the matmul returns (measured on CPU: one copy alive,
+        # benchmarks/memory_check.py's held-out QLoRA case). The layer phase only: the tied LM head is not quantized
+        expert = 2 * shape.moe_intermediate * shape.hidden if params.experts_frozen else 0
+        layer_phase += 2 * max(params.largest_linear, expert) * 2
     if full:
         layer_phase += 2 * params.layer_params_max * train_bytes
     if params.head_trains:
@@ -442,8 +450,6 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
         if weight_copies:
             lm_phase += 2 * vocab * shape.hidden  # autocast casts a frozen weight for every call (it caches trained ones only)
         transient = max(lm_phase, layer_phase)
-    if run.load_in_4bit:
-        transient += 2 * params.largest_linear * 2  # dequantized bf16 weight (forward and backward)
 
     reference = reference_copy = 0
     if run.method in ("dpo", "kto", "grpo") and run.reference in ("adapter", "copy"):
