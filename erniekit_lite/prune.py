@@ -288,7 +288,18 @@ def moe_blocks(model) -> list[tuple[int, object]]:
     return [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
 
 
-class RoutingWeight:
+class _RouterHooks:
+    """Forward hooks on the MoE routers while in a `with` block; removed on leaving it."""
+
+    _hooks: list
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+class RoutingWeight(_RouterHooks):
     """Inside `with`: each MoE layer's routing weight per expert, from the router's own output (chosen experts and
     their normalised weights), summed over every token the model sees."""
 
@@ -310,11 +321,6 @@ class RoutingWeight:
 
             self._hooks.append(block.gate.register_forward_hook(add))
         return self
-
-    def __exit__(self, *exc):
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
 
     def layers_for(self, experts: int) -> list[Layer]:
         """The `experts` experts of most weight per layer (ties: the lower index), ascending, with their share."""
@@ -369,7 +375,7 @@ def _cut(param, kept, dim: int):
     return torch.nn.Parameter(param.data.index_select(dim, kept).contiguous(), requires_grad=False)
 
 
-class ChoiceChanges:
+class ChoiceChanges(_RouterHooks):
     """Inside `with`, entered before `pruned` cuts the model: per MoE layer, the tokens that pick an expert the
     original router did not pick for them from the same input (a copy of the original router runs beside the cut one)."""
 
@@ -394,11 +400,6 @@ class ChoiceChanges:
 
             self._hooks.append(block.gate.register_forward_hook(count))
         return self
-
-    def __exit__(self, *exc):
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
 
 
 def parameters(model) -> int:

@@ -27,7 +27,7 @@ def trained_in_4bit(run_dir: str) -> str | None:
     """For a QLoRA run dir (its recipe.yaml has model.load_in_4bit: true), the dtype its unquantized weights had."""
     import yaml
 
-    recipe = Path(run_dir) / "recipe.yaml"
+    recipe = Path(run_dir).expanduser() / "recipe.yaml"
     if not recipe.is_file():
         return None
     model = (yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}).get("model") or {}

@@ -309,16 +309,16 @@ def load_reward_model(path: str, dtype: str | None = None, device: str | None = 
     bf16 on a CUDA GPU, fp32 on CPU unless `dtype` says otherwise; a QLoRA run on the 4-bit base it trained against.
     `max_length` and `system` default to the run's recipe.yaml (data.max_length, data.system), so items are rendered
     and cut as in training."""
-    from erniekit_lite.model.load import adapter_base, load_tokenizer, tokenizer_path
+    from erniekit_lite.model.load import adapter_base, load_tokenizer, tokenizer_path, trained_in_4bit
 
     if adapter_base(path) is None and Path(path).expanduser().is_dir() and not is_reward_run(path):
         raise UserError(f"{path}: not a reward model (its config names no ...ForSequenceClassification); train one with method: rm")
     cuda = torch.cuda.is_available()
     recipe = _run_recipe(path)
-    data, trained = recipe.get("data") or {}, recipe.get("model") or {}
-    four_bit = bool(trained.get("load_in_4bit"))  # a QLoRA run: on the 4-bit base it trained against
-    dtype = dtype or (trained.get("dtype", "float32") if four_bit else "bfloat16" if cuda else "float32")
-    model = load_model(path, dtype, "sdpa", trainable_adapter=False, load_in_4bit=four_bit)
+    data = recipe.get("data") or {}
+    four_bit = trained_in_4bit(path)  # a QLoRA run: on the 4-bit base it trained against, in its dtype
+    dtype = dtype or four_bit or ("bfloat16" if cuda else "float32")
+    model = load_model(path, dtype, "sdpa", trainable_adapter=False, load_in_4bit=bool(four_bit))
     if not (is_reward_config(model.config) or hasattr(model, "peft_config")):
         raise UserError(f"{path}: not a reward model (its config names no ...ForSequenceClassification); train one with method: rm")
     model.to(device or ("cuda" if cuda else "cpu")).eval()
