@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @needs_shared
-@pytest.mark.slow  # ~65 s on 2 idle cores: eight tiny trainings and a 1-process FSDP2 launch
+@pytest.mark.slow  # ~90 s on 2 idle cores: ten tiny trainings and a 1-process FSDP2 launch
 def test_gpu_check_smoke_runs_every_section(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ERNIEKIT_SHARED": str(SHARED), "HF_HOME": str(tmp_path / "hf")}
     assets = tmp_path / "assets"
@@ -32,7 +32,8 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     text = (tmp_path / "results-gpu-smoke.txt").read_text()
     for heading in ("## 1. Packed attention vs each sample alone (bf16)", "## 2a. 0.3B full SFT", "## 2b. 0.3B LoRA SFT",
                     "## 3. 0.3B DPO LoRA", "## 4. 0.3B QLoRA", "## 5.2. 21B-A3B LoRA SFT (r 32) cut to 2 layers",
-                    "## 5. 21B-A3B extrapolated to 28 layers", "## 6. FSDP2, 1 process"):
+                    "## 5. 21B-A3B extrapolated to 28 layers", "## 5x. Routed-expert adapters at the 21B-A3B shape, 2 layers",
+                    "## 6. FSDP2, 1 process"):
         assert heading in text, heading
     assert "Not available here: packed_varlen (CUDA only)" in text
     assert "torch.compile of a packed LoRA step with `packed_sdpa`" in text
@@ -46,6 +47,8 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     assert len(packed) == len(control) == 2
     assert all(a["max_logit_diff"] == 0 and a["rerouted_share"] == 0 for a in packed)  # per-sample sdpa on CPU: the same kernel
     assert all(a["max_logit_diff"] > 0.125 for a in control)  # attention across samples: the check sees it
-    assert len(result["training"]) == 6 and all(t["loss"] > 0 for t in result["training"])
+    # 2a, 2b, 3, 4, 5.2, 5.4, and 5x's merged and 4-bit-expert runs (bitsandbytes is a test dependency)
+    assert len(result["training"]) == 8 and all(t["loss"] > 0 for t in result["training"])
+    assert set(result["moe_expert_compute"]) == {"split", "merged", "split, 4-bit experts"}
     assert result["moe_extrapolated"]["layers"] == 28 and result["moe_extrapolated"]["plan_total_gib"] > 0
     assert len(result["seconds"]) == 4 and result["targets"] == []  # no GPU: no MFU or memory target measured
