@@ -104,23 +104,27 @@ def quiet_transformers() -> None:
     warnings.filterwarnings("ignore", message=".*pin_memory.*")  # no accelerator on CPU
 
 
-def write_model(tmp: Path, args) -> Path:
-    """The tiny random ERNIE 4.5 dense model with the REAL tokenizer (re-saved as tokenizer.json: loads in ~1 s
-    instead of ~6 s from sentencepiece, in either venv), written once per benchmark run."""
+def write_tokenizer(shared: str | Path, dst: Path) -> Path:
+    """The REAL tokenizer re-saved into `dst` (as tokenizer.json: loads in ~1 s instead of ~6 s from sentencepiece,
+    in either venv)."""
     from transformers import AutoTokenizer
 
-    from erniekit_lite.tiny import write_tiny
-
-    tokenizer_src = Path(args.shared) / "ernie45" / "ernie-4.5-0.3b-base-pt"
-    tok_dir = tmp / "tokenizer"
-    AutoTokenizer.from_pretrained(tokenizer_src).save_pretrained(tok_dir)
+    AutoTokenizer.from_pretrained(Path(shared) / "ernie45" / "ernie-4.5-0.3b-base-pt").save_pretrained(dst)
     # The released tokenizer_config's remote-code `auto_map` is ignored without trust_remote_code, but it makes
     # transformers 5.6 (LLaMA-Factory's venv) take the tokenizer for custom code when LLaMA-Factory saves it after
     # training, and fail (`custom_object_save` -> FileNotFoundError '.../transformers/integrations.ggml.py').
-    config_path = tok_dir / "tokenizer_config.json"
+    config_path = dst / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config.pop("auto_map", None)
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    return dst
+
+
+def write_model(tmp: Path, args) -> Path:
+    """The tiny random ERNIE 4.5 dense model with the real tokenizer (write_tokenizer), written once per benchmark run."""
+    from erniekit_lite.tiny import write_tiny
+
+    tok_dir = write_tokenizer(args.shared, tmp / "tokenizer")
     model_dir = write_tiny(str(tmp / "tiny"), "dense", str(tok_dir), hidden_size=args.hidden_size, layers=args.layers,
                            released_shape=args.released_shape)
     if args.released_shape:

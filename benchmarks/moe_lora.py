@@ -1,7 +1,7 @@
 """LoRA SFT on the ERNIE-4.5-21B-A3B MoE widths: routed-expert adapters `split` vs `merged`, per MoE layer (issue 31, item 4).
 
     python benchmarks/moe_lora.py [--rounds 3] [--steps 2] [--warmup 1] [--length 1024] [--lora-r 8] [--vocab 1024]
-                                  [--modes merged,split] [--four-bit [--four-bit-rounds 1]] [--threads N]
+                                  [--modes merged,split] [--four-bit [--four-bit-rounds 1]] [--lf [--lf-python PATH]] [--threads N]
 
 What runs
 - Random-weight ERNIE 4.5 MoE models at the released 21B-A3B widths (config `ernie45/ernie-4.5-21b-a3b-pt` under
@@ -41,8 +41,16 @@ Metrics
 Targets (issue 31): split >= 1.5x merged real tokens/s per MoE layer, at no more peak memory (peak RSS of split <= merged,
 for L1 and L2 alike).
 
-Out of scope for this pass: LLaMA-Factory on the same model and data (its MoE LoRA is peft's merged path, so `merged`
-here stands for it only roughly; no LF row is measured).
+- --lf (LLaMA-Factory's own venv: --lf-python, default $LLAMAFACTORY_PYTHON or ../lf-venv/bin/python, built by
+  benchmarks/install_llamafactory.sh): also LLaMA-Factory's LoRA SFT on the
+  same saved model (fp32 safetensors, the real tokenizer beside it) and the same packed row, through
+  `runners/llamafactory.py --moe-spec` in that venv: its training entry (`run_exp`) with its default `lora_target: all`,
+  rank --lora-r (alpha 2r), the row as a pre-tokenized dataset with each token's sample number as attention_mask, which
+  its `neat_packing` turns into a block-diagonal mask (it keeps one position count across the row); batch 1, fp32, sdpa,
+  no gradient checkpointing, AdamW lr 1e-4 constant; a callback times each optimizer step as the loop above does. NOT
+  the same work: `all` adapts every nn.Linear, and the fused routed experts are parameters, not Linear layers, so
+  LLaMA-Factory trains no routed-expert adapter (the row lists what it adapted and its trainable parameters); its own
+  transformers/peft versions (header).
 
 Noise: a shared 2-core machine; the 1-minute load average before and after is printed; trust only runs that started
 near the number of cores in use by nothing else. `--threads 1` is steadier on a busy machine.
@@ -66,6 +74,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import (
+    DEFAULT_LF_PYTHON,
     DEFAULT_SHARED,
     _status_kib,
     describe_header,
@@ -75,6 +84,7 @@ from benchmarks._common import (
     machine,
     peak_rss_mib,
     versions,
+    write_tokenizer,
 )
 
 CONFIG = Path("ernie45") / "ernie-4.5-21b-a3b-pt"
@@ -222,16 +232,18 @@ def child(spec_path: str) -> int:
 # ---------------------------------------------------------------- parent side
 
 
-def run_child(spec: dict, tmp: Path, name: str, args) -> dict:
+def run_child(spec: dict, tmp: Path, name: str, args, command: list[str] | None = None) -> dict:
+    """One child process on `spec` (this script's --child, or `command` + the spec's path); its result or {"error"}."""
     spec_path, result = tmp / f"{name}.spec.json", tmp / f"{name}.result.json"
     result.unlink(missing_ok=True)
     spec = {**spec, "result": str(result)}
     spec_path.write_text(json.dumps(spec))
+    command = [*(command or [sys.executable, str(Path(__file__).resolve()), "--child"]), str(spec_path)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONWARNINGS="ignore" if not args.verbose else os.environ.get("PYTHONWARNINGS", ""))
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)], env=env,
+        proc = subprocess.run(command, env=env,
                               stdout=None if args.verbose else subprocess.PIPE,
                               stderr=None if args.verbose else subprocess.STDOUT, text=True, timeout=args.timeout, check=False)
         output, code = proc.stdout or "", proc.returncode
@@ -263,6 +275,28 @@ def save_model(spec: dict, path: Path) -> str:
     return str(path)
 
 
+def run_lf(spec: dict, model_dir: str, tmp: Path, name: str, args) -> dict:
+    """The LLaMA-Factory row: the saved model with the real tokenizer beside it, the packed row every other row trains
+    on (ids and each token's sample number), runners/llamafactory.py --moe-spec in LLaMA-Factory's venv."""
+    import shutil
+
+    if not (Path(model_dir) / "tokenizer_config.json").exists():
+        write_tokenizer(args.shared, Path(model_dir))
+    batch = packed_row(spec["length"], spec["vocab"])
+    segments = [i + 1 for i, n in enumerate(batch["cu_seq_lens_q"].diff().tolist()) for _ in range(n)]
+    out = tmp / name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    lf_spec = {**spec, "model_dir": model_dir, "out_dir": str(out),
+               "row": {"input_ids": batch["input_ids"][0].tolist(), "segments": segments}}
+    r = run_child(lf_spec, tmp, name, args, command=[args.lf_python, str(Path(__file__).resolve().parent / "runners" / "llamafactory.py"),
+                                                     "--moe-spec"])
+    shutil.rmtree(out, ignore_errors=True)
+    if "error" not in r:  # what the summary reads from every row
+        r.update(split_modules=0, experts_4bit_modules=0, model_rss_mib=None)
+    return r
+
+
 def mean(xs):
     return sum(xs) / len(xs) if xs else None
 
@@ -282,6 +316,9 @@ def main(argv=None) -> int:
     p.add_argument("--four-bit-steps", type=int, default=1, help="timed steps of the 4-bit rows, no warm-up (0: loading and bytes only)")
     p.add_argument("--four-bit-rounds", type=int, default=1, help="rounds of the 4-bit rows, each one untimed-warm-up-free step "
                    "(on CPU bitsandbytes' Linear4bit runs its plain-code gemm: minutes per step, a figure that says nothing of a GPU's)")
+    p.add_argument("--lf", action="store_true", help="also LLaMA-Factory's LoRA on the same model and row (see above)")
+    p.add_argument("--lf-python", default=DEFAULT_LF_PYTHON,
+                   help="with --lf: python of a venv with LLaMA-Factory (default: $LLAMAFACTORY_PYTHON or ../lf-venv/bin/python)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in every child (default: torch's own)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds before a child process is killed")
     p.add_argument("--verbose", action="store_true", help="show each child's own output")
@@ -296,16 +333,22 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown mode(s) {unknown}; known: merged, split")
     if args.four_bit:
         modes.append("split-4bit")
+    if args.lf:
+        if not Path(args.lf_python).exists():
+            raise SystemExit(f"--lf-python {args.lf_python}: no such file (benchmarks/install_llamafactory.sh builds that venv)")
+        modes.append("lf")
     started = (time.perf_counter(), os.getloadavg()[0], git_revision())
     main_versions = versions(sys.executable)
+    lf_versions = versions(args.lf_python) if args.lf else None
     for line in describe_header(
             f"MoE LoRA SFT per MoE layer, routed experts {' vs '.join(modes)}; random ERNIE-4.5-21B-A3B widths (64 experts top-6, "
             f"2 shared, hidden 2560, moe_intermediate 1536) with vocab {args.vocab}, 1 dense + 1 / 2 MoE layers, LoRA r{args.lora_r} "
             f"(alpha {2 * args.lora_r}) on every target incl. routed experts, fp32, one packed row of {args.length} tokens per step, AdamW",
-            args, main_versions, None):
+            args, main_versions, lf_versions):
         print(line)
     print(f"plan: {args.warmup} warm-up + {args.steps} timed step(s) per child; {args.rounds} round(s), interleaved, each "
-          f"(model, mode) in its own process; LLaMA-Factory: out of scope for this pass", flush=True)
+          f"(model, mode) in its own process" + ("; lf: LLaMA-Factory's default `lora_target: all` (no routed-expert adapters)"
+                                                 if args.lf else "; LLaMA-Factory: not run (--lf)"), flush=True)
     base = {"shared": args.shared, "vocab": args.vocab, "length": args.length, "lora_r": args.lora_r, "warmup": args.warmup,
             "steps": args.steps, "threads": args.threads}
     runs: dict[tuple[str, str], list[dict]] = {(m, c): [] for m in MODELS for c in modes}
@@ -320,7 +363,10 @@ def main(argv=None) -> int:
                     spec = {**base, "moe_layers": moe, "compute": "split" if mode == "split-4bit" else mode}
                     if mode == "split-4bit":  # loading, the weights' bytes and one step that shows it trains
                         spec.update(model_dir=save_model(spec, tmp / f"model-{model_name}"), warmup=0, steps=args.four_bit_steps)
-                    r = run_child(spec, tmp, f"{model_name}-{mode}-{rnd}", args)
+                    if mode == "lf":
+                        r = run_lf(spec, save_model(spec, tmp / f"model-{model_name}"), tmp, f"{model_name}-{mode}-{rnd}", args)
+                    else:
+                        r = run_child(spec, tmp, f"{model_name}-{mode}-{rnd}", args)
                     runs[(model_name, mode)].append(r)
                     if "error" in r:
                         print(f"round {rnd} {model_name} {mode}: FAILED {r['error']}", flush=True)
@@ -329,6 +375,11 @@ def main(argv=None) -> int:
                               f"{r['load_peak_anon_mib']:.0f} MiB, checkpoint {r['checkpoint_mib']:.0f} MiB", flush=True)
                     elif "unavailable" in r:
                         print(f"round {rnd} {model_name} {mode}: {r['unavailable']} (load_in_4bit left 0 experts modules in NF4)", flush=True)
+                    elif mode == "lf":
+                        print(f"round {rnd} {model_name} lf: steps {r['step_seconds']} s (warm-up {r.get('warmup_seconds')} s), "
+                              f"{r['tokens_per_step'] / mean(r['step_seconds']):.1f} tokens/s; peak RSS {r['peak_rss_mib']:.0f} MiB; "
+                              f"adapted {', '.join(r['adapted'])}; trainable {r['trainable_params']:,}; loss {r['losses']}; "
+                              f"child wall {r['child_wall_seconds']} s", flush=True)
                     else:
                         print(f"round {rnd} {model_name} {mode}: steps {r['step_seconds']} s (warm-up {r.get('warmup_seconds')} s), "
                               f"{r['tokens_per_step'] / mean(r['step_seconds']):.1f} tokens/s; peak RSS {r['peak_rss_mib']:.0f} MiB "
@@ -359,7 +410,7 @@ def main(argv=None) -> int:
                    "metric": "tokens per step / mean wall clock of a timed optimizer step; per MoE layer from L2 - L1",
                    "git": revision if revision_end == revision else [revision, revision_end]},
         "machine": machine(),
-        "versions": {"main": main_versions},
+        "versions": {"main": main_versions, **({"llamafactory_venv": lf_versions} if lf_versions else {})},
         "configs": {f"{m}/{c}": s for (m, c), s in summary["configs"].items()},
         "per_moe_layer": summary["per_layer"],
         "targets": targets,
@@ -398,7 +449,8 @@ def summarise(runs, modes, args) -> dict:
             "trainable_params": ok[0]["trainable_params"],
             "split_modules": ok[0]["split_modules"],
             "experts_4bit_modules": ok[0]["experts_4bit_modules"],
-            "load_peak_anon_mib": max(r["load_peak_anon_mib"] for r in ok),
+            **({"load_peak_anon_mib": max(r["load_peak_anon_mib"] for r in ok)} if "load_peak_anon_mib" in ok[0] else {}),
+            **({"adapted": ok[0]["adapted"]} if "adapted" in ok[0] else {}),
             **{k: ok[0][k] for k in ("checkpoint_mib", "experts_4bit_bytes", "experts_bf16_bytes") if k in ok[0]},
             "losses": [r["losses"] for r in ok],
             "threads": ok[0]["threads"],

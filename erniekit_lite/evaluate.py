@@ -162,11 +162,12 @@ def score_rows(model, rows, batch_size: int, max_length: int) -> tuple[float, in
     from tqdm import tqdm
 
     from erniekit_lite.data.collate import PackedCollator
+    from erniekit_lite.model.lora import unwrap
     from erniekit_lite.train.scoring import score
 
     collate = PackedCollator(max_length)
     # As the trainer does: score the causal LM inside the peft wrapper (its LoRA layers are in there)
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = unwrap(model)
     device = next(model.parameters()).device
     nll, tokens = 0.0, 0
     with torch.no_grad(), tqdm(total=len(rows), desc="scoring", unit="row", disable=None) as bar:

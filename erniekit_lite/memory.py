@@ -236,7 +236,9 @@ def params_of(model, lora_dropout: float = 0.0) -> Params:
     """Classify the parameters of a (meta-device) model, optionally wrapped by peft, for `estimate`."""
     import torch
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    from erniekit_lite.model.lora import unwrap
+
+    base = unwrap(model)
     head = base.get_output_embeddings()
     head_ids = {id(head.weight)} if head is not None else set()
     linear_ids, largest = set(), 0

@@ -270,11 +270,11 @@ def architecture(path: str, recipe: Recipe) -> dict:
 
         model = apply_lora(model, recipe.lora)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    from erniekit_lite.model.lora import groups_line
+    from erniekit_lite.model.lora import groups_line, unwrap
 
     return {
         "groups": groups_line(model),
-        "class": type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__,
+        "class": type(unwrap(model)).__name__,
         "parameters": total,
         "trainable": trainable,
         "shape": memory.Shape.from_config(config),

@@ -19,10 +19,11 @@ from conftest import TEST_EXTRA, need_module
 import torch
 
 from erniekit_lite import recipe as recipes
-from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator, pack_pairs
+from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator
 from erniekit_lite.data.prepare import prepare_pairs
 from erniekit_lite.errors import UserError
 from erniekit_lite.model import reward
+from erniekit_lite.model.lora import unwrap
 from tests.helpers import PAIRS, run_cli, write_recipe
 
 TOL = 1e-5  # fp32
@@ -149,7 +150,7 @@ def test_loss_metrics_and_gradients_equal_trls_own_reward_trainer(arch, lora, ti
     data = prepare_pairs(r.data, tokenizer, log=lambda *a: None)
     ours_model = load_for_training(r, log=lambda *a: None)
     theirs_model = copy.deepcopy(ours_model)
-    reward.reward_base(theirs_model).set_attn_implementation("sdpa")
+    unwrap(theirs_model).set_attn_implementation("sdpa")
     ours = rm.build_trainer(ours_model, tokenizer, training_args(r, tmp_path / "ours"), data, r)
 
     pairs = data.train.pairs
@@ -330,7 +331,7 @@ def test_qlora_run_scores_as_it_trained(tmp_path, tiny_dense_dir):
     need_module("bitsandbytes", TEST_EXTRA)
     run, captured = _trained(tmp_path, tiny_dense_dir, {"r": 8, "alpha": 16}, steps=3, lr=5e-3, model={"load_in_4bit": True})
     model = reward.load_reward_model(str(run))
-    assert getattr(reward.reward_base(model.model).model.layers[0].self_attn.q_proj.base_layer, "quant_state", None) is not None
+    assert getattr(unwrap(model.model).model.layers[0].self_attn.q_proj.base_layer, "quant_state", None) is not None
     for item_ids, value in zip(model.encode(_items()), model.score(_items())):
         assert abs(value - captured[tuple(item_ids)]) <= TOL
 

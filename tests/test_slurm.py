@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from conftest import needs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from erniekit_lite import recipe as recipes
-from erniekit_lite.errors import RecipeError, UserError
+from erniekit_lite.errors import RecipeError
 from webui import forms
 from webui.paths import recipe_files
 

@@ -123,7 +123,85 @@ def run(p: dict, probe) -> dict:
     return extra
 
 
+def moe_step_times(spec_path: str) -> int:
+    """benchmarks/moe_lora.py's LLaMA-Factory row: LoRA SFT (LLaMA-Factory's default `lora_target: all`) on the saved
+    random MoE model, over the very packed row the other rows train on, fed as a pre-tokenized dataset
+    (`tokenized_path`; its parser still asks for a dataset name, never read): input_ids, labels = input_ids, attention_mask = each token's sample number (1..4), which
+    `neat_packing` turns into its block-diagonal 4-D mask. Batch 1, fp32, sdpa, no gradient checkpointing. Writes step
+    times (after the warm-up), losses, which modules got adapters, trainable parameters and VmHWM to spec["result"]."""
+    import re
+    import time
+
+    spec = json.loads(Path(spec_path).read_text())
+    import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    stubbed = stub_torchaudio()
+    from datasets import Dataset
+    from llamafactory.train.tuner import run_exp
+
+    tmp = Path(spec["out_dir"])
+    row = spec["row"]
+    n = spec["warmup"] + spec["steps"]
+    Dataset.from_dict({"input_ids": [row["input_ids"]] * n, "attention_mask": [row["segments"]] * n,
+                       "labels": [row["input_ids"]] * n}).save_to_disk(str(tmp / "tokenized"))
+    from transformers import TrainerCallback
+
+    adapted, trainable = set(), []
+
+    class StepTimer(TrainerCallback):
+        """Each optimizer step's wall clock (forward, backward, optimizer step, zero_grad, as moe_lora.py's own loop
+        times it), the logged losses, and what LLaMA-Factory put adapters on (layer numbers dropped)."""
+
+        def __init__(self):
+            self.times, self.losses, self.t = [], [], None
+
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            adapted.update(re.sub(r".*layers\.\d+\.", "", name) for name, m in model.named_modules() if hasattr(m, "lora_A"))
+            trainable.append(sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                self.losses.append(round(float(logs["loss"]), 4))
+
+    timer = StepTimer()
+    t0 = time.perf_counter()
+    run_exp({
+        "stage": "sft", "do_train": True, "model_name_or_path": spec["model_dir"], "flash_attn": "sdpa",
+        "disable_gradient_checkpointing": True, "finetuning_type": "lora", "lora_rank": spec["lora_r"],
+        "lora_alpha": 2 * spec["lora_r"], "lora_dropout": 0.0, "lora_target": "all", "template": "ernie_nothink",
+        "tokenized_path": str(tmp / "tokenized"), "dataset": "unused", "neat_packing": True, "cutoff_len": len(row["input_ids"]),
+        "output_dir": str(tmp / "out"), "overwrite_output_dir": True, "per_device_train_batch_size": 1,
+        "gradient_accumulation_steps": 1, "max_steps": n, "learning_rate": 1e-4, "lr_scheduler_type": "constant",
+        "warmup_steps": 0, "logging_steps": 1, "save_strategy": "no", "report_to": "none", "bf16": False, "fp16": False,
+        "seed": 0, "disable_tqdm": True, "plot_loss": False, "dataloader_num_workers": 0,
+    }, callbacks=[timer])
+    hwm = next((int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith("VmHWM:")), None)
+    Path(spec["result"]).write_text(json.dumps({
+        "step_seconds": [round(t, 3) for t in timer.times[spec["warmup"]:]], "warmup_seconds": round(sum(timer.times[:spec["warmup"]]), 3),
+        "losses": timer.losses, "tokens_per_step": len(row["input_ids"]), "adapted": sorted(adapted),
+        "trainable_params": trainable[0] if trainable else None, "peak_rss_mib": round(hwm / 1024, 1) if hwm else None,
+        "threads": torch.get_num_threads(), "wall_seconds": round(time.perf_counter() - t0, 1),
+        "notes": ["torchaudio missing from the LLaMA-Factory venv: stubbed (text-only)"] if stubbed else []}))
+    return 0
+
+
 if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) == 3 and sys.argv[1] == "--moe-spec":  # benchmarks/moe_lora.py's LLaMA-Factory row
+        here = Path(__file__).resolve().parent  # this file's folder first on the path would shadow the package's name
+        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+        sys.exit(moe_step_times(sys.argv[2]))
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir")
     ap.add_argument("data_path")

@@ -33,6 +33,11 @@ INITIAL = "_erniekit_initial_adapter"  # PiSSA/OLoRA: the adapter's initial A an
 HEAD = "score"  # a reward model's head (model/reward.py): trained in full, no adapter
 
 
+def unwrap(model):
+    """The transformers model under peft's wrapper (the model itself when it has no adapter)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def is_moe(model) -> bool:
     return getattr(model.config, "moe_num_experts", 0) > 0
 

@@ -40,7 +40,7 @@ from transformers.models.ernie4_5.modeling_ernie4_5 import Ernie4_5PreTrainedMod
 from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoePreTrainedModel
 
 from erniekit_lite.errors import UserError
-from erniekit_lite.model.lora import HEAD  # `score`, transformers' name in every GenericForSequenceClassification
+from erniekit_lite.model.lora import HEAD, unwrap  # HEAD: `score`, transformers' name in every GenericForSequenceClassification
 
 
 class Ernie4_5ForSequenceClassification(GenericForSequenceClassification, Ernie4_5PreTrainedModel):
@@ -135,11 +135,6 @@ def is_reward_run(path: str) -> bool:
     if config.is_file():
         return any(a.endswith("ForSequenceClassification") for a in json.loads(config.read_text()).get("architectures") or [])
     return False
-
-
-def reward_base(model):
-    """The sequence-classification model under a peft wrapper (its adapters and `score` copy stay active)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -247,7 +242,7 @@ class RewardModel:
         ids = self.encode(items)
         device = next(self.model.parameters()).device
         pad = self.tokenizer.pad_token_id or 0
-        base = reward_base(self.model)
+        base = unwrap(self.model)
         out = [0.0] * len(ids)
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         was_training = self.model.training

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from erniekit_lite.errors import UserError
 from erniekit_lite.model.load import load_model, resolve_attention
-from erniekit_lite.model.lora import groups_line, is_moe
+from erniekit_lite.model.lora import groups_line, is_moe, unwrap
 from erniekit_lite.plan import choose_checkpointing, head_keep_positions
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.trainer_args import training_args
@@ -66,7 +66,7 @@ def plan_lm_head(trainer, recipe: Recipe, log=print) -> None:
     A frozen head (LoRA) needs no choice: its gradient is taken in forward."""
     from erniekit_lite.train.scoring import head_trains
 
-    model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    model = unwrap(trainer.model)
     head = model.get_output_embeddings()
     if head is None or not head_trains(head):
         return

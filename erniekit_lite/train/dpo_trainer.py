@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from trl import DPOTrainer
 
+from erniekit_lite.model.lora import unwrap
 from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.optimizer import LoraPlusMixin
 from erniekit_lite.train.pair_scoring import PairRowsMixin, add_packed_forward
@@ -27,7 +28,7 @@ class ErnieDPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlu
 
     def _install_packed_forward(self) -> None:
         # Called again from `_precompute_ref_logps`, which TRL runs inside `__init__`, after its own patching
-        policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        policy = unwrap(self.model)
         for model in (policy, self.ref_model):
             if model is not None and not getattr(model, "_erniekit_packed", False):
                 add_packed_forward(model)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from erniekit_lite.model.lora import unwrap
+
 
 class ExpertLoad:
     def __init__(self, model):
@@ -107,7 +109,7 @@ def _heatmap(data: dict, path: Path) -> None:
 
 def track(model) -> ExpertLoad | None:
     """Start recording expert load on an MoE model (or its peft wrapper); None for dense models."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrap(model)
     load = ExpertLoad(base)
     if not load.routers:
         return None

@@ -38,6 +38,7 @@ from erniekit_lite.data.prompts import prompt_ids, prompt_text
 from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import Tokenizer
 from erniekit_lite.model.attention import PACKED
+from erniekit_lite.model.lora import unwrap
 from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.grpo_scoring import MARK, add_packed_scoring, packed_inputs, to_layout
 from erniekit_lite.train.optimizer import LoraPlusMixin
@@ -49,7 +50,7 @@ GENERATION_STATE = "grpo_generation_state_{}.pt"  # in a checkpoint, per process
 def _inner(model):
     """The causal LM under PEFT and accelerate wrappers (its modules hold any adapters)."""
     model = getattr(model, "module", model)
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    return unwrap(model)
 
 
 class ErnieGRPOTrainer(CheckpointMixin, ThroughputMixin, LoraPlusMixin, GRPOTrainer):

@@ -32,6 +32,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from erniekit_lite.model.attention import remember_lengths
+from erniekit_lite.model.lora import unwrap
 from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.optimizer import LoraPlusMixin
 from erniekit_lite.train.pair_scoring import add_packed_forward
@@ -62,7 +63,7 @@ class ErnieKTOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlu
 
     def _install_packed_forward(self) -> None:
         # Called again from `_precompute_ref_logps`, which TRL runs inside `__init__`, after its own patching
-        for model in (self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model, self.ref_model):
+        for model in (unwrap(self.model), self.ref_model):
             if model is not None and not getattr(model, "_erniekit_packed", False):
                 add_packed_forward(model)
                 model._erniekit_packed = True

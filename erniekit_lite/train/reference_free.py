@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator
+from erniekit_lite.model.lora import unwrap
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import dpo
 from erniekit_lite.train import run as runner
@@ -85,7 +86,7 @@ class ReferenceFreeMixin(StepWeightsMixin, PairRowsMixin):
         self.router_aux_loss_coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
         self.aux_loss_enabled = hasattr(config, "output_router_logits") and self.router_aux_loss_coef != 0.0
         self.aux_loss_coef = self.router_aux_loss_coef  # what TRL's `get_batch_loss_metrics` adds the aux loss with
-        add_packed_forward(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model)
+        add_packed_forward(unwrap(self.model))
 
     average_log_prob: bool
     with_nll: bool

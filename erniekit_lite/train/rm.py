@@ -23,7 +23,8 @@ from trl import RewardTrainer
 from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator
 from erniekit_lite.data.prepare import describe_pairs, prepare_pairs
 from erniekit_lite.errors import UserError
-from erniekit_lite.model.reward import HEAD, add_pair_forward, check_start, is_reward_run, reward_base
+from erniekit_lite.model.lora import unwrap
+from erniekit_lite.model.reward import HEAD, add_pair_forward, check_start, is_reward_run
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import run as runner
 from erniekit_lite.train.checkpoints import CheckpointMixin
@@ -49,7 +50,7 @@ class ErnieRewardTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, Lora
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        base = reward_base(self.model)
+        base = unwrap(self.model)
         add_pair_forward(base)
         # TRL casts every trainable parameter of a quantized model to bf16 (for QLoRA's adapters); the head's trained copy
         # computes on the body's output, in the model's dtype, as peft made it (the adapters keep TRL's and our bf16)
@@ -67,7 +68,7 @@ def build_trainer(model, tokenizer, args, data, recipe: Recipe):
                                  **trainer_inputs(data, tokenizer, recipe, PackedPairCollator, PaddedPairCollator))
     # the head itself, or under LoRA peft's trained copy of it (modules_to_save; the original stays frozen beside it)
     trained = sum(p.numel() for n, p in trainer.model.named_parameters() if p.requires_grad and f"{HEAD}." in n)
-    if trained != getattr(reward_base(trainer.model), HEAD).in_features:
+    if trained != getattr(unwrap(trainer.model), HEAD).in_features:
         raise UserError(f"rm: the reward head ({HEAD}) is not trained in full ({trained} trainable weights)")
     return trainer
 

@@ -21,7 +21,7 @@ from trl import SFTTrainer
 
 from erniekit_lite.errors import UserError
 from erniekit_lite.model.attention import remember_lengths
-from erniekit_lite.model.lora import INITIAL, save_as_plain_lora
+from erniekit_lite.model.lora import INITIAL, save_as_plain_lora, unwrap
 from erniekit_lite.plan import CHECKPOINTING_OFF_BY_PLAN
 from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.optimizer import LoraPlusMixin
@@ -90,7 +90,7 @@ class OutOfMemoryRetryMixin:
         if hasattr(self.model, "peft_config"):
             self.model.enable_input_require_grads()
         self.args.activation_checkpointing = self.args.gradient_checkpointing = True
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        base = unwrap(self.model)
         head = ", the LM head's chunks recomputed" if getattr(base, "_erniekit_head_keep_positions", 0) else ""
         base._erniekit_head_keep_positions = 0
         self.retried_at = step
@@ -199,7 +199,7 @@ class PlainLoraSaveMixin:
 class ErnieSFTTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, PlainLoraSaveMixin, SFTTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        add_scoring_forward(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model)
+        add_scoring_forward(unwrap(self.model))
 
     def evaluation_loop(self, *args, metric_key_prefix: str = "eval", **kwargs):
         """`eval_loss` as the token-weighted mean over the whole eval set, as training's loss is.
