@@ -1,6 +1,7 @@
 """One LLaMA-Factory run, through its own training entry (`llamafactory.train.tuner.run_exp`), in ITS OWN venv.
 
     /path/to/lf-venv/bin/python benchmarks/runners/llamafactory.py MODEL_DIR DATA.json OUT_DIR --stage sft|dpo [--neat-packing]
+    /path/to/lf-venv/bin/python benchmarks/runners/llamafactory.py --moe-spec SPEC.json   # benchmarks/moe_lora.py's row
 
 This file imports nothing from erniekit-lite; LLaMA-Factory is never a dependency of erniekit-lite.
 
