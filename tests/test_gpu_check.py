@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @needs_shared
-@pytest.mark.slow  # ~90 s on 2 idle cores: ten tiny trainings and a 1-process FSDP2 launch
+@pytest.mark.slow  # ~5 min on 2 cores: ten tiny trainings and a 1-process FSDP2 launch
 def test_gpu_check_smoke_runs_every_section(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ERNIEKIT_SHARED": str(SHARED), "HF_HOME": str(tmp_path / "hf")}
     assets = tmp_path / "assets"
