@@ -188,8 +188,10 @@ def flops_per_token(model, stats: dict, reference: bool = False) -> dict:
     """`model` as it trains (its adapters in place). Returns body, attention, head (trained positions), DPO's
     reference pass (`reference`: the base without adapters, forward only, head at trained positions), the total, and
     the total counting the head at every position."""
+    from erniekit_lite.model.lora import unwrap
+
     config = model.config
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrap(model)
     head = base.get_output_embeddings()
     head_id = id(head.weight)
     k, experts = getattr(config, "moe_k", 0), getattr(config, "moe_num_experts", 0)

@@ -226,11 +226,12 @@ def quantization_states(model) -> dict[int, int]:
 
 def measure(case: Case) -> dict:
     """One case: estimate (from the same model, as validate does on the meta device) and measurements."""
+    from erniekit_lite.model.lora import unwrap
     from erniekit_lite.train import scoring
 
     config, model = build(case)
     model = adapt(model, case)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrap(model)
     if case.checkpointing:
         base.activation_checkpointing_enable()  # what Trainer does (non-reentrant; input grads for LoRA)
     scoring.add_scoring_forward(base)
