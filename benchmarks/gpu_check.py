@@ -256,8 +256,10 @@ def recipe_from(shipped: str, model_dir: Path, data: Path, out: Path, args, **ch
     return recipes.load(str(path), [])
 
 
-def planned(recipe) -> dict:
-    """`validate`'s memory plan for this recipe: the total and its allocated part (without context, fragmentation)."""
+def planned(recipe, checkpointing: bool | None = None, head_kept: bool = False) -> dict:
+    """`validate`'s memory plan for this recipe: the total and its allocated part (without context, fragmentation),
+    for the choices the run made: activation checkpointing (`checkpointing`; None: as the recipe's arguments say)
+    and a trained LM head's chunks kept for backward (`head_kept`), both of which `train` decides on the GPU."""
     from erniekit_lite import memory
     from erniekit_lite.plan import architecture, memory_estimate
     from erniekit_lite.trainer_args import training_args
@@ -265,9 +267,19 @@ def planned(recipe) -> dict:
     import torch
 
     args = training_args(recipe, Path(recipe.output.dir))
-    est, _ = memory_estimate(recipe, args, architecture(recipe.model.path, recipe), cuda=torch.cuda.is_available())
+    if checkpointing is not None:
+        args.activation_checkpointing = checkpointing
+    est, _ = memory_estimate(recipe, args, architecture(recipe.model.path, recipe), cuda=torch.cuda.is_available(),
+                             head_keep=head_kept)
     return {"plan_total_gib": est.total / memory.GIB, "plan_allocated_gib": (est.total - est.overhead) / memory.GIB,
-            "checkpointing": bool(args.activation_checkpointing)}
+            "checkpointing": bool(args.activation_checkpointing), "head_kept": head_kept}
+
+
+def run_choices(lines: list[str]) -> tuple[bool | None, bool]:
+    """What the run's log says `train` chose on this device: checkpointing turned off by the plan (None: it did not
+    say, the recipe's setting held), and whether the LM head's chunks were kept."""
+    off = any(x.startswith("activation checkpointing off") for x in lines)
+    return (False if off else None), any(x.startswith("LM head: trained; its chunks are kept") for x in lines)
 
 
 def run_once(recipe, warmup: int) -> dict:
@@ -514,8 +526,8 @@ def graph_breaks(results: Results, assets: Path, tmp: Path, args, batch, labels,
 
 
 def training_section(results: Results, number: str, title: str, recipe, model_dir: Path, tokenizer, args, flops: bool = True) -> dict:
-    plan = planned(recipe)
     measured = timed(recipe, args)
+    plan = planned(recipe, *run_choices(measured["lines"]))  # the plan for what ran, not for the recipe's defaults
     rate = measured["tokens_per_second"]
     row = {"title": title, **measured, **plan}
     lines = [f"recipe: {title}; activation checkpointing {'on' if plan['checkpointing'] else 'off'} (the plan's choice "

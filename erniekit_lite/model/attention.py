@@ -105,15 +105,16 @@ def _varlen_parameters(kernel) -> frozenset:
 def _call_varlen(q, k, v, cu, longest, scale):
     kernel = varlen_kernel()
     params = _varlen_parameters(kernel)
-    if "window_size" in params:  # newer torch spells causal as a window and takes grouped-query heads
-        return kernel(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
-    # torch 2.9/2.10: is_causal, and as many key/value heads as query heads
-    if q.shape[1] != k.shape[1]:
+    extra = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}  # newer torch: causal as a window
+    if "enable_gqa" in params:  # torch 2.13 takes grouped-query heads as they are
+        extra["enable_gqa"] = q.shape[1] != k.shape[1]
+    elif q.shape[1] != k.shape[1]:  # torch 2.9-2.11 (2.11 seen on an H200): as many key/value heads as query heads
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    extra = {"scale": scale} if "scale" in params else {}
-    if not extra and scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+    if "scale" in params:
+        extra["scale"] = scale
+    elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12:
         raise ValueError(f"{VARLEN}: this torch's varlen_attn takes no scale and the model uses {scale}; use packed_sdpa")
-    return kernel(q, k, v, cu, cu, longest, longest, is_causal=True, **extra)
+    return kernel(q, k, v, cu, cu, longest, longest, **extra)
 
 
 AttentionInterface.register(NAME, packed_sdpa_forward)
