@@ -83,6 +83,7 @@ CONFIGS = {"0.3b": "ernie-4.5-0.3b-base-pt", "21b-a3b": "ernie-4.5-21b-a3b-pt"}
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--assets", help="folder made by --prepare-assets (default: made from --shared in a temp dir)")
+    p.add_argument("--digest", action="store_true", help="print the source digest a results file records, then exit")
     p.add_argument("--prepare-assets", metavar="DIR", help="write the tokenizer, configs and data the check needs, then exit")
     p.add_argument("--shared", default=os.environ.get("ERNIEKIT_SHARED", str(ROOT.parent / "shared")))
     p.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for results-gpu-<device>.txt")
@@ -114,12 +115,24 @@ def parse_args(argv=None):
 
 
 def revision() -> str | None:
-    """`git describe --always --dirty`, or None where the tree is no git checkout (a device call carries no .git)."""
+    """`git describe --always --dirty`, or None where the tree is no git checkout. On the device machine the .git that
+    travels can be older than the tree (seen: the session's first commit, `-dirty`), hence `source_digest` too."""
     try:
         done = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=ROOT)
     except OSError:
         return None
     return done.stdout.strip() or None
+
+
+def source_digest() -> str:
+    """sha256 (12 hex digits) of the code a run measures: erniekit_lite's .py files, the recipes and this script.
+    `python benchmarks/gpu_check.py --digest` here prints it for the checked-out tree, to match a results file."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted([*ROOT.glob("erniekit_lite/**/*.py"), *ROOT.glob("recipes/**/*.yaml"), Path(__file__).resolve()]):
+        h.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def prepare_assets(dest: Path, shared: Path) -> Path:
@@ -709,6 +722,9 @@ def versions() -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.digest:
+        print(source_digest())
+        return 0
     if args.prepare_assets:
         print(f"assets written to {prepare_assets(Path(args.prepare_assets), Path(args.shared))}")
         return 0
@@ -743,7 +759,7 @@ def main(argv=None) -> int:
     def write() -> None:  # after every section: a run stopped at the call's limit still leaves what it measured
         elapsed = time.perf_counter() - started
         head = [f"# gpu_check: {device}{' (smoke: tiny models on CPU, numbers meaningless)' if args.smoke else ''}",
-                f"git {rev}; torch {torch.__version__}; {versions()}; dense bf16 peak {peak} TFLOP/s; "
+                f"git {rev}; source {source_digest()}; torch {torch.__version__}; {versions()}; dense bf16 peak {peak} TFLOP/s; "
                 f"{elapsed:.0f} s ({', '.join(timings) or 'starting'}); "
                 f"command: python benchmarks/gpu_check.py {' '.join(argv if argv is not None else sys.argv[1:])}",
                 "", "checks:", *[f"- {'PASS' if ok else 'FAIL'} {name}: {detail}" for name, ok, detail in results.checks],

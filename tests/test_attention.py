@@ -3,7 +3,7 @@ of the kernel, `auto`'s choice per device, and sample bounds that the trainer ha
 
 The stand-in computes what the kernel promises (causal attention per sample over the [T, heads, dim] layout, from
 the `cu_seq` bounds) with sdpa, so these tests check everything around the kernel: the layout, the bounds, causality,
-grouped-query heads, the scale, both of torch's signatures, and when the per-sample path is used instead. The kernel
+grouped-query heads, the scale, each of torch's three signatures, and when the per-sample path is used instead. The kernel
 itself is checked against per-sample attention on a GPU by `benchmarks/gpu_check.py`.
 """
 
@@ -38,10 +38,22 @@ def _reference(q, k, v, cu_q, cu_k, max_q, max_k, scale):
 
 
 def new_kernel(calls):
-    """torch 2.11+'s signature: causal as a window, grouped-query heads taken as they are."""
+    """torch 2.13's signature: causal as a window, grouped-query heads taken as they are."""
 
     def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1), enable_gqa=False):
         assert window_size == (-1, 0) and enable_gqa == (q.shape[1] != k.shape[1])
+        calls.append(q.dtype)
+        return _reference(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+
+    return varlen_attn
+
+
+def window_kernel(calls):
+    """torch 2.11's signature (its TypeError on an H200 named enable_gqa, after scale and window_size): causal as a
+    window, as many key/value heads as query heads."""
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        assert window_size == (-1, 0) and q.shape[1] == k.shape[1] == v.shape[1]
         calls.append(q.dtype)
         return _reference(q, k, v, cu_q, cu_k, max_q, max_k, scale)
 
@@ -73,7 +85,7 @@ def _logits(model, batch, autocast: bool) -> torch.Tensor:
         return model(**batch, use_cache=False).logits[0].float()
 
 
-@pytest.mark.parametrize("kernel", [new_kernel, old_kernel])
+@pytest.mark.parametrize("kernel", [new_kernel, window_kernel, old_kernel])
 @pytest.mark.parametrize("setup", ["bf16 weights", "bf16 autocast"])
 def test_packed_varlen_gives_the_per_sample_logits(tiny_dense_dir, batch, monkeypatch, kernel, setup):
     config = load_model(str(tiny_dense_dir)).config

@@ -52,3 +52,29 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     assert set(result["moe_expert_compute"]) == {"split", "merged", "split, 4-bit experts"}
     assert result["moe_extrapolated"]["layers"] == 28 and result["moe_extrapolated"]["plan_total_gib"] > 0
     assert len(result["seconds"]) == 4 and result["targets"] == []  # no GPU: no MFU or memory target measured
+
+
+def test_the_plan_compared_is_the_one_for_what_the_run_chose(tiny_dense_dir, tmp_path):
+    """The first GPU run compared each peak with the plan for the recipe's defaults (checkpointing on, head
+    recomputed) while `train` had turned checkpointing off and kept the head's chunks: peaks 2-5x "the plan".
+    `run_choices` reads those choices from the lines `train` logs, and `planned` plans for them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    from erniekit_lite.plan import choose_checkpointing, head_keep_positions
+    from erniekit_lite.recipe import from_dict
+    from erniekit_lite.trainer_args import training_args
+
+    recipe = from_dict({"model": {"path": str(tiny_dense_dir)}, "data": {"train": [str(ROOT / "recipes/data/identity.jsonl")],
+                        "max_length": 1024}, "train": {"per_device_train_batch_size": 2}, "output": {"dir": str(tmp_path / "out")}})
+    said: list[str] = []
+    args = training_args(recipe, tmp_path / "out")
+    choose_checkpointing(recipe, args, 10**15, said.append)  # a GPU with memory to spare (stand-in: no GPU here)
+    assert head_keep_positions(recipe, args, 10**15, said.append) > 0
+    assert gpu_check.run_choices(said) == (False, True)
+    assert gpu_check.run_choices([]) == (None, False)  # nothing said: the recipe's own setting held
+    ran, defaults = gpu_check.planned(recipe, False, True), gpu_check.planned(recipe)
+    assert (ran["checkpointing"], ran["head_kept"], defaults["checkpointing"], defaults["head_kept"]) == (False, True, True, False)
+    # each choice moves the plan: every layer's activations kept, and the head's chunks kept instead of recomputed
+    assert ran["plan_allocated_gib"] > gpu_check.planned(recipe, None, True)["plan_allocated_gib"]
+    assert ran["plan_allocated_gib"] != gpu_check.planned(recipe, False, False)["plan_allocated_gib"]
