@@ -532,7 +532,12 @@ def graph_breaks(results: Results, assets: Path, tmp: Path, args, batch, labels,
 
     torch._dynamo.reset()
     explained = torch._dynamo.explain(step)(batch, labels)
-    reasons = sorted({b.reason.splitlines()[0] for b in explained.break_reasons})
+    def where(b):  # the first line of the reason and the user code it broke at (a GPU session has no time to dig)
+        frame = (getattr(b, "user_stack", None) or [None])[-1]
+        at = f" at {Path(frame.filename).name}:{frame.lineno}" if frame is not None else ""
+        return b.reason.splitlines()[0] + at
+
+    reasons = sorted({where(b) for b in explained.break_reasons})
     results.data["graph_breaks"] = {"attention": impl, "count": explained.graph_break_count, "reasons": reasons}
     return (f"torch.compile of a packed LoRA step with `{impl}` (auto's choice here): {explained.graph_break_count} graph "
             f"breaks; reasons: {'; '.join(reasons) or 'none'}")
