@@ -31,6 +31,9 @@ real tokenizer), and writes `benchmarks/results-gpu-<device>.txt` (with --smoke:
    4-bit experts (sft-qlora.yaml), as benchmarks/moe_lora.py compares them on CPU.
 6. FSDP2 with 1 process (`train --num-processes 1 --accelerate-config recipes/accelerate/fsdp2.yaml`): steps run,
    the run reports FSDP2, the model saves and loads with plain transformers.
+7. profile: where a 0.3B step's time goes, full SFT and LoRA as in 2a/2b, under torch.profiler (the first H200 run
+   found 15% MFU, and LoRA slower than full SFT): wall and kernel time per step, the GPU's busy share, kernels
+   launched, aten ops, the kernels taking the most time.
 
 MFU, one definition: model FLOPs per real token as erniekit-lite computes them (matmuls of the weights a token
 passes through: 6 per weight when it trains, 4 when frozen (forward and input gradient), 6 per adapter weight; for
@@ -88,7 +91,7 @@ def parse_args(argv=None):
     p.add_argument("--shared", default=os.environ.get("ERNIEKIT_SHARED", str(ROOT.parent / "shared")))
     p.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for results-gpu-<device>.txt")
     p.add_argument("--smoke", action="store_true", help="tiny models on CPU: the same code paths, no meaningful numbers")
-    p.add_argument("--only", help="comma-separated sections: attention,sft,dpo,qlora,moe,fsdp2 (default: all)")
+    p.add_argument("--only", help="comma-separated sections: attention,sft,dpo,qlora,moe,fsdp2,profile (default: all)")
     p.add_argument("--rounds", type=int, default=None, help="runs per timed case (default 3; 1 with --smoke)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 15; 2 with --smoke)")
     p.add_argument("--warmup", type=int, default=None, help="steps left out of the timing (default 5; 1 with --smoke)")
@@ -680,6 +683,109 @@ def expert_compute(results: Results, assets: Path, model_dir: Path, tmp: Path, a
     results.section(f"5x. Routed-expert adapters at the 21B-A3B shape, {layers} layers: split vs merged vs 4-bit experts", *lines)
 
 
+PROFILE_STEPS = {False: (4, 3), True: (1, 1)}  # by --smoke: steps before the profiler records (warm-up), steps recorded
+
+
+def profile_section(results: Results, assets: Path, tmp: Path, args) -> None:
+    """7. Where a 0.3B step's time goes, full SFT and LoRA (the shipped recipes, packed 8k rows, bf16, as in 2a/2b),
+    through the product path: torch.profiler over 3 optimizer steps after 4 (PROFILE_STEPS). Per step: wall
+    time, the device's kernel time (summed; busy share = kernel time / wall time: well under 1 means the GPU waits
+    for the host), kernels launched, aten ops dispatched, and the kernels taking the most device time."""
+    import torch
+
+    from erniekit_lite.train import callbacks
+
+    model_dir = write_model(assets, "0.3b", tmp, smoke=args.smoke)
+    data = assets / "data" / "sft.json"
+    wait, active = PROFILE_STEPS[args.smoke]
+    steps = wait + active
+    profiled = {}
+    original = callbacks.train
+
+    def train(trainer, out, resume):  # the run's own Trainer, with a callback that steps the profiler
+        trainer.add_callback(step_profiler(profiled, wait, active))
+        return original(trainer, out, resume)
+
+    lines, table = [], ["| run | wall ms / step | kernel ms / step | busy | kernels / step | aten ops / step |",
+                        "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    callbacks.train = train
+    try:
+        runs = (("0.3B full SFT", "sft.yaml"), ("0.3B LoRA SFT (r 32)", "sft-lora.yaml"))
+        for name, shipped in runs[-1:] if args.smoke else runs:  # smoke: the same code once (a profiled CPU step is slow)
+            args_steps, args.steps = args.steps, steps
+            try:
+                recipe = recipe_from(f"ernie-4.5-0.3b/{shipped}", model_dir, data, tmp / f"profile-{shipped}", args,
+                                     **{"train.activation_checkpointing": None})
+            finally:
+                args.steps = args_steps
+            profiled.clear()
+            run_once(recipe, 0)
+            row = profile_summary(profiled["profiler"], profiled["wall_s"], active, torch.cuda.is_available())
+            results.data.setdefault("profile", []).append({"run": name, **row})
+            results.check(f"profile {name}", row["aten_ops"] > 0 and (row["kernels"] > 0 or not torch.cuda.is_available()),
+                          f"{row['aten_ops']:.0f} aten ops and {row['kernels']:.0f} kernels per step recorded")
+            busy = f"{100 * row['busy']:.0f}%" if row["busy"] is not None else "n/a"
+            kernel_ms = "%.1f" % row["kernel_ms"] if row["kernel_ms"] is not None else "n/a"
+            table.append(f"| {name} | {row['wall_ms']:.1f} | {kernel_ms} | {busy} | {row['kernels']:.0f} | {row['aten_ops']:.0f} |")
+            lines.append(f"{name}, most device time: " + ("; ".join(f"{k['name'][:80]} {100 * k['share']:.1f}% ({k['calls']:.0f} per step)"
+                                                                  for k in row["top"]) or "n/a (no GPU)"))
+    finally:
+        callbacks.train = original
+    results.section("7. Where a step's time goes (torch.profiler)",
+                    f"the shipped 0.3B recipes as in 2a/2b; {active} optimizer steps recorded after {wait}; "
+                    "busy = kernel time / wall time (summed over streams)", "", *table, "", *lines)
+
+
+def step_profiler(into: dict, wait: int, active: int):
+    """A Trainer callback that runs torch.profiler over optimizer steps wait + 1 .. wait + active and times them,
+    the device synchronized at each bound; the profiler and the wall seconds go into `into`."""
+    import torch
+    from transformers import TrainerCallback
+
+    def synchronize():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    class StepProfiler(TrainerCallback):
+        prof, started = None, 0.0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == wait:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if torch.cuda.is_available():
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                synchronize()
+                self.prof = torch.profiler.profile(activities=activities)
+                self.prof.__enter__()
+                self.started = time.perf_counter()
+            elif state.global_step == wait + active and self.prof is not None:
+                synchronize()
+                wall = time.perf_counter() - self.started
+                self.prof.__exit__(None, None, None)
+                into.update(profiler=self.prof, wall_s=wall)
+
+    return StepProfiler()
+
+
+def profile_summary(prof, wall_s: float, active: int, cuda: bool) -> dict:
+    """Per recorded step: wall ms, kernel ms and busy share (CUDA only), kernels launched, aten ops, top kernels."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    per_kernel: dict[str, list[float]] = {}
+    for e in kernels:
+        per_kernel.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    kernel_us = sum(sum(v) for v in per_kernel.values())
+    top = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:8]
+    return {"wall_ms": 1e3 * wall_s / active,
+            "kernel_ms": kernel_us / 1e3 / active if cuda else None,
+            "busy": kernel_us / 1e6 / wall_s if cuda else None,
+            "kernels": len(kernels) / active,
+            "aten_ops": sum(1 for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")) / active,
+            "top": [{"name": n, "share": sum(v) / kernel_us, "calls": len(v) / active} for n, v in top] if kernel_us else []}
+
+
 def fsdp2_section(results: Results, assets: Path, tmp: Path, args) -> None:
     import yaml
 
@@ -709,7 +815,7 @@ def fsdp2_section(results: Results, assets: Path, tmp: Path, args) -> None:
 
 
 # each section's share of --time-limit (first rounds always run; more rounds while the section is within its share)
-SHARES = {"attention": 0.10, "sft": 0.25, "dpo": 0.12, "qlora": 0.12, "moe": 0.28, "fsdp2": 0.13}
+SHARES = {"attention": 0.10, "sft": 0.25, "dpo": 0.12, "qlora": 0.12, "moe": 0.28, "fsdp2": 0.13, "profile": 0.08}
 PACKAGES = ("transformers", "peft", "trl", "datasets", "accelerate", "bitsandbytes", "pydantic", "pyarrow", "huggingface_hub", "tokenizers")
 
 
@@ -737,7 +843,7 @@ def main(argv=None) -> int:
     import torch
 
     cuda = torch.cuda.is_available()
-    only = set((args.only or "attention,sft,dpo,qlora,moe,fsdp2").split(","))
+    only = set((args.only or ",".join(SHARES)).split(","))
     if not cuda and not args.smoke and only != {"attention"}:
         # The attention check alone means something on CPU (packed_sdpa in bf16 at the released shapes, no timing)
         print("no CUDA GPU here: --smoke runs the same code at tiny sizes on CPU; --only attention runs that check at the "
@@ -783,7 +889,8 @@ def main(argv=None) -> int:
         steps = [("attention", lambda: attention_section(results, assets, tmp, args)),
                  ("sft,dpo,qlora", lambda: sft_sections(results, assets, tmp, args, tokenizer, only)),
                  ("moe", lambda: moe_section(results, assets, tmp, args, tokenizer)),
-                 ("fsdp2", lambda: fsdp2_section(results, assets, tmp, args))]
+                 ("fsdp2", lambda: fsdp2_section(results, assets, tmp, args)),
+                 ("profile", lambda: profile_section(results, assets, tmp, args))]
         for names, step in steps:
             if not only & set(names.split(",")):
                 continue

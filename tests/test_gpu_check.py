@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @needs_shared
-@pytest.mark.slow  # ~5 min on 2 cores: ten tiny trainings and a 1-process FSDP2 launch
+@pytest.mark.slow  # ~5 min on 2 cores: eleven tiny trainings (one profiled) and a 1-process FSDP2 launch
 def test_gpu_check_smoke_runs_every_section(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ERNIEKIT_SHARED": str(SHARED), "HF_HOME": str(tmp_path / "hf")}
     assets = tmp_path / "assets"
@@ -33,7 +33,7 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     for heading in ("## 1. Packed attention vs each sample alone (bf16)", "## 2a. 0.3B full SFT", "## 2b. 0.3B LoRA SFT",
                     "## 3. 0.3B DPO LoRA", "## 4. 0.3B QLoRA", "## 5.2. 21B-A3B LoRA SFT (r 32) cut to 2 layers",
                     "## 5. 21B-A3B extrapolated to 28 layers", "## 5x. Routed-expert adapters at the 21B-A3B shape, 2 layers",
-                    "## 6. FSDP2, 1 process"):
+                    "## 6. FSDP2, 1 process", "## 7. Where a step's time goes (torch.profiler)"):
         assert heading in text, heading
     assert "Not available here: packed_varlen (CUDA only)" in text
     assert "torch.compile of a packed LoRA step with `packed_sdpa`" in text
@@ -51,7 +51,10 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     assert len(result["training"]) == 8 and all(t["loss"] > 0 for t in result["training"])
     assert set(result["moe_expert_compute"]) == {"split", "merged", "split, 4-bit experts"}
     assert result["moe_extrapolated"]["layers"] == 28 and result["moe_extrapolated"]["plan_total_gib"] > 0
-    assert len(result["seconds"]) == 4 and result["targets"] == []  # no GPU: no MFU or memory target measured
+    assert len(result["seconds"]) == 5 and result["targets"] == []  # no GPU: no MFU or memory target measured
+    (profiled,) = result["profile"]  # smoke: the LoRA run alone, one step recorded, aten ops but no kernels on CPU
+    assert profiled["run"] == "0.3B LoRA SFT (r 32)" and profiled["aten_ops"] > 1000 and profiled["kernels"] == 0
+    assert profiled["busy"] is None and profiled["wall_ms"] > 0
 
 
 def test_the_plan_compared_is_the_one_for_what_the_run_chose(tiny_dense_dir, tmp_path):
