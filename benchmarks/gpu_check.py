@@ -733,7 +733,8 @@ def profile_section(results: Results, assets: Path, tmp: Path, args) -> None:
         callbacks.train = original
     results.section("7. Where a step's time goes (torch.profiler)",
                     f"the shipped 0.3B recipes as in 2a/2b; {active} optimizer steps recorded after {wait}; "
-                    "busy = kernel time / wall time (summed over streams)", "", *table, "", *lines)
+                    "busy = kernel time / wall time (summed over streams); the profiler slows the host, so wall time "
+                    "here is above 2a/2b's", "", *table, "", *lines)
 
 
 def step_profiler(into: dict, wait: int, active: int):
