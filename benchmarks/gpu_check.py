@@ -698,7 +698,6 @@ def profile_section(results: Results, assets: Path, tmp: Path, args) -> None:
     model_dir = write_model(assets, "0.3b", tmp, smoke=args.smoke)
     data = assets / "data" / "sft.json"
     wait, active = PROFILE_STEPS[args.smoke]
-    steps = wait + active
     profiled = {}
     original = callbacks.train
 
@@ -712,12 +711,8 @@ def profile_section(results: Results, assets: Path, tmp: Path, args) -> None:
     try:
         runs = (("0.3B full SFT", "sft.yaml"), ("0.3B LoRA SFT (r 32)", "sft-lora.yaml"))
         for name, shipped in runs[-1:] if args.smoke else runs:  # smoke: the same code once (a profiled CPU step is slow)
-            args_steps, args.steps = args.steps, steps
-            try:
-                recipe = recipe_from(f"ernie-4.5-0.3b/{shipped}", model_dir, data, tmp / f"profile-{shipped}", args,
-                                     **{"train.activation_checkpointing": None})
-            finally:
-                args.steps = args_steps
+            recipe = recipe_from(f"ernie-4.5-0.3b/{shipped}", model_dir, data, tmp / f"profile-{shipped}", args,
+                                 **{"train.activation_checkpointing": None, "train.max_steps": wait + active})
             profiled.clear()
             run_once(recipe, 0)
             row = profile_summary(profiled["profiler"], profiled["wall_s"], active, torch.cuda.is_available())
