@@ -59,7 +59,7 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
 
 def test_the_plan_compared_is_the_one_for_what_the_run_chose(tiny_dense_dir, tmp_path):
     """The first GPU run compared each peak with the plan for the recipe's defaults (checkpointing on, head
-    recomputed) while `train` had turned checkpointing off and kept the head's chunks: peaks 2-5x "the plan".
+    recomputed) while `train` had turned checkpointing off and kept the head's chunks: peaks up to 5x "the plan".
     `run_choices` reads those choices from the lines `train` logs, and `planned` plans for them."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_check
