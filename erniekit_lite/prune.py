@@ -447,8 +447,13 @@ def report_markdown(table: dict, source: str) -> str:
         name = f"{r['experts']} (original)" if r["original"] else str(r["experts"])
         lines.append(f"| {name} | {r['top_k']} | {r['parameters']:,} | {_size(2 * r['parameters'])} | "
                      f"{r['share_mean']:.1%} / {r['share_min']:.1%} | {r['changed']:.1%} | {r['loss']:.4f} | "
-                     f"{r['loss'] - base['loss']:+.4f} |")
+                     f"{_change(r['loss'] - base['loss'])} |")
     return "\n".join(lines) + "\n"
+
+
+def _change(difference: float) -> str:
+    """A loss difference as the table prints it; no change (a difference that rounds to zero, or -0.0) is +0.0000."""
+    return f"{round(difference, 4) + 0.0:+.4f}"  # + 0.0 turns round's -0.0 into 0.0
 
 
 def write_report(table: dict, files: list[Path], source: str, log) -> None:

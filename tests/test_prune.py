@@ -205,6 +205,18 @@ def test_report_tables_held_out_loss_by_size(zero_bias, zero_bias_pruned):
     assert f"wrote {out.parent / 'pruned.report.md'}" in printed
 
 
+def test_report_says_no_change_as_plus_zero():
+    """A cut that scores the original's loss up to the last bits (an 8-expert model pruned to all 8: the same sums in
+    another order; seen as -0.0000 on an AMD EPYC) reads +0.0000; a change shows its sign."""
+    from erniekit_lite.prune import report_markdown
+
+    row = {"top_k": 2, "parameters": 1000, "share_min": 1.0, "share_mean": 1.0, "changed": 0.0}
+    losses = [5.123456789, 5.123456789 - 1e-12, 5.123456789 + 1e-12, 5.123456789 - 0.25]
+    table = {"tokens": 10, "rows": [{**row, "experts": 8, "original": i == 0, "loss": loss} for i, loss in enumerate(losses)]}
+    changes = [line.rsplit(" | ", 2)[-1] for line in report_markdown(table, "m").splitlines() if line.startswith("| 8")]
+    assert changes == ["+0.0000 |", "+0.0000 |", "+0.0000 |", "-0.2500 |"]
+
+
 def test_written_model_loads_generates_and_chats(capsys, zero_bias, zero_bias_pruned):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

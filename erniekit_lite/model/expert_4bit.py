@@ -121,10 +121,13 @@ def dequantize_expert(experts, name: str, expert: int) -> torch.Tensor:
     from bitsandbytes.functional import QuantState
 
     stat = {s: getattr(experts, f"{name}_{s}") for s in STATS}
+    shape = experts.nf4_shapes[name]
     nested = QuantState(absmax=stat["absmax2"][expert], code=stat["code2"], blocksize=NESTED, dtype=torch.float32)
-    state = QuantState(absmax=stat["absmax"][expert], shape=torch.Size(experts.nf4_shapes[name]), code=stat["code"],
+    # dequantized flat, as quantized: bitsandbytes 0.50.2's CPU kernel, given [out, in] with `in` not a multiple of
+    # the blocksize (tiny models), starts a new 64-block at every row and so scales later rows by the wrong absmax
+    state = QuantState(absmax=stat["absmax"][expert], shape=torch.Size((shape[0] * shape[1],)), code=stat["code"],
                        blocksize=BLOCK, quant_type="nf4", dtype=experts.nf4_dtype, offset=stat["offset"][expert], state2=nested)
-    return bnbf.dequantize_4bit(getattr(experts, name)[expert], state)
+    return bnbf.dequantize_4bit(getattr(experts, name)[expert], state).view(shape)
 
 
 def dequantize(experts, name: str) -> torch.Tensor:
