@@ -189,9 +189,10 @@ def _train(args) -> int:
         rundir.check(r)  # said once, before any process starts (each would say it, then torch its traceback)
         return launch(args.recipe, overrides, args.num_processes, args.accelerate_config, machines)
     _quiet_libraries()
-    from erniekit_lite.launch import end_process_group, print_on_main
+    from erniekit_lite.launch import begin_process_group, end_process_group, print_on_main
     from erniekit_lite.train import method_runner
 
+    begin_process_group()
     method_runner(r.method)(r, log=print_on_main)
     end_process_group()
     return 0

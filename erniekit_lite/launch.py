@@ -153,15 +153,36 @@ def print_on_main(*args, **kwargs) -> None:
         print(*args, **kwargs)
 
 
-def end_process_group() -> None:
-    """A launched worker that finished: every rank waits for the others, then the process group is torn down.
+# Modules whose functions take `group=<the default group>` as a default argument, evaluated at import: imported
+# while a process group exists, they hold it for good (torch.distributed.nn.functional: 10 references, imported by
+# torch._dynamo, which DDP's constructor imports; DeepSpeed's comm backend: 2, imported by accelerate when installed)
+HOLD_THE_GROUP = ("torch.distributed.nn.functional", "deepspeed.comm.torch")
 
-    Left to interpreter exit, gloo's threads are sometimes still joinable when their objects are destroyed, and the
-    worker aborts with "terminate called without an active exception" (seen on a loaded 2-core machine, after a
-    run that had saved everything), which fails the launch."""
+
+def begin_process_group() -> None:
+    """A launched worker, before its process group forms: the modules of `HOLD_THE_GROUP` imported first, so their
+    defaults are None. Otherwise `destroy_process_group` cannot free the group, gloo's threads (pt_gloo_runloop,
+    gloo_tcp_loop) outlive it into interpreter exit, and a worker sometimes aborts there with "terminate called
+    without an active exception" after a run that saved everything (seen on a 2-core AMD EPYC), failing the launch."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import importlib
+
+        for name in HOLD_THE_GROUP:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # DeepSpeed is optional
+                pass
+
+
+def end_process_group() -> None:
+    """A launched worker that finished: every rank waits for the others, then the process group is torn down, its
+    threads joined (see `begin_process_group`), before the interpreter exits."""
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        gc.collect()  # the finished trainer's reference cycles, its DDP wrapper among them, which holds the group
         dist.barrier()
         dist.destroy_process_group()
 

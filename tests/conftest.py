@@ -29,6 +29,44 @@ def needs(present: bool, what: str, how: str):
     return pytest.mark.needs(present=bool(present), what=what, how=how)
 
 
+# .ci/run builds the engines (llama.cpp, vLLM) in the background while the tests run, and names the file that build
+# writes its exit status to when it ends: the tests that need an engine run last and wait for it
+ENGINES_PENDING = os.environ.get("ERNIEKIT_ENGINES_PENDING")
+ENGINES_WAIT = 3600  # seconds: the build takes 4-10 minutes on 2 cores, beside the tests
+
+
+def needs_engine(present, what: str, how: str):
+    """`needs` for a test that uses an engine .ci/run may still be building: `present` is a callable, asked at setup
+    once that build has ended; such a test's module runs after every other module."""
+    return pytest.mark.needs(present=present, what=what, how=how, engine=True)
+
+
+def _engines_built() -> None:
+    import time
+
+    deadline = time.monotonic() + ENGINES_WAIT
+    done = Path(ENGINES_PENDING)
+    while not done.is_file() or not done.read_text().strip():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the engines building in the background (.ci/run) did not finish in {ENGINES_WAIT} s", pytrace=False)
+        time.sleep(5)
+    if done.read_text().strip() != "0":
+        pytest.fail(f"the engines' background build failed (.ci/run): see {done.parent}/llama-cpp-build.log and "
+                    "vllm-build.log", pytrace=False)
+    importlib.invalidate_caches()  # llama_cpp was installed into this venv while the tests ran
+
+
+def _needs_an_engine(item) -> bool:
+    return any(mark.kwargs.get("engine") for mark in item.iter_markers("needs"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules with a test that needs an engine run last (each module's tests kept together and in order, so
+    its fixtures are made once): under .ci/run, the engines build while everything else runs."""
+    late = {item.module for item in items if _needs_an_engine(item)}
+    items[:] = [i for i in items if i.module not in late] + [i for i in items if i.module in late]
+
+
 def optional(name: str):
     """The module `name`, or None when it is not installed (the tests that use it carry `needs(... is not None)`)."""
     try:
@@ -64,7 +102,12 @@ def chromium() -> Path | None:
 
 def pytest_runtest_setup(item):
     for mark in item.iter_markers("needs"):
-        if not mark.kwargs["present"]:
+        present = mark.kwargs["present"]
+        if mark.kwargs.get("engine"):
+            if ENGINES_PENDING:
+                _engines_built()
+            present = present()
+        if not present:
             missing(mark.kwargs["what"], mark.kwargs["how"])
 
 ROOT = Path(__file__).resolve().parents[1]

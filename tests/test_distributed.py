@@ -127,7 +127,8 @@ def fsdp2_fp32(tmp_path: Path) -> Path:
 
 SHARDED = {"fsdp2": ("fsdp2.yaml", "FSDP2"), "zero3": ("deepspeed-zero3.yaml", "ZeRO-3")}
 
-# Put in front of the launched workers' imports (a sitecustomize.py on PYTHONPATH): LM-head chunks of 16 positions
+# Put in front of the launched workers' imports (a sitecustomize.py on PYTHONPATH): each worker says which gloo
+# threads are still alive at exit (none: its process group was freed before the interpreter exits); LM-head chunks of 16 positions
 # (the tiny models' vocabulary is 640), so a row is scored in several chunks, as a long row of the real vocabulary
 # is; each worker's first step says which head path ran with several chunks. A frozen head (LoRA) takes each chunk's
 # gradient in forward through the head module; a trained one (full, more than one process) recomputes each chunk in
@@ -135,6 +136,16 @@ SHARDED = {"fsdp2": ("fsdp2.yaml", "FSDP2"), "zero3": ("deepspeed-zero3.yaml", "
 HEAD_CHUNKS = """
 import os
 if os.environ.get("LOCAL_RANK") is not None:
+    import atexit
+
+    def gloo_threads():  # the threads of a process group still alive at exit (Linux names them)
+        tasks = [f"/proc/self/task/{t}/comm" for t in os.listdir("/proc/self/task")]
+        left = sorted(n for n in (open(t).read().strip() for t in tasks) if n.startswith(("pt_gloo", "gloo_")))
+        if left:
+            print(f"gloo threads at exit: {left}", flush=True)
+
+    atexit.register(gloo_threads)  # registered first, so run last of the atexit handlers, before finalization
+
     from erniekit_lite.train import scoring
 
     scoring.MAX_CHUNK_ELEMENTS = 16 * 640
@@ -180,6 +191,10 @@ def two_processes(tmp_path: Path, model_dir: Path, lora: bool, name: str, *launc
     done = train_cli(tmp_path, str(path), f"output.dir={out}", *train, "--num-processes", "2", *launch,
                      env=head_chunks_env(tmp_path / "hook"))
     assert done.returncode == 0, done.stderr[-4000:]
+    if not launch:  # DDP (the 4 launches of `ddp_run`): the process group was freed and its threads joined before
+        # exit (left to interpreter exit, a worker sometimes aborted: launch.begin_process_group). Under FSDP2 and
+        # ZeRO-3 something in their state still holds the group at exit (torch 2.13, not traced yet): not asserted
+        assert "gloo threads at exit" not in done.stdout, done.stdout[-2000:]
     assert done.stdout.count(f"head chunks: {'gradient taken in forward' if lora else 'recomputed in backward'}") == 1
     return out, done.stdout, json.loads((out / "train_results.json").read_text())["distributed"]
 

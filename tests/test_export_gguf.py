@@ -18,7 +18,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import ERNIE_TOKENIZER_DIR, needs
+from conftest import ERNIE_TOKENIZER_DIR, needs, needs_engine
 from helpers import in_child, run_cli, visible_lora_run, write_recipe
 
 from erniekit_lite.cli import main as run_cli_main
@@ -31,8 +31,8 @@ from erniekit_lite.generate import Prompt, _prompt_ids, stop_ids
 CONVERTER = os.environ.get("LLAMA_CPP_DIR")
 LLAMA_HOW = "build llama-cpp-python from its sdist and set LLAMA_CPP_DIR to it, as .ci/run does"
 needs_converter = needs(CONVERTER, "llama.cpp's converter (LLAMA_CPP_DIR)", LLAMA_HOW)
-needs_llama_cpp = needs(CONVERTER and importlib.util.find_spec("llama_cpp") is not None,
-                        "llama-cpp-python and llama.cpp's converter (LLAMA_CPP_DIR)", LLAMA_HOW)
+needs_llama_cpp = needs_engine(lambda: CONVERTER and importlib.util.find_spec("llama_cpp") is not None,
+                               "llama-cpp-python and llama.cpp's converter (LLAMA_CPP_DIR)", LLAMA_HOW)
 TOKENS = 12
 SYSTEM = "You are concise."  # dense_full_run's recipe data.system
 

