@@ -69,6 +69,7 @@ BENCHES = [
           ("methods.py", "--steps", "1", "--samples", "20"), 20),
     Bench("grpo", "results-grpo-cpu-tiny.txt", ("grpo.py", "--rounds", "5", "--steps", "6"), ("grpo.py", "--rounds", "1", "--steps", "2"),
           10, writes_own=True),
+    Bench("grpo_rounding", "results-grpo_rounding.txt", ("grpo_rounding.py", "--rounds", "3"), None, 1, writes_own=True),
     Bench("gguf_agreement", "results-gguf_agreement.txt", ("gguf_agreement.py",),
           ("gguf_agreement.py", "--seeds", "1", "--outtypes", "f32,q8_0"), 12, writes_own=True, llama_cpp=True),
     Bench("moe_lora", "results-moe_lora-cpu.txt",

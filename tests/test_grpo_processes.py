@@ -1,8 +1,8 @@
 """GRPO (`method: grpo`) in 2 processes (DDP over gloo on CPU, one `torch.distributed.run` launch for both runs).
 
 (1) 3 steps in 2 processes x 4 completions log the same per-step loss, KL, entropy and rewards as 1 process x 4
-completions with accumulation 2 (1e-5 relative), and save the same adapter, which loads and scores as the
-one-process one. Completions come from a seeded stand-in for TRL's generation (`_generate_single_turn`): TRL seeds
+completions with accumulation 2 (1e-5 relative), and save the same adapter (1e-5), which loads and scores as the
+one-process one (logits within 2e-3: float32 rounding's reach here, `LOGITS_TOLERANCE`). Completions come from a seeded stand-in for TRL's generation (`_generate_single_turn`): TRL seeds
 each process differently (`set_seed(seed, device_specific=True)`), so sampled completions differ with the process
 count; the stand-in's depend only on the prompt's ids, which copy of the prompt in its group it is, and a fixed seed.
 
@@ -43,6 +43,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # The in-process run on one thread, as each launched worker (OMP_NUM_THREADS=1): steadier on a busy 2-core machine
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOLERANCE = 1e-5
+# The logits of the saved adapters: 3 SGD steps at learning rate 20 amplify rounding ~100x from weights to logits. One
+# float32 rounding step (2^-24) on each initial adapter weight moves them by up to 6.1e-4 after the same training; 2
+# processes differ from 1 by 2.2e-4 (benchmarks/results-grpo_rounding.txt, an AMD EPYC where 1e-5 failed)
+LOGITS_TOLERANCE = 2e-3
 COMPARED = ("loss", "reward", "reward_std", "completions/mean_length")  # as logged
 PER_TOKEN = ("kl", "entropy")  # logged as the mean over micro-batches of each one's token mean: compared token-weighted
 
@@ -192,7 +196,7 @@ def test_two_processes_train_grpo_like_one_with_twice_the_accumulation(tmp_path,
     assert any(float(v.abs().max()) > 0 for k, v in adapters["one"].items() if "lora_B" in k)
 
     logits = [run_logits(out) for out in (two, one)]
-    assert float((logits[0] - logits[1]).norm() / logits[1].norm()) <= TOLERANCE
+    assert float((logits[0] - logits[1]).norm() / logits[1].norm()) <= LOGITS_TOLERANCE
 
 
 @pytest.mark.slow  # shares the launch above
