@@ -110,7 +110,7 @@ def _kill_tree(pid: int) -> None:
 
 def launch_command(recipe: str, overrides: list[str], num_processes: int | None, config_file: str | None,
                    machines: Machines = Machines()) -> tuple[list[str], dict]:
-    import torch  # already loaded: checking the recipe imported TRL
+    import torch  # ~2 s: whether the processes train on CUDA sets their environment
 
     if num_processes is not None and num_processes < 1:
         raise UserError(f"--num-processes: expected 1 or more (got {num_processes})")

@@ -7,6 +7,8 @@ Help for each key is written once, in its `Field(description=...)`.
 from __future__ import annotations
 
 import difflib
+import functools
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -401,6 +403,10 @@ def _did_you_mean(key: str, candidates: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else f"; expected one of: {', '.join(candidates)}"
 
 
+CONFIG_CLASSES = {"dpo": "DPOConfig", "kto": "KTOConfig", "rm": "RewardConfig", "grpo": "GRPOConfig", "orpo": "ORPOConfig",
+                  "simpo": "CPOConfig"}  # TRL's config class of each method's `train:` (others: SFTConfig)
+
+
 def train_config_class(method: str):
     """TRL's config class whose fields a method's `train:` holds (ORPO's and CPO's are in trl.experimental)."""
     if method in ("orpo", "simpo"):
@@ -416,10 +422,46 @@ def train_config_class(method: str):
     return {"dpo": DPOConfig, "kto": KTOConfig, "rm": RewardConfig, "grpo": GRPOConfig}.get(method, SFTConfig)
 
 
-def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int], method: str = "sft") -> None:
+# TRL's config fields, as `_check_train_keys` reads them, for the TRL version the file names: checking a recipe then
+# imports no TRL (transformers, peft, bitsandbytes: ~3 s), so `train --num-processes N` starts its workers that much
+# sooner. tests/test_recipe.py checks the file against TRL; `write_trl_fields()` rewrites it after a TRL upgrade.
+TRL_FIELDS = Path(__file__).with_name("trl_fields.json")
+
+
+def trl_fields_from_trl() -> dict[str, dict[str, dict]]:
+    """Per config class: each init field's plain-type sample (`_primitive`) and listed choices (`listed_choices`)."""
     import dataclasses
 
-    fields = {f.name: f for f in dataclasses.fields(train_config_class(method)) if f.init}
+    out = {}
+    for method in ("sft", *CONFIG_CLASSES):
+        fields = [f for f in dataclasses.fields(train_config_class(method)) if f.init]
+        choices = {f.name: listed_choices(f) for f in fields}
+        out[CONFIG_CLASSES.get(method, "SFTConfig")] = {
+            f.name: {"sample": _primitive(f), "choices": None if choices[f.name] is None else list(choices[f.name])} for f in fields}
+    return out
+
+
+def write_trl_fields() -> None:
+    from importlib.metadata import version
+
+    TRL_FIELDS.write_text(json.dumps({"trl": version("trl"), "classes": trl_fields_from_trl()}, indent=0) + "\n")
+
+
+@functools.cache
+def _trl_fields() -> dict[str, dict[str, dict]]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        shipped = json.loads(TRL_FIELDS.read_text())
+        if shipped["trl"] == version("trl"):
+            return shipped["classes"]
+    except (OSError, ValueError, KeyError, PackageNotFoundError):
+        pass
+    return trl_fields_from_trl()  # another TRL than the file's: read from TRL itself
+
+
+def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int], method: str = "sft") -> None:
+    fields = _trl_fields()[CONFIG_CLASSES.get(method, "SFTConfig")]
     valid = list(fields)
     for key, value in list(train.items()):
         where = _where(source, lines, ("train", key))
@@ -427,8 +469,9 @@ def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int
             raise RecipeError(where, f"train.{key} is set by the recipe; use {OWNED_TRAIN_KEYS[key]} instead")
         if key not in valid:
             raise RecipeError(where, f"unknown key '{key}' in train{_did_you_mean(key, valid)}")
-        train[key] = _check_type(key, value, _primitive(fields[key]), where)
-        _check_choice(key, train[key], listed_choices(fields[key]), where)
+        train[key] = _check_type(key, value, fields[key]["sample"], where)
+        choices = fields[key]["choices"]
+        _check_choice(key, train[key], None if choices is None else tuple(choices), where)
 
 
 def listed_choices(field) -> tuple | None:

@@ -10,6 +10,7 @@ from erniekit_lite import recipe as recipes
 from erniekit_lite.errors import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART_DPO = ROOT / "recipes" / "quickstart-dpo.yaml"
 BASE = """\
 model:
   path: some/model
@@ -109,3 +110,42 @@ SHIPPED = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if "accelerate" n
 def test_every_shipped_recipe_validates(path):
     r = recipes.load(path)
     assert r.output.dir
+
+
+def test_the_shipped_trl_fields_are_trls():
+    """erniekit_lite/trl_fields.json (what checking `train:` reads) is TRL's own config fields, for the TRL
+    installed: after a TRL upgrade, `python -c 'from erniekit_lite.recipe import write_trl_fields; write_trl_fields()'`."""
+    import json
+    from importlib.metadata import version
+
+    shipped = json.loads(recipes.TRL_FIELDS.read_text())
+    assert shipped["trl"] == version("trl")
+    assert shipped["classes"] == json.loads(json.dumps(recipes.trl_fields_from_trl()))
+    assert list(shipped["classes"]["DPOConfig"]["loss_type"]["choices"])[:2] == ["sigmoid", "hinge"]
+
+
+def test_checking_a_recipe_imports_no_trl(tmp_path):
+    """A launch's first process checks the recipe before starting the others: from the shipped fields, without
+    importing TRL (and with it transformers and peft); the checks are the same: an unknown key, a wrong type, a value
+    outside a field's choices."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from erniekit_lite import recipe\n"
+        f"r = recipe.load({str(QUICKSTART_DPO)!r}, ['train.loss_type=[sigmoid]', 'train.beta=0.2'])\n"
+        "assert r.train['beta'] == 0.2 and r.train['loss_type'] == ['sigmoid']\n"
+        "for bad in ('train.lerning_rate=1', 'train.beta=high', 'train.loss_type=[sigmod]'):\n"
+        "    try:\n"
+        "        recipe.load(" + repr(str(QUICKSTART_DPO)) + ", [bad])\n"
+        "    except Exception as e:\n"
+        "        print(e)\n"
+        "print(sorted(m for m in ('trl', 'transformers', 'peft', 'torch') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "unknown key 'lerning_rate' in train; did you mean 'learning_rate'?" in lines[0]
+    assert "beta" in lines[1] and "train.loss_type: expected one of sigmoid" in lines[2]
+    assert lines[-1] == "[]"
