@@ -103,7 +103,7 @@ def parse_args(argv=None):
                         "(SHARES); a timed case runs rounds after its first only within it, and no section starts after it")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (1 if args.smoke else 3)
-    args.steps = args.steps or (2 if args.smoke else 15)  # smoke: the code paths; each tiny step is ~2 s of LM head on CPU
+    args.steps = args.steps or (1 if args.smoke else 15)  # smoke: the code paths once; each tiny step is ~2 s of LM head on CPU
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 5)
     if args.smoke:
         args.qlora_steps = min(args.qlora_steps, 3)
