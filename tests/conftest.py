@@ -60,11 +60,23 @@ def _needs_an_engine(item) -> bool:
     return any(mark.kwargs.get("engine") for mark in item.iter_markers("needs"))
 
 
+# The longest files (`--durations`, docs/development.md), started first, so that the two xdist workers (whole files
+# each) end together instead of one finishing a long file alone
+LONGEST_FIRST = ("test_distributed.py", "test_step_weights.py", "test_multinode.py", "test_webui_e2e.py", "test_memory.py",
+                 "test_gpu_check.py", "test_reference_precompute.py", "test_webui_jobs.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """The modules with a test that needs an engine run last (each module's tests kept together and in order, so
-    its fixtures are made once): under .ci/run, the engines build while everything else runs."""
+    """The longest modules first; the modules with a test that needs an engine last (each module's tests kept together
+    and in order, so its fixtures are made once): under .ci/run, the engines build while everything else runs."""
     late = {item.module for item in items if _needs_an_engine(item)}
-    items[:] = [i for i in items if i.module not in late] + [i for i in items if i.module in late]
+
+    def rank(item):
+        name = Path(item.module.__file__).name
+        return (2 if item.module in late else 0 if name in LONGEST_FIRST else 1,
+                LONGEST_FIRST.index(name) if name in LONGEST_FIRST else 0)
+
+    items[:] = sorted(items, key=rank)  # stable: collection order within each module and rank
 
 
 def optional(name: str):
