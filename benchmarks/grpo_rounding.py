@@ -105,7 +105,7 @@ def main() -> int:
                      "logits": float((logits[name] - logits["one"]).norm() / logits["one"].norm())})
     wall, load_end = time.perf_counter() - start, os.getloadavg()[0]
 
-    lines = [f"# grpo_rounding: tests/test_grpo_processes.py's compared run, against itself with the initial adapter moved by one float32 rounding step, and against 2 processes",
+    lines = ["# grpo_rounding: tests/test_grpo_processes.py's compared run, against itself with the initial adapter moved by one float32 rounding step, and against 2 processes",
              f"# git {git_revision()}, machine {json.dumps(machine())}, torch {torch.__version__}",
              f"# wall {wall:.0f} s; 1-min load average {load_start:.2f} at start, {load_end:.2f} at end (deterministic: the load changes no figure)",
              "", "| run vs the 1-process run | adapters (all) | lora_A | lora_B | logits |", "| --- | --- | --- | --- | --- |"]

@@ -417,9 +417,9 @@ def train_config_class(method: str):
             from trl.experimental.cpo import CPOConfig
             from trl.experimental.orpo import ORPOConfig
         return ORPOConfig if method == "orpo" else CPOConfig
-    from trl import DPOConfig, GRPOConfig, KTOConfig, RewardConfig, SFTConfig
+    import trl
 
-    return {"dpo": DPOConfig, "kto": KTOConfig, "rm": RewardConfig, "grpo": GRPOConfig}.get(method, SFTConfig)
+    return getattr(trl, CONFIG_CLASSES.get(method, "SFTConfig"))
 
 
 # TRL's config fields, as `_check_train_keys` reads them, for the TRL version the file names: checking a recipe then
@@ -470,8 +470,7 @@ def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int
         if key not in valid:
             raise RecipeError(where, f"unknown key '{key}' in train{_did_you_mean(key, valid)}")
         train[key] = _check_type(key, value, fields[key]["sample"], where)
-        choices = fields[key]["choices"]
-        _check_choice(key, train[key], None if choices is None else tuple(choices), where)
+        _check_choice(key, train[key], fields[key]["choices"], where)
 
 
 def listed_choices(field) -> tuple | None:

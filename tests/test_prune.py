@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DATA_DIR, ERNIE_TOKENIZER_DIR, needs, needs_engine
+from conftest import DATA_DIR, ERNIE_TOKENIZER_DIR, needs_engine
 from helpers import IDENTITY, run_cli, write_recipe
 
 KEPT = {1: [1, 2, 4, 6, 7], 2: [0, 3, 4, 5, 6]}  # decoder layer -> the experts routed to
