@@ -16,6 +16,14 @@ import pytest
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+# Each xdist worker (and the processes its tests start) takes its share of the cores for torch's and OpenMP's
+# threads: left at every core each, two workers' thread pools contend on the same 2 cores, and six in-process
+# training files took 170 s instead of 104 s (docs/development.md). A value set by hand is kept.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS > 1:
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+
 
 def missing(what: str, how: str):
     """The test needs `what`, which is absent: fail under CI, else skip (a module-level call skips the module)."""

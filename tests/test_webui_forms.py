@@ -316,9 +316,9 @@ def test_the_served_app_swaps_the_method_fields(tmp_path, monkeypatch):
         assert status == "quickstart-dpo.yaml: loaded"
         own = [(f.key, u["value"]) for f, u in zip(forms.FIELDS, fields) if f.methods and u["visible"]]
         assert own == [("train.beta", 0.1), ("train.loss_type", ["sigmoid"]), ("train.loss_weights", None)]
-        form = [u["value"] for u in fields]
-        form[field_index("method")] = "kto"
-        new_text, status, *fields, note = client.predict(text, *form, api_name="/form_edited")
+        method = [e for e in client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+                  if e.startswith("/form_edited")][field_index("method")]
+        new_text, status, *fields, note = client.predict("kto", api_name=method)  # outputs less the State
         # and back in the YAML editor: simpo, written by hand, refills the form with SimPO's fields
         *by_yaml, yaml_note, yaml_status = client.predict(
             new_text.replace("method: kto", "method: simpo"), api_name="/yaml_edited")
@@ -557,3 +557,60 @@ def test_each_field_has_its_own_page_id():
     assert ids[field_index("lora.plus_lr_ratio")] == "lora-plus_lr_ratio"
     laid_out = [k for row in LAYOUT for k in row]
     assert sorted(laid_out) == sorted({f.key for f in forms.FIELDS})  # each key once; both loss_type fields share a place
+
+
+
+def test_a_field_edit_applies_that_field_to_the_recipe_as_the_last_edit_left_it(tmp_path, monkeypatch):
+    """A field left or typed in sends its own value; the server applies it to the recipe as the last edit left it,
+    one edit at a time in the order they came. Before, each edit sent the whole form as it was when it fired: under
+    load the browser test's logging-steps edit, fired before the output dir was typed, landed after it and put the
+    recipe's old output dir back (the run trained into runs/quickstart). Through a running server: the first edit
+    held for a second, the output dir's waits for it, and a late logging-steps edit keeps the typed output dir."""
+    import shutil
+    import socket
+    import threading
+    import time as clock
+
+    from gradio_client import Client
+
+    from webui import app, train_tab
+
+    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
+    monkeypatch.chdir(tmp_path)
+    ran, edit = [], train_tab.edit
+    first = threading.Event()
+
+    def held_edit(content, file_name, values):
+        ran.append(("start", values[field_index("train.logging_steps")], values[field_index("output.dir")]))
+        if not first.is_set():
+            first.set()
+            clock.sleep(1.0)
+        ran.append(("end", values[field_index("train.logging_steps")], values[field_index("output.dir")]))
+        return edit(content, file_name, values)
+
+    monkeypatch.setattr(train_tab, "edit", held_edit)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo = app.build()
+    demo.queue().launch(server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        client.predict("recipes/quickstart.yaml", api_name="/choose")
+        endpoints = client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+        names = [e for e in endpoints if e.startswith("/form_edited")]  # one per field, in forms.FIELDS' order
+        assert len(names) == len(forms.FIELDS)
+        logging = client.submit(2, api_name=names[field_index("train.logging_steps")])
+        assert first.wait(30)
+        out = client.submit("runs/mine", api_name=names[field_index("output.dir")])
+        out.result(timeout=60)
+        logging.result(timeout=60)
+        client.predict(2, api_name=names[field_index("train.logging_steps")])  # late: nothing to change
+        final, *_ = client.predict(7, api_name=names[field_index("train.max_steps")])
+    finally:
+        demo.close()
+    assert ran == [("start", 2, "runs/quickstart"), ("end", 2, "runs/quickstart"), ("start", 2, "runs/mine"),
+                   ("end", 2, "runs/mine"), ("start", 2, "runs/mine"), ("end", 2, "runs/mine"),
+                   ("start", 2, "runs/mine"), ("end", 2, "runs/mine")]
+    recipe = forms.parse(final, "quickstart.yaml")
+    assert (recipe.train["logging_steps"], recipe.train["max_steps"], recipe.output.dir) == (2, 7, "runs/mine")

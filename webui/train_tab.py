@@ -1,8 +1,8 @@
 """Train tab: pick or upload a recipe, edit it as a form or as YAML, validate, preview the data, start and stop
 training, and follow it live (progress, loss curve, the method's headline metrics, MoE expert load, log tail).
 
-The YAML text is the single source of truth: a form edit rewrites it, a YAML edit refills the form, and Validate,
-Preview and Start read it. The form shows the chosen method's own fields only (forms.FIELDS' `methods`).
+The YAML text is the single source of truth: a form edit applies its one field to the recipe and rewrites it, a YAML
+edit refills the form, and Validate, Preview and Start read it. The form shows the chosen method's own fields only (forms.FIELDS' `methods`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from webui.jobs import Runner
 from webui.paths import confine, confine_recipe, recipe_files
 
 POLL_SECONDS = 1.0
+EDITS = "recipe-edits"  # the concurrency group of the events that write the recipe (build)
 # The form's rows, by recipe key (each key of forms.FIELDS once; a key's fields for several methods share its place)
 LAYOUT = (
     ("model.path", "method"),
@@ -43,6 +44,10 @@ def build(demo: gr.Blocks, root: Path, runner: Runner) -> None:
             choice = gr.Dropdown(recipe_files(root), value=None, label="recipe (from recipes/)", elem_id="recipe-choice")
             upload = gr.File(label="or upload a recipe", file_types=[".yaml", ".yml"], type="filepath", height=110)
         name = gr.State("recipe.yaml")  # the recipe's file name: in error messages and the job's copy
+        # The recipe as the last edit left it, kept on the server (a State is read when its event runs, not when it
+        # fires): a field's edit applies that one field to it, so an edit fired from an older form cannot put the
+        # other fields back (the browser test, under load, trained into the recipe's output dir, not the typed one)
+        current = gr.State("")
         with gr.Row():
             with gr.Column():
                 by_field = {}
@@ -71,15 +76,15 @@ def build(demo: gr.Blocks, root: Path, runner: Runner) -> None:
             expert_load = gr.Image(label="expert load (MoE)", type="filepath", visible=False)
         log = gr.Textbox(label="log (last lines)", lines=15, max_lines=15, interactive=False, autoscroll=True, elem_id="log")
 
-        unchanged = [gr.skip()] * (len(form) + 3)  # for [text, name, *form, status]
+        unchanged = [gr.skip()] * (len(form) + 4)  # for [text, current, name, *form, status]
 
         def open_file(file: Path):
             content = file.read_text(encoding="utf-8")
             try:
                 recipe = forms.parse(content, file.name)
             except UserError as e:  # show the text anyway, so it can be fixed in the editor
-                return [content, file.name, *[gr.skip()] * len(form), f"error: {e}"]
-            return [content, file.name, *fill(recipe), f"{file.name}: loaded"]
+                return [content, content, file.name, *[gr.skip()] * len(form), f"error: {e}"]
+            return [content, content, file.name, *fill(recipe), f"{file.name}: loaded"]
 
         def choose(path: str | None):
             try:
@@ -96,12 +101,17 @@ def build(demo: gr.Blocks, root: Path, runner: Runner) -> None:
 
         def yaml_edited(content: str, file_name: str):
             try:
-                return [*fill(forms.parse(content, file_name)), ""]
+                return [content, *fill(forms.parse(content, file_name)), ""]
             except UserError as e:
-                return [*[gr.skip()] * len(form), f"error: {e}"]
+                return [content, *[gr.skip()] * len(form), f"error: {e}"]
 
-        def form_edited(content: str, file_name: str, *values):
-            return edit(content, file_name, list(values))
+        def field_edited(index: int):
+            def form_edited(content: str, file_name: str, value):
+                """[text, current, status, *form] after field `index` is set to `value` in the current recipe."""
+                new_text, *rest = edit_field(content, file_name, index, value)
+                return [new_text, new_text, *rest]
+
+            return form_edited
 
         def validate(content: str, file_name: str):
             return gr.update(value=validate_recipe(root, content, file_name), visible=True)
@@ -117,20 +127,31 @@ def build(demo: gr.Blocks, root: Path, runner: Runner) -> None:
         def start(content: str, file_name: str):
             return start_job(root, runner, content, file_name)
 
-        loaded = [text, name, *form, status]
-        choice.input(choose, choice, loaded)
-        upload.upload(uploaded, upload, loaded)
-        text.input(yaml_edited, [text, name], [*form, status], trigger_mode="always_last")
-        for field in fields:
+        def edits_landed():
+            """Nothing: queued behind the edits still on their way, so the step chained after it reads their result."""
+
+        def after_edits(button: gr.Button, fn, outputs) -> None:
+            # A click's inputs are read when its event fires: the field the click just left has its edit still on
+            # the way, and would be read as it was before. Chained after a turn in the edits' queue, fn reads it done
+            button.click(edits_landed, None, None, concurrency_id=EDITS).then(fn, [text, name], outputs)
+
+        # Every event that writes the recipe (the YAML, `current`, the form) runs in one queue, one at a time, in
+        # the order it reached the server (by default each function has a queue of its own)
+        loaded = [text, current, name, *form, status]
+        choice.input(choose, choice, loaded, concurrency_id=EDITS)
+        upload.upload(uploaded, upload, loaded, concurrency_id=EDITS)
+        text.input(yaml_edited, [text, name], [current, *form, status], trigger_mode="always_last", concurrency_id=EDITS)
+        for index, field in enumerate(fields):
             # blur too: a value pasted or filled in without keystrokes fires no input event in Gradio's textbox
             triggers = [field.input] + ([field.blur] if hasattr(field, "blur") else [])
-            gr.on(triggers, form_edited, [text, name, *fields], [text, status, *form], trigger_mode="always_last")
-        validate_button.click(validate, [text, name], plan_text)
-        preview_button.click(show_preview, [text, name], [preview_html, status])
-        start_button.click(start, [text, name], status)
+            gr.on(triggers, field_edited(index), [current, name, field], [text, current, status, *form],
+                  trigger_mode="always_last", concurrency_id=EDITS)
+        after_edits(validate_button, validate, plan_text)
+        after_edits(preview_button, show_preview, [preview_html, status])
+        after_edits(start_button, start, status)
         stop_button.click(runner.stop, None, status)
         shown = [progress_html, loss, headline, expert_load, log, start_button, stop_button]
-        demo.load(running_recipe, None, loaded)
+        demo.load(running_recipe, None, loaded, concurrency_id=EDITS)
         demo.load(lambda: job_view(root, runner), None, shown)
         gr.Timer(POLL_SECONDS).tick(lambda: job_view(root, runner), None, shown)
 
@@ -142,6 +163,16 @@ def fill(recipe) -> list:
                for field, value in zip(forms.FIELDS, forms.values(recipe))]
     note = forms.method_note(recipe.method)
     return [*updates, gr.update(value=note, visible=bool(note))]
+
+
+def edit_field(content: str, file_name: str, index: int, value) -> list:
+    """A form edit of one field (forms.FIELDS[index]): `edit` with the recipe's own values and that one changed."""
+    try:
+        values = forms.values(forms.parse(content, file_name))
+    except UserError as e:
+        return [gr.skip(), f"error: {e}", *[gr.skip()] * (len(forms.FIELDS) + 1)]
+    values[index] = value
+    return edit(content, file_name, values)
 
 
 def edit(content: str, file_name: str, values: list) -> list:
