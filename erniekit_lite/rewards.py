@@ -14,9 +14,11 @@ Built-ins (`name:`):
   The answer is read after the reasoning (`</think>`), inside the last `<response>...</response>` when there is one
   (the Thinking template's wrapping); a completion whose reasoning never closes (it opened `<think>`, or its prompt
   did) has no answer and scores 0.0. A final answer is the last `\\boxed{...}`, else what follows the last `####`
-  (GSM8K), else the whole text when it is only numbers and separators, else its last number or comma list of
-  numbers; numbers compare as numbers (`1,234` = `1234.0`: commas only as thousands separators), a list as its text
-  (`2, 3,5` = `2,3,5`, not 235), anything else as stripped text.
+  (GSM8K), else the whole text when it is only numbers and separators (a comma list is an answer only so, boxed or
+  after ####), else the last number in the prose, where `1,234` (a comma, then exactly three digits) is one number and
+  `3, 45` or `2019,250` two ("So by day 3, 45 birds are left." answers 45); numbers compare as numbers (`1,234` =
+  `1234.0`: commas only as thousands separators), a list as its text (`2, 3,5` = `2,3,5`, not 235), anything else as
+  stripped text.
 - `think_format`: 1.0 for a well-formed reasoning + answer, else 0.0. After a prompt that opens `<think>` (the
   Thinking template's), that is reasoning, `</think>`, then an answer, with no `<think>` of its own; after one that
   does not, or with no prompt to read (`prompt_text`, else `prompts` when they are strings), exactly one
@@ -44,6 +46,8 @@ from erniekit_lite.errors import UserError
 _NUMBER = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)(?:\s*,\s*-?(?:\d+(?:\.\d+)?|\.\d+))*")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _ONLY_NUMBERS = re.compile(r"[-+$\d.,\s]*\d[-+$\d.,\s]*")
+# One number in prose: thousands commas only as a comma and exactly three digits (1,234), so "day 3, 45" is 3 and 45
+_PROSE_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)")
 
 
 def text_of(completion) -> str:
@@ -76,7 +80,7 @@ def answer_part(text: str, prompt: str | None = None) -> str | None:
 
 def final_answer(text: str) -> str | None:
     """The answer a text ends on: the last \\boxed{...}, else after the last ####, else the whole text when it is
-    only numbers and separators, else the last number."""
+    only numbers and separators, else the last number in the prose."""
     boxed = _last_boxed(text)
     if boxed is not None:
         return _normal(boxed)
@@ -85,7 +89,7 @@ def final_answer(text: str) -> str | None:
         return _normal(after.splitlines()[0]) if after else None
     if _ONLY_NUMBERS.fullmatch(text):
         return _normal(text)
-    numbers = _NUMBER.findall(text)
+    numbers = _PROSE_NUMBER.findall(text)
     return _normal(numbers[-1]) if numbers else None
 
 

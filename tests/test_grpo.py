@@ -186,6 +186,18 @@ def test_exact_answer_reads_the_response_and_lists_and_no_unclosed_reasoning(thi
         == [1.0, 0.0, 1.0, 1.0]
 
 
+def test_exact_answer_reads_the_last_number_of_prose_not_a_comma_list():
+    """A comma list is the answer only when the answer text is nothing but numbers (or boxed, or after ####); in prose
+    the answer is the last number, `1,234` one number and `3, 45` two (before: "3,45" and "2019,250", scored 0)."""
+    completions = [chat("So by day 3, 45 birds are left."), chat("In 2019, 250 people came."), chat("In 2019,250 people came."),
+                   chat("The total is 1,234 apples."), chat("We had 3,45 left."),  # no thousands group: two numbers
+                   chat("Reasoning.\n</think>\n\n<response>\nOn day 3, 45 birds remain.\n</response>"),
+                   chat("2, 3, 5"), chat("\\boxed{2, 3, 5}"), chat("#### 2, 3, 5"), chat("So by day 3, 44 birds are left.")]
+    answers = ["#### 45", "#### 250", "#### 250", "#### 1234", "#### 45", "45", "2,3,5", "2,3,5", "2,3,5", "#### 45"]
+    assert rewards.exact_answer(completions, answer=answers) == [1.0] * 9 + [0.0]
+    assert rewards.final_answer("The primes are 2, 3, 5") == "5"  # prose: its last number, not a list
+
+
 def test_length_penalises_tokens_beyond_the_target():
     ids = [[0] * n for n in (5, 10, 15, 30)]
     assert rewards.length([chat("")] * 4, completion_ids=ids, target=10) == [0.0, 0.0, -0.5, -2.0]
