@@ -39,6 +39,7 @@ import sys
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
+from erniekit_lite.files import replace_dir
 
 CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")
 QUANTIZER_TYPES = {  # llama.cpp's llama_ftype values (llama.h), quantized from the f16 GGUF
@@ -104,9 +105,7 @@ def export(run: str, to: str, out: str, outtype: str = "f16", ollama: bool = Fal
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if target.exists():
-        shutil.rmtree(target)
-    staging.rename(target)
+    replace_dir(staging, target)
     log(f"export: {target / gguf.name}" + (f" and {target / 'Modelfile'} (ollama create NAME -f {target / 'Modelfile'})" if ollama else ""))
     return target / gguf.name
 

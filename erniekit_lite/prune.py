@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
+from erniekit_lite.files import replace_dir
 
 MARKER = "erniekit_pruned.json"  # written last: a dir holding it is a complete prune
 ROUTING = "sum over tokens of the normalised top-k routing weight (the weight each expert's output is mixed with)"
@@ -102,14 +103,12 @@ def prune(source: str, experts: int, out: str, data: str | None = None, top_k: i
     try:
         summary, table = _prune(source, experts, top_k, sizes, config, measured, prepared, held_rows, tokenizer, batch_size,
                                 staging, log)
+        if table is not None:  # with the rest, before the model takes the target's place
+            write_report(table, report_files, source, log)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # nothing half-written is left beside --out
         raise
-    if target.exists():
-        shutil.rmtree(target)
-    staging.rename(target)
-    if table is not None:
-        write_report(table, report_files, source, log)
+    replace_dir(staging, target)
     log(f"prune: wrote {target}: loads with AutoModelForCausalLM.from_pretrained({str(target)!r})")
     return summary
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -73,7 +75,7 @@ def test_chat_and_merge_errors_are_one_line(capsys, tmp_path, tiny_own_dir):
     assert not (tmp_path / "m").exists()
 
 
-def test_merged_checkpoint_loads_with_plain_transformers(capsys, tmp_path, lora_run):
+def test_merged_checkpoint_loads_with_plain_transformers(capsys, tmp_path, lora_run, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     code, out, err = run_cli(capsys, "merge", lora_run, "--out", tmp_path / "merged")
@@ -94,6 +96,26 @@ def test_merged_checkpoint_loads_with_plain_transformers(capsys, tmp_path, lora_
     code, out, err = run_cli(capsys, "merge", lora_run, "--out", merged_dir)
     assert code == 2 and "not empty" in err and (merged_dir / "model.safetensors").read_bytes() == before
     assert run_cli(capsys, "merge", lora_run, "--out", merged_dir, "--overwrite")[0] == 0
+    # weights follow the umask (safetensors' writer makes them 0600): the merge's and the run's own
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert stat.S_IMODE((merged_dir / "model.safetensors").stat().st_mode) == 0o666 & ~mask
+    # (the run's own final adapter was rewritten by make_adapter_visible, a test helper: its checkpoint is as trained)
+    assert stat.S_IMODE((lora_run / "checkpoint-3" / "adapter_model.safetensors").stat().st_mode) == 0o666 & ~mask
+
+    # replacing is atomic: the new merge renamed in fails (a stand-in for a crash there), the old one is still whole
+    before, rename = (merged_dir / "model.safetensors").read_bytes(), Path.rename
+
+    def failing(self, target):
+        if self.name.endswith(".merging"):
+            raise OSError("renaming the new merge in failed (stand-in)")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing)
+    with pytest.raises(OSError, match="stand-in"):
+        main(["merge", str(lora_run), "--out", str(merged_dir), "--overwrite"])
+    monkeypatch.undo()
+    assert (merged_dir / "model.safetensors").read_bytes() == before and not list(tmp_path.glob(".merged.replaced-*"))
     user_dir = tmp_path / "mine"
     user_dir.mkdir()
     (user_dir / "notes.txt").write_text("keep me")

@@ -23,6 +23,7 @@ from collections import Counter
 
 from erniekit_lite.errors import UserError
 from erniekit_lite.recipe import LoraSection, mutates_base
+from erniekit_lite.files import follow_umask
 
 # Fused routed-expert parameter -> the per-expert projections it holds (transformers 5 layout)
 EXPERT_PARAMS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
@@ -192,6 +193,7 @@ def save_as_plain_lora(adapter_dir, initial: dict) -> bool:
                   rank_pattern={k: v * 2 for k, v in (config.get("rank_pattern") or {}).items()},
                   alpha_pattern={k: v * scale for k, v in (config.get("alpha_pattern") or {}).items()})
     save_file(tensors, weights_path, metadata={"format": "pt"})
+    follow_umask(weights_path)  # safetensors writes 0600
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return True
 

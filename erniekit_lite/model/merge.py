@@ -19,6 +19,7 @@ from pathlib import Path
 
 from erniekit_lite.errors import UserError
 from erniekit_lite.model.load import adapter_base, load_model, load_tokenizer, trained_in_4bit
+from erniekit_lite.files import replace_dir
 
 MARKER = "erniekit_merged.json"  # written last: a dir holding it is a complete merge
 CARRIED = "model-carried-over.safetensors"  # base tensors the model class did not load, copied unchanged
@@ -77,9 +78,7 @@ def merge(adapter_dir: str, out_dir: str, overwrite: bool = False, log=print) ->
     carried = carry_over(base, staging, tied=bool(getattr(merged.config, "tie_word_embeddings", False)) or model_class is not None)
     (staging / MARKER).write_text(json.dumps({"adapter": str(adapter_dir), "base": base, "dequantized_4bit": qlora_dtype is not None,
                                               "carried_over": carried}) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
+    replace_dir(staging, out)
     if carried:
         shown = ", ".join(carried[:3]) + (f", ... ({len(carried)} in all)" if len(carried) > 3 else "")
         log(f"merge: copied {len(carried)} tensor(s) of the base that the model class does not load, unchanged, into {CARRIED}: {shown}")

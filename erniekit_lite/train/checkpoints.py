@@ -28,6 +28,7 @@ import torch
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
+from erniekit_lite.files import follow_umask
 
 STATE = "trainer_state.json"  # written last by transformers
 STAGING = "tmp-"
@@ -128,7 +129,9 @@ class CheckpointMixin:
             embed = state_dict.get("model.embed_tokens.weight")
             if getattr(config, "tie_word_embeddings", False) and embed is not None and torch.equal(embed, state_dict["lm_head.weight"]):
                 state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
-        return super()._save(output_dir, state_dict=state_dict)
+        saved = super()._save(output_dir, state_dict=state_dict)
+        follow_umask(Path(output_dir if output_dir is not None else self.args.output_dir))  # safetensors wrote 0600
+        return saved
 
     def training_step(self, *args, **kwargs):
         self._last_loss = loss = super().training_step(*args, **kwargs)
