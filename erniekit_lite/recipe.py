@@ -182,7 +182,7 @@ class LoraSection(_Section):
 
 class OutputSection(_Section):
     dir: str = Field(description="Run directory: model or adapter, tokenizer, recipe.yaml, train_results.json.")
-    overwrite: bool = Field(False, description="Allow writing into a non-empty dir from a different run.")
+    overwrite: bool = Field(False, description="Replace an earlier run (different or finished) in output.dir; only a run is replaced, kept aside until the first step.")
     expert_load: bool = Field(
         True, description="MoE only: record the share of tokens routed to each expert per layer, written as "
         "expert_load.json and expert_load.png (layers x experts heatmap) at each checkpoint and at the end."

@@ -162,16 +162,64 @@ def test_output_dir_of_another_run_is_refused(tmp_path, capsys, tiny_own_dir):
     keep = out / "precious.txt"
     keep.write_text("mine")
     recipe = recipe_file(tmp_path, tiny_own_dir)
-    assert "is not empty and holds a different run" in _bad(capsys, "train", recipe, "train.max_steps=2")
+    assert "is not empty and not a run: it holds no recipe.yaml (precious.txt); choose another output.dir" in _bad(
+        capsys, "train", recipe, "train.max_steps=2")
+    # overwrite replaces only a run: following the advice of old (set output.overwrite=true) deleted precious.txt
+    assert "is not an earlier run: it holds no recipe.yaml (precious.txt); nothing was removed" in _bad(
+        capsys, "train", recipe, "train.max_steps=2", "output.overwrite=true")
     assert keep.read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["precious.txt"]
 
-    code, _, err = run_cli(capsys, "train", recipe, "train.max_steps=2", "output.overwrite=true")
+    keep.unlink()
+    code, _, err = run_cli(capsys, "train", recipe, "train.max_steps=2")
     assert code == 0, err
-    assert not keep.exists() and (out / "train_results.json").is_file()
     # a finished run of the same recipe is not retrained over silently either
     finished = (out / "model.safetensors").stat().st_mtime_ns
     assert "already holds a finished run of this recipe" in _bad(capsys, "train", recipe, "train.max_steps=2")
     assert (out / "model.safetensors").stat().st_mtime_ns == finished
+    assert "holds a different run; choose another output.dir or set output.overwrite=true" in _bad(
+        capsys, "train", recipe, "train.max_steps=3")
+    code, _, err = run_cli(capsys, "train", recipe, "train.max_steps=3", "output.overwrite=true")
+    assert code == 0, err
+    assert "max_steps: 3" in (out / "recipe.yaml").read_text() and not list(tmp_path.glob(".out.replaced-*"))
+
+    # a file no run writes beside an earlier run's: refused, named
+    (out / "notes.txt").write_text("mine")
+    assert "it holds notes.txt, which no run writes; nothing was removed" in _bad(
+        capsys, "train", recipe, "train.max_steps=2", "output.overwrite=true")
+    (out / "notes.txt").unlink()
+
+
+def test_overwrite_never_takes_the_working_folder_the_model_or_the_data(tmp_path, capsys, tiny_own_dir, monkeypatch):
+    import shutil
+
+    model = tmp_path / "work" / "model"
+    shutil.copytree(tiny_own_dir, model)
+    monkeypatch.chdir(tmp_path / "work")
+    recipe = recipe_file(tmp_path, model)
+    err = _bad(capsys, "train", recipe, "output.dir=.", "output.overwrite=true")
+    assert "is not an earlier run: it is or holds the working folder" in err
+    assert "is or holds the model" in _bad(capsys, "train", recipe, f"output.dir={model}", "output.overwrite=true")
+    assert (model / "config.json").is_file()
+
+
+def test_an_overwritten_run_comes_back_when_the_new_one_fails_before_its_first_step(tmp_path, capsys, tiny_own_dir, monkeypatch):
+    """The earlier run waits aside until the new run's first optimizer step: a failure before it (a stand-in: the
+    trainer's train raising) puts it back whole; after a first step it is gone."""
+    from erniekit_lite.train import callbacks
+
+    recipe = recipe_file(tmp_path, tiny_own_dir)
+    assert run_cli(capsys, "train", recipe, "train.max_steps=2")[0] == 0
+    out = tmp_path / "out"
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("stand-in: the run failed before its first step")
+
+    monkeypatch.setattr(callbacks, "train", fails)
+    with pytest.raises(RuntimeError, match="stand-in"):
+        main(["train", str(recipe), "train.max_steps=3", "output.overwrite=true"])
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert not list(tmp_path.glob(".out.replaced-*"))
 
 
 def test_eval_split_reports_eval_loss(tmp_path, capsys, tiny_own_dir):

@@ -23,7 +23,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from erniekit_lite.errors import Stopped, UserError
-from erniekit_lite.train import checkpoints
+from erniekit_lite.train import checkpoints, rundir
 
 PROGRESS = "progress.jsonl"
 DIVERGED = 3  # exit status of a run stopped by a NaN/inf loss
@@ -35,6 +35,13 @@ def write_event(out: Path, event: str, state, **fields) -> None:
     record = {"event": event, "step": state.global_step, "max_steps": state.max_steps, "time": round(time.time(), 3), **fields}
     with open(Path(out) / PROGRESS, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
+
+
+class FirstStep(TrainerCallback):
+    """The run an overwrite moved aside is deleted once the new run's first optimizer step has finished (rundir)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        rundir.first_step_done()
 
 
 class ProgressLog(TrainerCallback):

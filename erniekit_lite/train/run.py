@@ -41,14 +41,20 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
 
     # Claimed only now, so a recipe or data mistake never leaves a half-made run dir behind
     out = rundir.claim(recipe, log)
-    trainer = method.build_trainer(model, tokenizer, args, data, recipe)
-    plan_lm_head(trainer, recipe, log)
-    distribution.units_of_one_dtype(trainer)
-    distribution.report(trainer, log)
-    expert_load = watch_moe(trainer, recipe, log)
-    if method.adapter_by_trainer and recipe.lora is not None:
-        log(describe_model(trainer.model))  # the adapter exists only now
-    result = callbacks.train(trainer, out, args.resume_from_checkpoint)
+    try:  # an overwritten run waits aside until the first step (rundir): a failure before it puts it back
+        trainer = method.build_trainer(model, tokenizer, args, data, recipe)
+        trainer.add_callback(callbacks.FirstStep())
+        plan_lm_head(trainer, recipe, log)
+        distribution.units_of_one_dtype(trainer)
+        distribution.report(trainer, log)
+        expert_load = watch_moe(trainer, recipe, log)
+        if method.adapter_by_trainer and recipe.lora is not None:
+            log(describe_model(trainer.model))  # the adapter exists only now
+        result = callbacks.train(trainer, out, args.resume_from_checkpoint)
+    except BaseException:
+        rundir.put_back(out, log)
+        raise
+    rundir.first_step_done()  # a run of no steps (max_steps reached) replaces it too
     metrics = {**result.metrics, **trainer.throughput(result.metrics["train_runtime"]), **method.metrics(trainer),
                "train_samples": method.trained(data), "distributed": trainer.distribution, **trainer.retry_metrics()}
     if data.eval is not None:

@@ -11,8 +11,12 @@
       tmp-checkpoint-N/      a save in progress, or what a killed one left (removed when training starts)
 
 A non-empty directory is reused only for the same resolved recipe and only while unfinished, so a second run
-never silently overwrites the first; `output.overwrite: true` clears it first, except when resuming: the
-checkpoints to resume from are never deleted. Resuming may change the schedule (`SCHEDULE_KEYS`: more steps or
+never silently overwrites the first; `output.overwrite: true` replaces it, except when resuming: the checkpoints to
+resume from are never deleted. Overwrite replaces only a run: a folder holding a `recipe.yaml` that parses as a
+recipe and otherwise only what this contract lists (`RUN_FILES`, `RUN_DIRS`), and that neither is nor holds the
+working folder, the model or the data; anything else is refused in one line naming what is there. The old run is
+moved aside (`.NAME.replaced-PID`) and deleted when the new run's first optimizer step has finished; a failure
+before that puts it back. Resuming may change the schedule (`SCHEDULE_KEYS`: more steps or
 epochs, another logging/saving/eval cadence), which also extends a finished run: its final model and metrics are
 then replaced because the user asked with --resume, and its checkpoints stay. Anything else (model, data, method,
 LoRA, optimizer) must be what the run was started with.
@@ -20,6 +24,9 @@ LoRA, optimizer) must be what the run was started with.
 
 from __future__ import annotations
 
+import fnmatch
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -35,6 +42,45 @@ SCHEDULE_KEYS = (
 )
 
 
+# What a run dir may hold besides recipe.yaml (the contract above, and the result files later features add)
+RUN_FILES = ("*.safetensors", "*.safetensors.index.json", "*.json", "*.jsonl", "*.jinja", "*.png", "README.md",
+             "training_args.bin", "tokenizer.model", "*.md")
+RUN_DIRS = re.compile(r"(tmp-)?checkpoint-\d+|runs")
+_aside: Path | None = None  # the run an overwrite moved aside, until the new run's first step (claim, first_step_done)
+
+
+def not_a_run(out: Path, recipe: Recipe) -> str | None:
+    """Why `out` is not an earlier run overwrite may replace, or None."""
+    from erniekit_lite import recipe as recipes
+
+    here = Path.cwd().resolve()
+    target = out.resolve()
+    guarded = [("the working folder", here), ("the model", Path(recipe.model.path).expanduser())]
+    guarded += [("the data", Path(str(getattr(source, "path", source))).expanduser()) for source in recipe.data.train]
+    for what, path in guarded:
+        if not path.exists():
+            continue
+        path = path.resolve()
+        if path == target or target in path.parents:
+            return f"is or holds {what} ({path})"
+    if not (out / "recipe.yaml").is_file():
+        return f"holds no recipe.yaml ({_listing(out)})"
+    try:
+        recipes.load(str(out / "recipe.yaml"), [])
+    except Exception:  # any reason it is not a recipe
+        return "holds a recipe.yaml that is not a recipe"
+    others = [p.name for p in out.iterdir() if p.name != "recipe.yaml" and not (
+        RUN_DIRS.fullmatch(p.name) if p.is_dir() else any(fnmatch.fnmatch(p.name, pattern) for pattern in RUN_FILES))]
+    if others:
+        return f"holds {', '.join(sorted(others)[:5])}{' ...' if len(others) > 5 else ''}, which no run writes"
+    return None
+
+
+def _listing(out: Path) -> str:
+    names = sorted(p.name for p in out.iterdir())
+    return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+
+
 def check(recipe: Recipe) -> bool:
     """Raise if the run may not use its output dir; True when the dir must be cleared first (overwrite)."""
     out = Path(recipe.output.dir)
@@ -46,6 +92,10 @@ def check(recipe: Recipe) -> bool:
         finished = (out / "train_results.json").is_file()
         resuming = recipe.train.get("resume_from_checkpoint") not in (None, False)
         if recipe.output.overwrite and not resuming:
+            reason = not_a_run(out, recipe)
+            if reason:
+                raise UserError(f"output.overwrite: {out} is not an earlier run: it {reason}; nothing was removed "
+                                "(choose another output.dir)")
             return True
         if not same and resuming:
             if not previous.is_file():
@@ -59,6 +109,9 @@ def check(recipe: Recipe) -> bool:
                                     "(its train.save_steps never came); train it again with output.overwrite=true")
             return False
         if not same:
+            reason = not_a_run(out, recipe)
+            if reason:  # overwrite would not replace it either: no advice to set it
+                raise UserError(f"output.dir: {out} is not empty and not a run: it {reason}; choose another output.dir")
             raise UserError(
                 f"output.dir: {out} is not empty and holds a different run; choose another output.dir "
                 "or set output.overwrite=true to replace it"
@@ -107,9 +160,11 @@ def claim(recipe: Recipe, log=print) -> Path:
                     "run would be at that step)" + ("; the finished run's model and metrics will be replaced, its "
                     "checkpoints stay" if (out / "train_results.json").is_file() else ""))
         if check(recipe):
-            log(f"output.overwrite: clearing {out}")
-            for child in out.iterdir():
-                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+            global _aside
+            _aside = out.with_name(f".{out.name}.replaced-{os.getpid()}")
+            shutil.rmtree(_aside, ignore_errors=True)
+            out.rename(_aside)
+            log(f"output.overwrite: the earlier run in {out} moved to {_aside}; deleted when the first step has finished")
         out.mkdir(parents=True, exist_ok=True)
         (out / "recipe.yaml").write_text(_identity(recipe), encoding="utf-8")
     state.wait_for_everyone()
@@ -121,3 +176,22 @@ def _identity(recipe: Recipe) -> str:
     # neither is part of what the run is
     train = {k: v for k, v in recipe.train.items() if k != "resume_from_checkpoint"}
     return recipe.model_copy(update={"output": recipe.output.model_copy(update={"overwrite": False}), "train": train}).to_yaml()
+
+
+def first_step_done() -> None:
+    """The new run trained a step: the run it replaces goes (main process; nothing to do elsewhere)."""
+    global _aside
+    if _aside is not None:
+        shutil.rmtree(_aside, ignore_errors=True)
+        _aside = None
+
+
+def put_back(out: Path, log=print) -> None:
+    """The new run failed before its first step: the earlier run returns to its place."""
+    global _aside
+    if _aside is not None and _aside.is_dir():
+        shutil.rmtree(out, ignore_errors=True)
+        _aside.rename(out)
+        log(f"output.overwrite: the run failed before its first step; the earlier run is back in {out}")
+    _aside = None
+
