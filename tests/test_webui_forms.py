@@ -3,6 +3,7 @@ recipe module's one-line messages."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from pathlib import Path
 
@@ -292,9 +293,9 @@ def test_the_form_never_writes_a_field_its_method_hides():
     assert forms.apply(recipe, form) == recipe
 
 
-def test_the_served_app_swaps_the_method_fields(tmp_path, monkeypatch):
-    """Through a running server (gradio_client, as a page calls it): the DPO quick start fills DPO's fields, and
-    choosing kto in the form rewrites the YAML without them and shows KTO's fields and its label note."""
+@contextlib.contextmanager
+def served_app(tmp_path: Path, monkeypatch):
+    """The web UI served from a copy of the recipes on a free port, and a gradio_client on it (as a page calls it)."""
     import shutil
     import socket
 
@@ -310,22 +311,33 @@ def test_the_served_app_swaps_the_method_fields(tmp_path, monkeypatch):
     demo = app.build()
     demo.queue().launch(server_port=port, prevent_thread_lock=True, quiet=True)
     try:
-        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        yield Client(f"http://127.0.0.1:{port}/", verbose=False)
+    finally:
+        demo.close()
+
+
+def form_endpoints(client) -> list[str]:
+    """The form fields' edit endpoints, one per field in forms.FIELDS' order."""
+    names = [e for e in client.view_api(print_info=False, return_format="dict")["named_endpoints"] if e.startswith("/form_edited")]
+    assert len(names) == len(forms.FIELDS)
+    return names
+
+
+def test_the_served_app_swaps_the_method_fields(tmp_path, monkeypatch):
+    """Through a running server (gradio_client, as a page calls it): the DPO quick start fills DPO's fields, and
+    choosing kto in the form rewrites the YAML without them and shows KTO's fields and its label note."""
+    with served_app(tmp_path, monkeypatch) as client:
         # outputs as the client gets them: [text, *fields, note, status] (the file-name state is not sent)
         text, *fields, note, status = client.predict("recipes/quickstart-dpo.yaml", api_name="/choose")
         assert status == "quickstart-dpo.yaml: loaded"
         own = [(f.key, u["value"]) for f, u in zip(forms.FIELDS, fields) if f.methods and u["visible"]]
         assert own == [("train.beta", 0.1), ("train.loss_type", ["sigmoid"]), ("train.loss_weights", None)]
-        method = [e for e in client.view_api(print_info=False, return_format="dict")["named_endpoints"]
-                  if e.startswith("/form_edited")][field_index("method")]
-        new_text, status, *fields, note = client.predict("kto", api_name=method)  # outputs less the State
+        new_text, status, *fields, note = client.predict("kto", api_name=form_endpoints(client)[field_index("method")])
         # and back in the YAML editor: simpo, written by hand, refills the form with SimPO's fields
         *by_yaml, yaml_note, yaml_status = client.predict(
             new_text.replace("method: kto", "method: simpo"), api_name="/yaml_edited")
         # Validate through the page's handler: a recipe the recipe module refuses, said with the key's line
         pissa = client.predict(text.replace("  dropout: 0.0\n", "  dropout: 0.0\n  init: pissa\n"), api_name="/validate")
-    finally:
-        demo.close()
     assert status == "method kto: removed train.beta, train.loss_type (dpo's own settings; kto's start from TRL's defaults)"
     kto = forms.parse(new_text, "quickstart-dpo.yaml")
     assert kto.method == "kto" and "beta" not in kto.train and kto.train["learning_rate"] == 0.005
@@ -566,17 +578,11 @@ def test_a_field_edit_applies_that_field_to_the_recipe_as_the_last_edit_left_it(
     load the browser test's logging-steps edit, fired before the output dir was typed, landed after it and put the
     recipe's old output dir back (the run trained into runs/quickstart). Through a running server: the first edit
     held for a second, the output dir's waits for it, and a late logging-steps edit keeps the typed output dir."""
-    import shutil
-    import socket
     import threading
     import time as clock
 
-    from gradio_client import Client
+    from webui import train_tab
 
-    from webui import app, train_tab
-
-    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
-    monkeypatch.chdir(tmp_path)
     ran, edit = [], train_tab.edit
     first = threading.Event()
 
@@ -589,17 +595,9 @@ def test_a_field_edit_applies_that_field_to_the_recipe_as_the_last_edit_left_it(
         return edit(content, file_name, values)
 
     monkeypatch.setattr(train_tab, "edit", held_edit)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    demo = app.build()
-    demo.queue().launch(server_port=port, prevent_thread_lock=True, quiet=True)
-    try:
-        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+    with served_app(tmp_path, monkeypatch) as client:
         client.predict("recipes/quickstart.yaml", api_name="/choose")
-        endpoints = client.view_api(print_info=False, return_format="dict")["named_endpoints"]
-        names = [e for e in endpoints if e.startswith("/form_edited")]  # one per field, in forms.FIELDS' order
-        assert len(names) == len(forms.FIELDS)
+        names = form_endpoints(client)
         logging = client.submit(2, api_name=names[field_index("train.logging_steps")])
         assert first.wait(30)
         out = client.submit("runs/mine", api_name=names[field_index("output.dir")])
@@ -607,8 +605,6 @@ def test_a_field_edit_applies_that_field_to_the_recipe_as_the_last_edit_left_it(
         logging.result(timeout=60)
         client.predict(2, api_name=names[field_index("train.logging_steps")])  # late: nothing to change
         final, *_ = client.predict(7, api_name=names[field_index("train.max_steps")])
-    finally:
-        demo.close()
     assert ran == [("start", 2, "runs/quickstart"), ("end", 2, "runs/quickstart"), ("start", 2, "runs/mine"),
                    ("end", 2, "runs/mine"), ("start", 2, "runs/mine"), ("end", 2, "runs/mine"),
                    ("start", 2, "runs/mine"), ("end", 2, "runs/mine")]
