@@ -28,10 +28,11 @@ def umask() -> int:
 
 
 def follow_umask(path: Path) -> None:
-    """Each `*.safetensors` file at or under `path` made 0666 less the umask (safetensors writes them 0600)."""
+    """The `*.safetensors` file `path`, or those directly in folder `path` (what one save wrote: a checkpoint's
+    folder is done by its own save), made 0666 less the umask (safetensors writes them 0600)."""
     path = Path(path)
     mode = 0o666 & ~umask()
-    files = [path] if path.is_file() else path.rglob("*.safetensors") if path.is_dir() else []
+    files = [path] if path.is_file() else path.glob("*.safetensors") if path.is_dir() else []
     for file in files:
         if file.suffix == ".safetensors" and file.is_file() and not file.is_symlink():
             os.chmod(file, mode)

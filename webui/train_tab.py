@@ -2,7 +2,8 @@
 training, and follow it live (progress, loss curve, the method's headline metrics, MoE expert load, log tail).
 
 The YAML text is the single source of truth: a form edit applies its one field to the recipe and rewrites it, a YAML
-edit refills the form, and Validate, Preview and Start read it. The form shows the chosen method's own fields only (forms.FIELDS' `methods`).
+edit refills the form, and Validate, Preview and Start read it. The form shows the chosen method's own fields only
+(forms.FIELDS' `methods`).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from pathlib import Path
 import yaml
 
 from erniekit_lite.errors import UserError
-from erniekit_lite.recipe import Recipe
+from erniekit_lite.recipe import Recipe, load
 
 # train: keys a resumed run may change: how long it trains and how often it logs, saves and evaluates
 SCHEDULE_KEYS = (
@@ -43,16 +43,13 @@ SCHEDULE_KEYS = (
 
 
 # What a run dir may hold besides recipe.yaml (the contract above, and the result files later features add)
-RUN_FILES = ("*.safetensors", "*.safetensors.index.json", "*.json", "*.jsonl", "*.jinja", "*.png", "README.md",
-             "training_args.bin", "tokenizer.model", "*.md")
+RUN_FILES = ("*.safetensors", "*.json", "*.jsonl", "*.jinja", "*.png", "*.md", "training_args.bin", "tokenizer.model")
 RUN_DIRS = re.compile(r"(tmp-)?checkpoint-\d+|runs")
 _aside: Path | None = None  # the run an overwrite moved aside, until the new run's first step (claim, first_step_done)
 
 
 def not_a_run(out: Path, recipe: Recipe) -> str | None:
     """Why `out` is not an earlier run overwrite may replace, or None."""
-    from erniekit_lite import recipe as recipes
-
     here = Path.cwd().resolve()
     target = out.resolve()
     guarded = [("the working folder", here), ("the model", Path(recipe.model.path).expanduser())]
@@ -64,20 +61,20 @@ def not_a_run(out: Path, recipe: Recipe) -> str | None:
         if path == target or target in path.parents:
             return f"is or holds {what} ({path})"
     if not (out / "recipe.yaml").is_file():
-        return f"holds no recipe.yaml ({_listing(out)})"
+        return f"holds no recipe.yaml ({_first_names([p.name for p in out.iterdir()])})"
     try:
-        recipes.load(str(out / "recipe.yaml"), [])
-    except Exception:  # any reason it is not a recipe
+        load(str(out / "recipe.yaml"), [])
+    except UserError:  # the recipe module says why it is not a recipe
         return "holds a recipe.yaml that is not a recipe"
     others = [p.name for p in out.iterdir() if p.name != "recipe.yaml" and not (
         RUN_DIRS.fullmatch(p.name) if p.is_dir() else any(fnmatch.fnmatch(p.name, pattern) for pattern in RUN_FILES))]
     if others:
-        return f"holds {', '.join(sorted(others)[:5])}{' ...' if len(others) > 5 else ''}, which no run writes"
+        return f"holds {_first_names(others)}, which no run writes"
     return None
 
 
-def _listing(out: Path) -> str:
-    names = sorted(p.name for p in out.iterdir())
+def _first_names(names: list[str]) -> str:
+    names = sorted(names)
     return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
 
 
