@@ -122,3 +122,28 @@ def test_otherwise_the_error_names_the_settings_that_lower_memory(tmp_path, caps
                    "(--num-processes N --accelerate-config recipes/accelerate/fsdp2.yaml)")
     assert "Traceback" not in err
     assert out.count("out of memory at step 1 with activation checkpointing off") == (case == "on after the retry")
+
+
+@pytest.mark.parametrize("where", ["clipping", "optimizer step"])
+def test_out_of_memory_after_the_backward_in_the_first_step_is_the_same_line(tmp_path, capsys, monkeypatch, tiny_own_dir,
+                                                                            where):
+    """Stand-in, as above: `Accelerator.clip_grad_norm_` or `AcceleratedOptimizer.step` (where AdamW allocates its
+    state on the first step) raising torch.OutOfMemoryError. The first step ends in the same one line, no traceback;
+    out of memory there came out as a bare traceback before."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    owner, name = (Accelerator, "clip_grad_norm_") if where == "clipping" else (AcceleratedOptimizer, "step")
+
+    def fails(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    monkeypatch.setattr(owner, name, fails)
+    train = {**TRAIN, "max_steps": 1, "activation_checkpointing": True}
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_own_dir, out=tmp_path / "run", lora={"r": 4}, train=train)
+    code, out, err = run_cli(capsys, "train", recipe)
+    assert code == 2
+    assert err.splitlines()[-1] == ("error: out of memory at step 1 (activation checkpointing on); these settings lower memory: "
+                                    f"{LOWER}, train.activation_checkpointing_kwargs: {{offload: true}}, "
+                                    "model.load_in_4bit: true, or more GPUs sharding the model "
+                                    "(--num-processes N --accelerate-config recipes/accelerate/fsdp2.yaml)")
+    assert "Traceback" not in err

@@ -146,6 +146,7 @@ class PackedPairCollator:
             **varlen,
             "logp_index": torch.cat(index),
             "token_slots": len(rows) * 2 * self.max_length,
+            "row_units": row_pairs(rows),
         })
 
 
@@ -180,7 +181,13 @@ class PaddedPairCollator:
             "pair_labels": labels,
             "logp_index": rows_idx * (width - 1) + cols,
             "token_slots": input_ids.numel(),
+            "row_units": row_pairs(rows),
         })
+
+
+def row_pairs(rows: list[dict]) -> list[int]:
+    """The pairs each row holds, in batch order (train/ragged_gather.py cuts a last batch's repeated rows with it)."""
+    return [len(row["seq_lengths"]) // 2 for row in rows]
 
 
 def _with_ref_logps(rows: list[dict], batch: dict) -> dict:

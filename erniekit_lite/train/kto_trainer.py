@@ -39,7 +39,7 @@ from erniekit_lite.train.pair_scoring import add_packed_forward
 from erniekit_lite.train.step_weights import StepWeightsMixin
 from erniekit_lite.train.trainer import HostBoundsMixin, ThroughputMixin
 
-NOT_MODEL_INPUTS = ("completion_mask", "label", "ref_logps", "ref_KL_logps", "token_slots")
+NOT_MODEL_INPUTS = ("completion_mask", "label", "ref_logps", "ref_KL_logps", "token_slots", "row_units")
 
 
 def side(batch: dict, kl: bool) -> dict:

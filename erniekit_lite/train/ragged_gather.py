@@ -1,14 +1,26 @@
-"""`accelerator.gather` for tensors whose first dimension differs between processes.
+"""`accelerator.gather` for tensors whose first dimension differs between processes, and `gather_for_metrics` that
+drops accelerate's evening-out rows in the units the tensors count.
 
 TRL's preference trainers gather per-pair values for their metrics (`rewards/chosen`, `logps/*`, ...) with
-`accelerator.gather` / `gather_for_metrics`, which assume every process holds a batch of the same size, as TRL's
-padded batches do. A packed row holds a variable number of pairs, so two processes hold different counts, and the
-mismatched all-gather aborted the run (gloo: "Received data size doesn't match expected size"). Here the sizes are
-gathered first; unequal tensors are padded to the largest, gathered, and the padding cut out, so the metrics are the
-means over every process's pairs, as TRL means them.
+`accelerator.gather` / `gather_for_metrics`, and the Trainer's evaluation loop gathers each batch's loss repeated
+once per sequence; both assume every process holds a batch of the same size, as TRL's padded batches do. A packed
+row holds a variable number of pairs, so two processes hold different counts, and the mismatched all-gather aborted
+the run (gloo: "Received data size doesn't match expected size"). Here the sizes are gathered first; unequal
+tensors are padded to the largest, gathered, and the padding cut out, so the metrics are the means over every
+process's pairs, as TRL means them.
+
+At the end of a dataloader accelerate evens out the last batch with rows from the start and `gather_for_metrics`
+cuts the gathered result to its `remainder`, which counts rows, not pairs. Here each process instead cuts its own
+tensor before the gather, to the pairs of its rows that are not repeats (`last_rows`: the pairs of each row of the
+micro-batch being scored, or None when it is not the dataloader's last); a tensor of m blocks of those pairs (TRL's
+chosen-then-rejected [2B] layout) is cut block by block, one of a value per row (the evaluation loop's loss) row by
+row, a scalar kept or dropped with its process's rows; any other tensor is gathered whole. Only `gather` is wrapped: accelerate's own `gather_for_metrics` calls it.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 import torch
 
@@ -28,9 +40,48 @@ def ragged(gather):
     return gather_ragged
 
 
-def install(accelerator) -> None:
-    """Every gather of this accelerator takes ragged tensors (a collective more per gather of a non-scalar)."""
-    if accelerator.num_processes > 1 and not getattr(accelerator, "_erniekit_ragged", False):
-        accelerator.gather = ragged(accelerator.gather)
-        accelerator.gather_for_metrics = ragged(accelerator.gather_for_metrics)
-        accelerator._erniekit_ragged = True
+def real_part(rows: list[int], remainder: int, process: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """This process's tensor without the pairs of its repeated rows: process p's rows are the global rows
+    [p*b, (p+1)*b) of the last batch, and the first `remainder` of those are real."""
+    kept_rows = min(max(remainder - process * len(rows), 0), len(rows))
+    held, kept = sum(rows), sum(rows[:kept_rows])
+
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0:
+            return tensor[None][: int(kept_rows > 0)]
+        if tensor.shape[0] == len(rows):  # one value per row (the evaluation loop's loss)
+            return tensor[:kept_rows]
+        if tensor.shape[0] % held == 0:
+            blocks = tensor.reshape(tensor.shape[0] // held, held, *tensor.shape[1:])
+            return blocks[:, :kept].reshape(-1, *tensor.shape[1:])
+        return tensor  # not counted in these pairs: kept whole
+
+    return cut
+
+
+def install(accelerator, last_rows: Callable[[], list[int] | None], trainer=None) -> None:
+    """Every gather of this accelerator takes ragged tensors (a collective more per gather of a non-scalar), and
+    `gather_for_metrics` (also the `trainer`'s `gather_function`) drops repeated rows' pairs at a dataloader's end."""
+    if accelerator.num_processes == 1 or getattr(accelerator, "_erniekit_ragged", False):
+        return
+    from accelerate.utils import recursively_apply
+
+    accelerator.gather = ragged(accelerator.gather)
+    accelerator_gather_for_metrics = accelerator.gather_for_metrics
+
+    def gather_for_metrics(data, use_gather_object=False):
+        try:
+            recursively_apply(lambda x: x, data, error_on_other_type=True)
+        except TypeError:
+            use_gather_object = True
+        if use_gather_object:
+            return accelerator_gather_for_metrics(data, use_gather_object=True)  # objects: accelerate's own
+        rows, remainder = last_rows(), accelerator.gradient_state.remainder
+        if rows is not None and remainder > 0:
+            data = recursively_apply(real_part(rows, remainder, accelerator.process_index), data)
+        return accelerator.gather(data)  # never cut again in rows: not the last batch, or cut above
+
+    accelerator.gather_for_metrics = gather_for_metrics
+    if trainer is not None:  # the Trainer's evaluation loop took accelerate's in its __init__, before this
+        trainer.gather_function = functools.partial(gather_for_metrics, use_gather_object=trainer.args.eval_use_gather_object)
+    accelerator._erniekit_ragged = True

@@ -35,10 +35,14 @@ class StepWeightsMixin:
 
     _step_totals: tuple[float, float, int, int] | None = None
     _token_term: tuple[float, torch.Tensor] | None = None
+    _last_batch: dict | None = None  # the step's last micro-batch when it is the training dataloader's last
+    _scoring_last = False  # the micro-batch in `training_step` is that one
+    _last_rows: list[int] | None = None  # the pairs of each row of the micro-batch being scored, when it is the last
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        ragged_gather.install(self.accelerator)  # a packed micro-batch's pair count differs between processes
+        # a packed micro-batch's pair count differs between processes, and accelerate evens out the last in rows
+        ragged_gather.install(self.accelerator, lambda: self._last_rows, self)
 
     def units(self, batch: dict) -> int:
         return batch["input_ids"].shape[0] // 2  # TRL's [2B, L] layout: chosen rows, then rejected
@@ -55,6 +59,8 @@ class StepWeightsMixin:
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             counts = self.accelerator.gather(counts).sum(0, keepdim=True)
             processes = self.accelerator.num_processes
+        # the Trainer fetches a step's micro-batches before running them: the dataloader's end is known now
+        self._last_batch = batch_samples[-1] if self.accelerator.gradient_state.end_of_dataloader else None
         self._step_totals = (counts[0, 0].item(), counts[0, 1].item(), len(batch_samples), processes)
         return None
 
@@ -72,7 +78,15 @@ class StepWeightsMixin:
             weighed = weighed + coef * value * ((self.chosen_tokens(batch) / tokens - share) * scale)
         return weighed
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self._scoring_last = inputs is self._last_batch
+        return super().training_step(model, inputs, num_items_in_batch)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        rows = inputs.pop("row_units", None)  # the collator's pairs (examples) per row, for `ragged_gather`
+        last = self._scoring_last if model.training else self.accelerator.gradient_state.end_of_dataloader
+        self._last_rows = rows if last else None
         out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if return_outputs:
             return self.weigh(out[0], inputs), out[1]

@@ -42,7 +42,9 @@ class OutOfMemoryRetryMixin:
     other first-step out-of-memory ends the run with one line naming the settings that lower memory.
 
     Caught in `training_step`, which every method's Trainer runs once per micro-batch from the Trainer's own loop,
-    so the loop, its loss sum and the optimizer step are left as they are."""
+    so the loop, its loss sum and the optimizer step are left as they are. Out of memory later in the first step
+    (clipping, or the first `optimizer.step` allocating AdamW's state) ends the run with the same line: `train`
+    sees it leave the loop before any step finished."""
 
     retried_at: int | None = None  # the step that ran out of memory and ran again
     _first: tuple[int, dict, list] | None = None  # first step: (global step before it, state before it, its batches)
@@ -71,6 +73,15 @@ class OutOfMemoryRetryMixin:
         for inputs, num_items_in_batch in batches:  # this method again: out of memory now is the one-line error
             loss = self.training_step(model, inputs, num_items_in_batch)
         return loss  # the earlier batches' losses are already in the Trainer's sum
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            if self._first is None or self.state.global_step != self._first[0]:
+                raise  # before the first micro-batch, or after the first step: not the first step's memory
+            failed = self._first[0] + 1
+        raise UserError(self._lower_memory(failed)) from None
 
     def retry_metrics(self) -> dict:
         """For train_results.json: the step that ran out of memory and ran again with checkpointing on, if any."""
