@@ -39,6 +39,7 @@ X = IGNORE
 RECIPE = ROOT / "recipes" / "ernie-4.5-21b-a3b-thinking" / "sft-lora-function-call.yaml"
 ERNIEKIT_FC = DATA_DIR / "erniekit" / "function-call-train.jsonl"
 GLAIVE = DATA_DIR / "llamafactory" / "glaive_toolcall_en_demo.json"
+SHIPPED_FC = ROOT / "recipes" / "data" / "function_call_demo.jsonl"  # the function-call recipe's demo data
 CONTROL = ["<|im_start|>", "<|im_end|>"]
 
 THINKING_FILE = SHARED / "ernie45" / "ernie-4.5-21b-a3b-thinking" / "chat_template.jinja"
@@ -280,8 +281,8 @@ def test_thinking_template_system_prompt_and_masked_turn(thinking_tok):
 
 @pytest.mark.parametrize(
     "path, records, samples, calls, trained_turns",
-    [(ERNIEKIT_FC, 227, 905, 422, 939), (GLAIVE, 300, 957, 211, 957)],
-    ids=["erniekit-messages", "glaive-sharegpt"],
+    [(ERNIEKIT_FC, 227, 905, 422, 939), (GLAIVE, 300, 957, 211, 957), (SHIPPED_FC, 6, 11, 6, 14)],
+    ids=["erniekit-messages", "glaive-sharegpt", "shipped-demo"],
 )
 def test_demo_files_train_exactly_the_assistant_turns(thinking_tokenizer, thinking_tok, ernie_tok, path, records, samples,
                                                       calls, trained_turns):
