@@ -326,7 +326,9 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recip
     if not path.is_file():
         path = shipped.find(str(path)) or path
     if not path.is_file():
-        raise RecipeError(str(path), "recipe file not found (a shipped recipe's name also works: erniekit-lite recipes)")
+        close = difflib.get_close_matches(str(path).removeprefix(shipped.PREFIX).removesuffix(".yaml"), shipped.names(), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "a shipped recipe's name also works: erniekit-lite recipes"
+        raise RecipeError(str(path), f"recipe file not found ({hint})")
     text = path.read_text(encoding="utf-8")
     try:
         raw = yaml.safe_load(text)
@@ -339,12 +341,17 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recip
     if not isinstance(raw, dict):
         raise RecipeError(str(path), "expected a mapping of sections (model, data, train, output, ...)")
     raw = shipped.localize(raw, path)  # a shipped recipe's recipes/... data, outside a clone: the package's copy
+    where = {loc: f"{path}:{line}" for loc, line in lines.items()}
     for override in overrides:
-        _apply_override(raw, override)
-    return from_dict(raw, source=str(path), lines=lines)
+        loc = _apply_override(raw, override)
+        # a problem at or under an overridden key is the override's, as typed, not the file line it replaced
+        where = {k: v for k, v in where.items() if k[:len(loc)] != loc}
+        where[loc] = f"override '{override}'"
+    return from_dict(raw, source=str(path), lines=where)
 
 
-def from_dict(raw: dict, source: str = "<recipe>", lines: dict[tuple, int] | None = None) -> Recipe:
+def from_dict(raw: dict, source: str = "<recipe>", lines: dict[tuple, str] | None = None) -> Recipe:
+    """`lines`: where each key path was given (`file:line`, or the override that set it), for the errors."""
     lines = lines or {}
     try:
         recipe = Recipe.model_validate(raw)
@@ -354,7 +361,7 @@ def from_dict(raw: dict, source: str = "<recipe>", lines: dict[tuple, int] | Non
     return recipe
 
 
-def _first_error(error: ValidationError, source: str, lines: dict[tuple, int]) -> RecipeError:
+def _first_error(error: ValidationError, source: str, lines: dict[tuple, str]) -> RecipeError:
     problems = []
     for err in error.errors():
         loc = tuple(str(p) for p in err["loc"])
@@ -374,6 +381,8 @@ def _first_error(error: ValidationError, source: str, lines: dict[tuple, int]) -
                 problems.append(RecipeError(_where(source, lines, tuple(named.group(1).split("."))), msg))
                 continue
             problems.append(RecipeError(where, f"{'.'.join(loc) or 'recipe'}: {msg}{shown}"))
+    # a misspelt key comes first: its "did you mean" explains the "missing required key" that follows from it
+    problems.sort(key=lambda p: "unknown key" not in p.args[0])
     first = problems[0]
     if len(problems) > 1:
         first.args = (f"{first.args[0]} (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})",)
@@ -526,11 +535,11 @@ def _check_type(key: str, value: Any, default: Any, where: str) -> Any:
     return value
 
 
-def _where(source: str, lines: dict[tuple, int], loc: tuple[str, ...]) -> str:
-    # The deepest part of the key path that appears in the file gives the line
+def _where(source: str, lines: dict[tuple, str], loc: tuple[str, ...]) -> str:
+    # The deepest part of the key path that was given (a file line or an override) says where
     for n in range(len(loc), 0, -1):
         if loc[:n] in lines:
-            return f"{source}:{lines[loc[:n]]}"
+            return lines[loc[:n]]
     return source
 
 
@@ -549,7 +558,8 @@ def _key_lines(node: yaml.Node | None, prefix: tuple = ()) -> dict[tuple, int]:
     return out
 
 
-def _apply_override(raw: dict, override: str) -> None:
+def _apply_override(raw: dict, override: str) -> tuple[str, ...]:
+    """Set `dotted.key=value` in `raw`; returns the key path."""
     key, sep, value_text = override.partition("=")
     if not sep or not key:
         raise RecipeError(f"override '{override}'", "expected dotted.key=value, e.g. train.learning_rate=2e-5")
@@ -577,3 +587,4 @@ def _apply_override(raw: dict, override: str) -> None:
             if node.get(part) is None:
                 node[part] = {}
             node = node[part]
+    return tuple(parts)

@@ -157,3 +157,25 @@ def test_checking_a_recipe_imports_no_trl(tmp_path):
     assert "unknown key 'lerning_rate' in train; did you mean 'learning_rate'?" in lines[0]
     assert "beta" in lines[1] and "train.loss_type: expected one of sigmoid" in lines[2]
     assert lines[-1] == "[]"
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("method=sfft", "override 'method=sfft': method: Input should be"),
+    ("train.learning_rate=fast", "override 'train.learning_rate=fast': train.learning_rate: expected a number (got 'fast')"),
+    ("train.max_stepz=10", "override 'train.max_stepz=10': unknown key 'max_stepz' in train; did you mean 'max_steps'?"),
+    ("data.train=[{path: x.jsonl, formt: auto}]", "override 'data.train=[{path: x.jsonl, formt: auto}]': unknown key 'formt'"),
+])
+def test_a_bad_override_is_named_as_typed_not_blamed_on_a_file_line(tmp_path, override, expected):
+    """These were reported at the file line of the key the override replaced (or at the section's line)."""
+    with pytest.raises(RecipeError) as e:
+        recipes.load(write(tmp_path, BASE), [override])
+    assert str(e.value).startswith(expected), str(e.value)
+
+
+def test_a_misspelt_section_says_did_you_mean_first_and_a_recipe_name_too(tmp_path):
+    with pytest.raises(RecipeError) as e:
+        recipes.load(write(tmp_path, BASE.replace("output:", "ouput:")))
+    assert str(e.value) == f"{tmp_path / 'r.yaml'}:7: unknown key 'ouput' in the recipe; did you mean 'output'? (and 1 more problem)"
+    with pytest.raises(RecipeError) as e:
+        recipes.load("quickstrat")
+    assert str(e.value) == "quickstrat: recipe file not found (did you mean 'quickstart'?)"
