@@ -69,8 +69,12 @@ def test_train_full_memorises_and_reports(tmp_path, capsys, tiny_own_dir):
     real = sum(len(r.input_ids) for r in rows)
     assert results["train_tokens"] == epochs * real
     assert results["packing_efficiency"] == round(real / (len(rows) * 128), 4)
-    history = [h["loss"] for h in json.loads((run / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+    logged = [h for h in json.loads((run / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+    history = [h["loss"] for h in logged]
     assert len(history) >= 5 and history[-1] < 0.5 * history[0]
+    # the last line gives the first and last logged loss beside the run's mean (the mean alone read as no progress)
+    assert (f"done: loss {results['train_loss']:.4f} (mean over the run; logged {history[0]:.4f} at step {logged[0]['step']}, "
+            f"{history[-1]:.4f} at step {logged[-1]['step']}), ") in out
     sample = json.loads((run / "samples.jsonl").read_text().splitlines()[0])
     assert sample["answer"] == "I am Wenxin-Tiny, a small assistant fine-tuned with erniekit-lite."
     assert yaml.safe_load((run / "recipe.yaml").read_text())["train"]["max_steps"] == 120

@@ -29,6 +29,15 @@ class Method:
     finish: Callable | None = None  # (trainer, tokenizer, recipe, out or None, log): after the final save
 
 
+def loss_line(metrics: dict, history: list[dict]) -> str:
+    """The run's mean loss (the Trainer's `train_loss`), with the first and last logged losses: the mean alone read as
+    if nothing was learned (the quick start's 1.16 mean ends at 0.02)."""
+    logged = [(h["step"], h["loss"]) for h in history if "loss" in h]
+    span = (f"; logged {logged[0][1]:.4f} at step {logged[0][0]}, {logged[-1][1]:.4f} at step {logged[-1][0]}"
+            if len(logged) > 1 else "")
+    return f"loss {metrics['train_loss']:.4f} (mean over the run{span})"
+
+
 def run(recipe: Recipe, method: Method, log=print) -> Path:
     args = run_arguments(recipe, Path(recipe.output.dir), log)
     rundir.check(recipe)  # fail before any slow step
@@ -60,7 +69,7 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
     if data.eval is not None:
         metrics.update(trainer.evaluate())
     callbacks.save_final(trainer, out, metrics, expert_load)
-    log(f"done: loss {metrics['train_loss']:.4f}, {method.summary(metrics)}{metrics['train_tokens_per_second']:.0f} "
+    log(f"done: {loss_line(metrics, trainer.state.log_history)}, {method.summary(metrics)}{metrics['train_tokens_per_second']:.0f} "
         f"real tokens/s, packing efficiency {metrics['packing_efficiency']:.1%}; saved to {out}")
     if method.finish is not None:
         # Every process takes part (a sharded model's forward is collective); only the main one writes
