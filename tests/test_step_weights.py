@@ -5,7 +5,8 @@ term 1/(chosen tokens in the step).
 One step of plain SGD (learning rate 1, no clipping, no decay) from a new LoRA adapter (B = 0) leaves B = -gradient,
 so the saved adapters are the step's gradients. They must agree within 1e-5 relative across (a) 2 packed rows per
 micro-batch, (b) 1 row with accumulation 2, (c) 2 processes x 1 row (DDP over gloo, every case in one launch) and
-(d) TRL's own padded computation over the same pairs as one batch. The two rows hold different numbers of pairs
+(d) the padded path (`data.packing: false`: this project's padded collators through the same trainer) over the same
+pairs as one batch; TRL's own trainers are compared in the DPO, KTO, ORPO and reward-model tests. The two rows hold different numbers of pairs
 (asserted), else a per-micro-batch mean would agree too. At the first step the policy equals the reference (B = 0),
 so KTO's KL estimate is 0 in any micro-batching; the MoE cases run with `router_aux_loss_coef: 0`.
 
@@ -206,7 +207,7 @@ def test_one_step_is_the_same_at_any_batching(tmp_path, models, two_processes, n
     adapters["c"] = step(two_processes / f"{name}-c")
     assert any(float(v.abs().max()) > 0 for k, v in adapters["d"].items() if "lora_B" in k)  # the step moved the adapter
     errors = {shape: relative(adapters[shape], adapters["d"]) for shape in "abc"}
-    print(f"{name}: relative difference to TRL's padded batch {errors}")
+    print(f"{name}: relative difference to the padded path {errors}")
     assert all(e <= TOLERANCE for e in errors.values()), errors
 
 
