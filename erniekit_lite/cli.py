@@ -307,7 +307,7 @@ def _tiny(args) -> int:
 
 def _webui(args) -> int:
     _quiet_libraries()
-    from webui.app import launch
+    from erniekit_lite.webui.app import launch
 
     launch(args.host, args.port, args.share, args.auth or os.environ.get("ERNIEKIT_WEBUI_AUTH"))
     return 0

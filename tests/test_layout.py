@@ -93,6 +93,15 @@ def test_the_plan_never_imports_training():
     assert "erniekit_lite.plan" in reachable(graph, "erniekit_lite.train.sft")  # training asks the plan
 
 
+def test_only_the_cli_command_imports_the_web_ui():
+    """The web UI (erniekit_lite.webui) sits on the package: outside it only cli.py's `webui` command imports it."""
+    graph = import_graph()
+    assert "erniekit_lite.webui.train_tab" in reachable(graph, "erniekit_lite.webui.app")  # the checker sees it
+    importers = {m for m, imported in graph.items() if not m.startswith("erniekit_lite.webui")
+                 and any(i.startswith("erniekit_lite.webui") for i in imported)}
+    assert importers == {"erniekit_lite.cli"}
+
+
 def test_validate_runs_without_loading_the_training_package(tmp_path, tiny_dense_dir):
     """The same, as Python sees it: a whole `validate` plan in a fresh interpreter leaves no training module loaded."""
     recipe = tmp_path / "r.yaml"

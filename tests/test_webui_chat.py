@@ -10,7 +10,7 @@ import pytest
 import erniekit_lite.generate
 from erniekit_lite import recipe as recipes
 from erniekit_lite.data.formats import Turn
-from webui.chat_tab import base_of, stream, turns
+from erniekit_lite.webui.chat_tab import base_of, stream, turns
 
 
 def test_stream_grows_to_the_greedy_answer(tiny_own_dir):

@@ -13,8 +13,8 @@ import yaml
 
 from erniekit_lite import recipe as recipes
 from erniekit_lite.errors import RecipeError
-from webui import forms
-from webui.paths import recipe_files
+from erniekit_lite.webui import forms
+from erniekit_lite.webui.paths import recipe_files
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = (ROOT / "recipes" / "quickstart.yaml").read_text(encoding="utf-8")
@@ -140,7 +140,7 @@ def method_yaml(method: str, train: dict) -> str:
 
 @pytest.mark.parametrize("method", list(OWN_FIELDS))
 def test_the_form_shows_the_methods_own_fields_only(method):
-    from webui.train_tab import fill
+    from erniekit_lite.webui.train_tab import fill
 
     updates = fill(forms.parse(method_yaml(method, OWN_VALUES[method][0]), "r.yaml"))
     *fields, note = updates
@@ -223,7 +223,7 @@ def test_switching_the_method_in_the_form_gives_a_recipe_that_trains(old, new, t
 
 
 def test_switching_the_method_says_what_it_removed_and_refills_the_form():
-    from webui.train_tab import edit
+    from erniekit_lite.webui.train_tab import edit
 
     text = method_yaml("dpo", {"beta": 0.25, "loss_type": ["ipo"]})
     form = forms.values(forms.parse(text, "r.yaml"))
@@ -252,7 +252,7 @@ def test_switching_the_method_says_what_it_removed_and_refills_the_form():
 def test_the_rewards_field_edits_the_built_ins_and_keeps_the_rest():
     """The form names built-in rewards; those kept keep their weight and args, new ones come with weight 1, and
     function and reward-model entries stay as the YAML has them."""
-    from webui.train_tab import edit
+    from erniekit_lite.webui.train_tab import edit
 
     text = method_yaml("grpo", {}).replace("- name: exact_answer", "- name: exact_answer\n  weight: 2.0\n- function: "
                                            "recipes/data/grpo_rewards.py:digits\n  weight: 0.5")
@@ -301,7 +301,7 @@ def served_app(tmp_path: Path, monkeypatch):
 
     from gradio_client import Client
 
-    from webui import app
+    from erniekit_lite.webui import app
 
     shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
     monkeypatch.chdir(tmp_path)
@@ -465,7 +465,7 @@ def test_dpo_loss_weights_are_a_list_of_numbers():
      "method orpo: removed train.loss_type, train.loss_weights (dpo's own settings; orpo's start from TRL's defaults)"),
 ])
 def test_switching_away_drops_the_loss_keys_and_says_so(old, own, new, status):
-    from webui.train_tab import edit
+    from erniekit_lite.webui.train_tab import edit
 
     text = method_yaml(old, own)
     form = forms.values(forms.parse(text, "r.yaml"))
@@ -486,7 +486,7 @@ PISSA_FOR_DPO = ("lora.init: pissa moves part of each base weight into the adapt
 
 def test_pissa_for_dpo_is_refused_on_the_form_edit_with_the_recipes_line(tmp_path):
     """The recipe refuses it (as `validate` and `train` do), so the form says it on the edit, pointed at the key."""
-    from webui.train_tab import edit, start_job, validate_recipe
+    from erniekit_lite.webui.train_tab import edit, start_job, validate_recipe
 
     text = method_yaml("dpo", {})
     form = forms.values(forms.parse(text, "r.yaml"))
@@ -518,7 +518,7 @@ def test_validate_says_the_model_dependent_refusals(tmp_path, tiny_moe_dir):
     import os
     import shutil
 
-    from webui.train_tab import edit, validate_recipe
+    from erniekit_lite.webui.train_tab import edit, validate_recipe
 
     shutil.copy(ROOT / "recipes" / "data" / "identity_dpo.jsonl", tmp_path / "pairs.jsonl")
     root = Path(os.path.commonpath([tmp_path, tiny_moe_dir]))
@@ -560,7 +560,7 @@ def test_lora_variant_mistakes_are_the_recipes_lines():
 
 
 def test_each_field_has_its_own_page_id():
-    from webui.train_tab import LAYOUT, _elem_id
+    from erniekit_lite.webui.train_tab import LAYOUT, _elem_id
 
     ids = [_elem_id(f) for f in forms.FIELDS]
     assert len(set(ids)) == len(ids)
@@ -581,7 +581,7 @@ def test_a_field_edit_applies_that_field_to_the_recipe_as_the_last_edit_left_it(
     import threading
     import time as clock
 
-    from webui import train_tab
+    from erniekit_lite.webui import train_tab
 
     ran, edit = [], train_tab.edit
     first = threading.Event()

@@ -17,8 +17,8 @@ import time
 import pytest
 
 from erniekit_lite.errors import UserError
-from webui import progress
-from webui.jobs import STATE_DIR, Runner
+from erniekit_lite.webui import progress
+from erniekit_lite.webui.jobs import STATE_DIR, Runner
 
 # Reads output.dir and train.max_steps from the recipe it is given; FAKE_PREPARE seconds of "loading" come first
 # (no handler yet: SIGTERM kills it, as it kills the real CLI before training starts); FAKE_HELPER starts a helper
@@ -102,7 +102,7 @@ def test_a_job_runs_to_the_end_with_live_progress(runner, tmp_path):
 
 
 def test_one_job_at_a_time_and_any_page_sees_it(runner, tmp_path, monkeypatch):
-    from webui.train_tab import job_view
+    from erniekit_lite.webui.train_tab import job_view
 
     monkeypatch.setenv("FAKE_STEP", "0.5")
     job = runner.start(recipe_text(steps=100), "a.yaml", "runs/fake")
@@ -120,7 +120,7 @@ def test_one_job_at_a_time_and_any_page_sees_it(runner, tmp_path, monkeypatch):
 def test_the_methods_headline_metrics_and_moe_expert_load_are_shown_when_logged(runner, tmp_path, monkeypatch):
     from PIL import Image
 
-    from webui.train_tab import job_view
+    from erniekit_lite.webui.train_tab import job_view
 
     # Every method's metrics logged at once: each job's plot takes its own method's (erniekit_lite.plots.HEADLINE)
     monkeypatch.setenv("FAKE_LOG_EXTRA", '{"rewards/accuracies": 0.75, "rewards/margins": 0.5, "kl": 0.125, '
@@ -572,8 +572,8 @@ def test_a_quickstart_recipe_trains_from_the_web_ui_and_plots_its_headline_metri
     from pathlib import Path
 
     from erniekit_lite.plots import headline_keys, panels
-    from webui import forms
-    from webui.train_tab import job_view, start_job
+    from erniekit_lite.webui import forms
+    from erniekit_lite.webui.train_tab import job_view, start_job
 
     root = Path(__file__).resolve().parents[1]
     shutil.copytree(root / "recipes" / "data", tmp_path / "recipes" / "data")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from erniekit_lite import recipe as recipes
-from webui.preview import render
+from erniekit_lite.webui.preview import render
 
 
 def recipe(tmp_path, model_dir, records: list[dict], **data) -> recipes.Recipe:

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from erniekit_lite import recipe as recipes
+from erniekit_lite import shipped
 from erniekit_lite.cli import main
 from erniekit_lite.errors import UserError
-from webui.app import parse_auth
-from webui.paths import confine, confine_recipe, model_dirs, recipe_files
+from erniekit_lite.webui import forms
+from erniekit_lite.webui.app import parse_auth
+from erniekit_lite.webui.paths import confine, confine_recipe, model_dirs, open_recipe, recipe_choices, recipe_files
 
 
 @pytest.fixture
@@ -80,6 +82,33 @@ def test_listings(root, tmp_path):
     (tmp_path / "outside" / "config.json").write_text("{}")
     assert "runs/a" in model_dirs(root) and "tiny" in model_dirs(root)
     assert not any("checkpoint" in d or d.startswith(".") for d in model_dirs(root))
+
+
+def test_the_recipe_list_outside_a_clone_is_the_shipped_recipes(root):
+    """Started where there is no recipes/ (a wheel install), the list is what `erniekit-lite recipes` lists, and a
+    shipped recipe opens with its demo data pointed into the package: read there (only read), as `train NAME` does."""
+    assert recipe_choices(root) == sorted(f"recipes/{name}.yaml" for name in shipped.names())
+    name, text, package = open_recipe(root, "recipes/quickstart.yaml")
+    recipe = forms.parse(text, name)
+    assert (name, package) == ("quickstart.yaml", True)
+    assert recipe.data.train[0].path == str(shipped.RECIPES / "data" / "identity.jsonl")
+    comments = [line for line in (shipped.RECIPES / "quickstart.yaml").read_text().splitlines() if line.startswith("#")]
+    assert [line for line in text.splitlines() if line.startswith("#")] == comments  # the comments stay
+    confine_recipe(root, recipe)
+    into_package = recipe.model_copy(update={"output": recipe.output.model_copy(update={"dir": str(shipped.RECIPES / "x")})})
+    with pytest.raises(UserError, match="^output.dir: .* is outside"):
+        confine_recipe(root, into_package)
+    with pytest.raises(UserError, match="^recipe: recipes/nope.yaml is neither a file"):
+        open_recipe(root, "recipes/nope.yaml")
+    # a file of the user's own under that name is the one opened, as `erniekit-lite train recipes/quickstart.yaml` reads it
+    (root / "recipes").mkdir()
+    (root / "recipes" / "quickstart.yaml").write_text("# mine\n")
+    (root / "recipes" / "mine.yaml").write_text("# mine too\n")
+    assert open_recipe(root, "recipes/quickstart.yaml") == ("quickstart.yaml", "# mine\n", False)
+    assert recipe_choices(root).count("recipes/quickstart.yaml") == 1 and "recipes/mine.yaml" in recipe_choices(root)
+    (root / "recipes" / "out.yaml").symlink_to(root.parent / "outside")
+    with pytest.raises(UserError, match="^recipe: recipes/out.yaml is outside"):
+        open_recipe(root, "recipes/out.yaml")
 
 
 def test_auth():

@@ -16,9 +16,9 @@ import gradio as gr
 
 from erniekit_lite.errors import UserError
 from erniekit_lite.plots import HEADLINE
-from webui import forms, preview
-from webui.jobs import Runner
-from webui.paths import confine, confine_recipe, recipe_files
+from erniekit_lite.webui import forms, preview
+from erniekit_lite.webui.jobs import Runner
+from erniekit_lite.webui.paths import confine_recipe, open_recipe, recipe_choices
 
 POLL_SECONDS = 1.0
 EDITS = "recipe-edits"  # the concurrency group of the events that write the recipe (build)
@@ -42,7 +42,8 @@ CSS = ".ek-track{background:#e5e7eb;border-radius:4px;height:14px}.ek-bar{backgr
 def build(demo: gr.Blocks, root: Path, runner: Runner) -> None:
     with gr.Tab("Train", id="train"):
         with gr.Row():
-            choice = gr.Dropdown(recipe_files(root), value=None, label="recipe (from recipes/)", elem_id="recipe-choice")
+            choice = gr.Dropdown(recipe_choices(root), value=None, label="recipe (from recipes/, or shipped with erniekit-lite)",
+                                 elem_id="recipe-choice")
             upload = gr.File(label="or upload a recipe", file_types=[".yaml", ".yml"], type="filepath", height=110)
         name = gr.State("recipe.yaml")  # the recipe's file name: in error messages and the job's copy
         # The recipe as the last edit left it, kept on the server (a State is read when its event runs, not when it
@@ -79,17 +80,22 @@ def build(demo: gr.Blocks, root: Path, runner: Runner) -> None:
 
         unchanged = [gr.skip()] * (len(form) + 4)  # for [text, current, name, *form, status]
 
-        def open_file(file: Path):
-            content = file.read_text(encoding="utf-8")
+        def open_text(file_name: str, content: str, loaded: str = "loaded"):
             try:
-                recipe = forms.parse(content, file.name)
+                recipe = forms.parse(content, file_name)
             except UserError as e:  # show the text anyway, so it can be fixed in the editor
-                return [content, content, file.name, *[gr.skip()] * len(form), f"error: {e}"]
-            return [content, content, file.name, *fill(recipe), f"{file.name}: loaded"]
+                return [content, content, file_name, *[gr.skip()] * len(form), f"error: {e}"]
+            return [content, content, file_name, *fill(recipe), f"{file_name}: {loaded}"]
+
+        def open_file(file: Path):
+            return open_text(file.name, file.read_text(encoding="utf-8"))
 
         def choose(path: str | None):
             try:
-                return open_file(confine(root, path, "recipe")) if path else unchanged
+                if not path:
+                    return unchanged
+                file_name, content, from_package = open_recipe(root, path)
+                return open_text(file_name, content, "loaded (shipped with erniekit-lite)" if from_package else "loaded")
             except UserError as e:
                 return [*unchanged[:-1], f"error: {e}"]
 

@@ -11,7 +11,7 @@ import gradio as gr
 
 from erniekit_lite.data.formats import Turn
 from erniekit_lite.errors import UserError
-from webui.paths import confine, model_dirs
+from erniekit_lite.webui.paths import confine, model_dirs
 
 
 class Models:

@@ -26,7 +26,7 @@ from pathlib import Path
 import gradio as gr
 
 from erniekit_lite.errors import UserError
-from webui.paths import confine, model_dirs
+from erniekit_lite.webui.paths import confine, model_dirs
 
 
 def merge(root: Path, run: str, out: str, overwrite: bool) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from erniekit_lite.errors import UserError
 from erniekit_lite.train import checkpoints
-from webui import progress
+from erniekit_lite.webui import progress
 
 try:
     import fcntl

@@ -7,8 +7,8 @@ from pathlib import Path
 import gradio as gr
 
 from erniekit_lite.errors import UserError
-from webui import chat_tab, export_tab, train_tab
-from webui.jobs import Runner
+from erniekit_lite.webui import chat_tab, export_tab, train_tab
+from erniekit_lite.webui.jobs import Runner
 
 
 def build() -> gr.Blocks:
