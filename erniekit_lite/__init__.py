@@ -8,3 +8,9 @@ import logging as _logging
 # `kernels` package, is missing; it then dequantizes and runs a plain matmul (same result). Said once in docs/moe.md
 # (QLoRA), not in every command's output.
 _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
+
+import warnings as _warnings
+
+# peft 0.21 and TRL 1.16 read transformers' deprecated `is_gradient_checkpointing` (5.23 renamed it
+# `is_activation_checkpointing`): a FutureWarning in most commands about code that is not ours and changes nothing
+_warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)

@@ -72,6 +72,10 @@ def test_train_full_memorises_and_reports(tmp_path, capsys, tiny_own_dir):
     logged = [h for h in json.loads((run / "trainer_state.json").read_text())["log_history"] if "loss" in h]
     history = [h["loss"] for h in logged]
     assert len(history) >= 5 and history[-1] < 0.5 * history[0]
+    # each log a line of text, not transformers' Python dict (in a pipe, as here: no progress bar)
+    first = logged[0]
+    assert f"step {first['step']}/120: loss {first['loss']:.4g}, grad_norm " in out and "{'loss'" not in out
+    assert "Writing model shards" not in out + err
     # the last line gives the first and last logged loss beside the run's mean (the mean alone read as no progress)
     assert (f"done: loss {results['train_loss']:.4f} (mean over the run; logged {history[0]:.4f} at step {logged[0]['step']}, "
             f"{history[-1]:.4f} at step {logged[-1]['step']}), ") in out

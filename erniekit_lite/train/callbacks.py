@@ -16,11 +16,13 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from erniekit_lite.errors import Stopped, UserError
 from erniekit_lite.train import checkpoints, rundir
@@ -53,6 +55,80 @@ class ProgressLog(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         write_event(self.out, "log", state, **{"epoch": state.epoch, **(logs or {})})
+
+
+def log_line(logs: dict, step: int, max_steps: int) -> str:
+    """One logged step as text: `step 25/150: loss 4.732, grad_norm 2.513, ...` (transformers prints a Python dict)."""
+    shown = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in logs.items()
+             if k != "total_flos" and not isinstance(v, (dict, list))]
+    return f"step {step}/{max_steps}: {', '.join(shown)}"
+
+
+class ProgressLines(ProgressCallback):
+    """transformers' progress bar on a terminal only: in a pipe (the web UI's log pane, a job's log file) its redraws
+    were raw text. Each log is a `log_line`, and while the bar is up other lines print above it, not inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.bar = sys.stderr.isatty()
+        self._above = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.current_step = 0
+        if self.bar:
+            super().on_train_begin(args, state, control, **kwargs)
+            if self.training_bar is not None:
+                self._above = contextlib.redirect_stdout(_AboveTheBar())
+                self._above.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.training_bar is not None:
+            super().on_step_end(args, state, control, **kwargs)
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        if self.bar:
+            super().on_prediction_step(args, state, control, **kwargs)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            print(log_line(logs, state.global_step, state.max_steps), flush=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._above is not None:
+            self._above.__exit__(None, None, None)
+            self._above = None
+        if self.training_bar is not None:
+            super().on_train_end(args, state, control, **kwargs)
+
+
+class _AboveTheBar:
+    """stdout for while the bar is up: whole lines through tqdm.write, which clears the bar, prints, redraws it."""
+
+    def __init__(self):
+        self.partial = ""
+
+    def write(self, text: str) -> int:
+        from tqdm.auto import tqdm
+
+        *lines, self.partial = (self.partial + text).split("\n")
+        for line in lines:
+            tqdm.write(line, file=sys.__stdout__)
+        return len(text)
+
+    def flush(self) -> None:
+        sys.__stdout__.flush()
+
+
+def show_progress(trainer) -> None:
+    """`ProgressLines` in place of transformers' bar and its dict printer; in a pipe, none of transformers' other bars
+    (saving's "Writing model shards")."""
+    if not sys.stderr.isatty():
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(ProgressLines())
 
 
 class StopOnSignal(TrainerCallback):
@@ -108,6 +184,7 @@ def train(trainer, out: Path, resume_from_checkpoint=None):
         checkpoints.remove_partial(Path(out), say)
     resume = checkpoints.resume_point(resume_from_checkpoint, Path(out), say)
     trainer.add_callback(ProgressLog(out))
+    show_progress(trainer)
     stop = StopOnSignal()
     trainer.add_callback(stop)
     try:
