@@ -7,6 +7,7 @@
 
 A LoRA run is merged once (`merge`) into `RUN.merged` beside it, and that merge is reused while it is newer than
 the adapter. The engine then replaces this process (exec), so Ctrl-C and signals reach it directly.
+`transformers serve` runs through `transformers_serve` (its `/v1/models` and Ctrl-C fixed there).
 """
 
 from __future__ import annotations
@@ -61,8 +62,28 @@ def serve_command(run: str, engine: str, host: str, port: int, vllm: str | None,
         if thinking(model):
             command += ["--tool-call-parser", "ernie45", "--enable-auto-tool-choice", "--reasoning-parser", "ernie45"]
         return command, model
-    return [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve", model, "--host", host,
-            "--port", str(port)], model
+    return [sys.executable, "-c", "from erniekit_lite.serve import transformers_serve; transformers_serve()", "serve", model,
+            "--host", host, "--port", str(port)], model
+
+
+def transformers_serve(argv: list[str] | None = None) -> None:
+    """`transformers serve MODEL ...` (argv, default sys.argv[1:]) in this process, with two fixes.
+
+    Its `/v1/models` lists the Hugging Face cache, not MODEL, and answers 500 where no cache folder exists; the
+    server is pinned to MODEL (any other name is a 400), so MODEL, by the name `serve` printed, is the whole list.
+    Its CLI turns the SIGINT that uvicorn re-raises after a clean shutdown into "Aborted!" and exit 1; here a
+    Ctrl-C exits 130, as `train` does."""
+    import signal
+    import time
+
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))  # uvicorn restores this and re-raises SIGINT into it
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.transformers import app  # not main(): it asks PyPI for a newer transformers than our pin
+
+    argv = sys.argv[1:] if argv is None else argv
+    listed = [{"id": argv[1], "object": "model", "created": int(time.time()), "owned_by": "erniekit-lite"}]
+    ModelManager.get_gen_models = staticmethod(lambda cache_dir=None: listed)
+    app(args=argv, prog_name="transformers")
 
 
 SERVING = ("openai", "fastapi", "uvicorn")  # what `transformers serve` imports (transformers[serving])

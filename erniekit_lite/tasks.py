@@ -19,10 +19,13 @@ from __future__ import annotations
 import difflib
 import json
 import math
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
 
+# A task over local data that ships in the package: `--tasks-path EXAMPLE_TASKS --tasks erniekit_example`
+EXAMPLE_TASKS = Path(__file__).resolve().parent / "eval_tasks"
 
 
 def run_tasks(
@@ -55,9 +58,10 @@ def run_tasks(
 
     results_path, _ = output_paths(out, False)
     settings = {"tasks": names, "tasks_path": tasks_path, "num_fewshot": num_fewshot, "limit": limit, "batch_size": batch_size, "chat": chat}
-    runs = {"tuned" if compare else "model": evaluate_one(target, adapter, manager, settings, log, samples)}
+    offline = hub_unreachable()
+    runs = {"tuned" if compare else "model": evaluate_one(target, adapter, manager, settings, log, samples, offline)}
     if compare:
-        runs["base"] = evaluate_one(compare, None, manager, settings, log, samples)
+        runs["base"] = evaluate_one(compare, None, manager, settings, log, samples, offline)
     results = {"lm_eval": lm_eval_version(), **settings, "target": target, "adapter": adapter, "compare": compare,
                "runs": {k: {key: v for key, v in r.items() if key != "samples"} for k, r in runs.items()}}
     rows = table_rows(runs["tuned"]["results"], runs["base"]["results"]) if compare else table_rows(runs["model"]["results"])
@@ -98,9 +102,49 @@ def check_tasks(manager, names: list[str]) -> None:
             raise UserError(f"--tasks: lm-eval has no task, group or tag named {name!r}{hint}")
 
 
-def evaluate_one(target: str, adapter: str | None, manager, settings: dict, log, samples: bool) -> dict:
+def hub_unreachable() -> bool:
+    """Whether the Hub cannot be reached (or HF_HUB_OFFLINE says not to try): one quick request, where a task's
+    download would retry for half a minute before failing."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return True
+    try:
+        get_session().head(constants.ENDPOINT, timeout=5)  # the session honours HF_ENDPOINT and proxies as downloads do
+    except Exception:  # any transport failure: a download would fail the same way
+        return True
+    return False
+
+
+@contextmanager
+def offline_datasets(names: list[str]):
+    """Hub downloads off for lm-eval's call: datasets then reads its cache, and fails at once where it has nothing,
+    a failure given as one line naming `--tasks-path`."""
+    from unittest import mock
+
+    import datasets
+    from huggingface_hub import constants
+
+    with mock.patch.object(constants, "HF_HUB_OFFLINE", True), mock.patch.object(datasets.config, "HF_HUB_OFFLINE", True):
+        try:
+            yield
+        except ConnectionError as e:  # datasets: "Couldn't reach 'openai/gsm8k' on the Hub (OfflineModeIsEnabled)"
+            reason = " ".join(str(e).split()).removesuffix(" (OfflineModeIsEnabled)")
+            raise UserError(f"--tasks {','.join(names)}: the Hugging Face Hub cannot be reached and a task's data is not in the "
+                            f"datasets cache ({reason}); run it once online, or evaluate local task files with --tasks-path DIR "
+                            f"(an example: --tasks-path {EXAMPLE_TASKS} --tasks erniekit_example)") from None
+
+
+def not_metadata_hint(record) -> bool:
+    """lm-eval suggests its own CLI's `--metadata` for a task with its own loader (the shipped example): not ours."""
+    return "--metadata" not in record.getMessage()
+
+
+def evaluate_one(target: str, adapter: str | None, manager, settings: dict, log, samples: bool, offline: bool = False) -> dict:
     """One model through `lm_eval.simple_evaluate`, loaded as `chat` loads it and released afterwards."""
     import gc
+    import logging
 
     import torch
     from unittest import mock
@@ -114,9 +158,11 @@ def evaluate_one(target: str, adapter: str | None, manager, settings: dict, log,
     model, tokenizer = load(target, adapter)
     model.config.use_cache = True
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings["batch_size"], backend="causal")
+    logging.getLogger("lm_eval.api.task").addFilter(not_metadata_hint)  # once: addFilter skips one already there
     # lm-eval records `git describe` of the working directory, which says nothing of the model and prints
     # "fatal: not a git repository" outside one
-    with mock.patch("lm_eval.evaluator.get_git_commit_hash", return_value=None):
+    hub = offline_datasets(settings["tasks"]) if offline else nullcontext()
+    with mock.patch("lm_eval.evaluator.get_git_commit_hash", return_value=None), hub:
         output = simple_evaluate(
             model=lm,
             tasks=settings["tasks"],

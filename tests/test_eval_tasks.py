@@ -5,7 +5,9 @@ format over local data.
   (the model's summed log-probabilities of each choice's tokens; argmax);
 - generation: lm-eval's answers equal greedy decoding here, and `--chat --compare` shows a tuned run beating its
   base on the answers it was trained on;
-- a LoRA run dir and its `merge`d copy give the same numbers; bad input is one line.
+- a LoRA run dir and its `merge`d copy give the same numbers; bad input is one line;
+- the example task shipped in the package runs on its shipped data; an unreachable Hub is one line naming
+  `--tasks-path`, without datasets' retries.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 from conftest import TEST_EXTRA, needs, optional
 import torch
 
-from erniekit_lite.tasks import run_tasks
+from erniekit_lite.tasks import EXAMPLE_TASKS, run_tasks
 from helpers import IDENTITY, QUESTIONS, identity_run, make_adapter_visible, run_cli, write_lm_eval_tasks, write_recipe
 
 pytestmark = needs(optional("lm_eval") is not None, "lm-evaluation-harness (lm_eval)", TEST_EXTRA)
@@ -185,3 +187,45 @@ def test_moe_lora_run_dir_with_max_samples_and_few_shot_equals_its_merged_copy(t
     accuracy = from_cli["runs"]["model"]["results"]["tiny_mc"]["acc,none"]
     assert accuracy == found["merged"]["runs"]["model"]["results"]["tiny_mc"]["acc,none"]
     assert accuracy == found["run"]["runs"]["model"]["results"]["tiny_mc"]["acc,none"]
+
+
+def test_an_unreachable_hub_is_one_line_naming_tasks_path_at_once(tmp_path, capsys, tiny_own_dir, monkeypatch):
+    """gsm8k with the Hub unreachable and nothing cached: one line naming `--tasks-path` and the shipped example, exit 2,
+    without datasets' half-minute of retries. Stand-in for an offline machine: the Hub endpoint is a closed local port,
+    and the datasets and Hub caches are empty folders."""
+    import datasets
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: connection refused
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", "http://127.0.0.1:9")  # so nothing reaches the real Hub
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    code, out, err = run_cli(capsys, "eval", tiny_own_dir, "--tasks", "gsm8k", "--limit", "2", "--out", tmp_path / "r.json")
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err and "Retrying" not in err, err
+    assert errors[0].startswith("error: --tasks gsm8k: the Hugging Face Hub cannot be reached") and "'openai/gsm8k'" in errors[0]
+    assert f"--tasks-path {EXAMPLE_TASKS} --tasks erniekit_example)" in errors[0]
+    assert constants.HF_HUB_OFFLINE is False and datasets.config.HF_HUB_OFFLINE is False  # offline for lm-eval's call only
+
+
+def test_the_shipped_example_task_runs_on_its_shipped_data(tmp_path, capsys, caplog, tiny_own_dir):
+    """`--tasks-path <the package's eval_tasks> --tasks erniekit_example`: lm-eval reads the shipped JSONL through the
+    shipped loader wherever the package is, and its accuracy equals an independent argmax over the choices."""
+    from erniekit_lite.chat import load
+
+    code, out, err = run_cli(capsys, "eval", tiny_own_dir, "--tasks-path", EXAMPLE_TASKS, "--tasks", "erniekit_example",
+                             "--out", tmp_path / "r.json")
+    assert code == 0, err
+    written = json.loads((tmp_path / "r.json").read_text())
+    [row] = written["table"]
+    assert (row["task"], row["metric"]) == ("erniekit_example", "acc,none")
+    examples = [json.loads(line) for line in (EXAMPLE_TASKS / "example.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert written["runs"]["model"]["n-samples"]["erniekit_example"]["effective"] == len(examples) == 8
+    model, tokenizer = load(str(tiny_own_dir))
+    right = [max(range(len(e["choices"])), key=lambda i: summed_log_probs(model, tokenizer, f"Question: {e['question']}\nAnswer:",
+                                                                          f" {e['choices'][i]}")) == e["answer"] for e in examples]
+    assert row["value"] == pytest.approx(sum(right) / len(examples))
+    assert f"| erniekit_example | acc,none | {row['value']:.4f} |" in out
+    assert not any("--metadata" in r.getMessage() for r in caplog.records)  # lm-eval's hint at its own CLI, filtered out

@@ -1,6 +1,7 @@
 """`erniekit-lite serve` with the transformers engine (`transformers serve`), queried with the official `openai`
 client: single-turn answers, plain and streamed, equal `chat`'s greedy answer and end at the stop tokens; a LoRA
-run is merged once, beside it, and served as merged."""
+run is merged once, beside it, and served as merged; `/v1/models` lists the served name with no Hugging Face
+cache, and Ctrl-C stops the server with 130 and no traceback."""
 
 from __future__ import annotations
 
@@ -65,14 +66,17 @@ def wait_until_up(process: subprocess.Popen, port: int, log: Path, seconds: floa
 
 
 class Server:
-    """`erniekit-lite serve RUN --engine transformers` on a free port, until the test is done."""
+    """`erniekit-lite serve RUN --engine transformers` on a free port, until the test is done. Its HF_HOME is an
+    empty folder, as on a machine that never downloaded a model (`transformers serve` lists models from there)."""
 
     def __init__(self, run: Path, log: Path):
         self.port = free_port()
         self.log = open(log, "w")
+        (log.parent / "hf-home").mkdir()
+        env = {k: v for k, v in os.environ.items() if k != "HF_HUB_CACHE"}
         self.process = subprocess.Popen([sys.executable, "-m", "erniekit_lite", "serve", str(run), "--engine", "transformers",
                                          "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+                                        env={**env, "HF_HOME": str(log.parent / "hf-home"), "PYTHONPATH": os.pathsep.join(sys.path)})
         wait_until_up(self.process, self.port, log, 180, self.close)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="not-needed")
 
@@ -94,6 +98,8 @@ def greedy(path: Path, prompt: str, tokens: int) -> str:
 def test_answers_equal_chat_and_stop_at_the_stop_tokens(tmp_path, full_run):
     server = Server(full_run, tmp_path / "server.log")
     try:
+        # the served run by the name the log gives, though there is no Hugging Face cache (transformers' own list: 500)
+        assert [m.id for m in server.client.models.list()] == [str(full_run)]
         for prompt in ("Who are you?", "What is your name?", "你是谁？"):
             messages = [{"role": "user", "content": prompt}]
             reply = server.client.chat.completions.create(model=str(full_run), messages=messages, temperature=0, max_tokens=48)
@@ -106,7 +112,10 @@ def test_answers_equal_chat_and_stop_at_the_stop_tokens(tmp_path, full_run):
         assert greedy(full_run, "Who are you?", 48) == ANSWERS["Who are you?"]  # the run learned; the server says it
     finally:
         server.close()
-    assert f"serve: http://127.0.0.1:{server.port}/v1" in (tmp_path / "server.log").read_text()
+    log = (tmp_path / "server.log").read_text()
+    assert f"serve: http://127.0.0.1:{server.port}/v1" in log
+    # Ctrl-C (close() sends SIGINT): a clean stop, not transformers' CLI's "Aborted!" and exit 1
+    assert server.process.returncode == 130 and "Aborted!" not in log and "Traceback" not in log
 
 
 @pytest.mark.slow
@@ -123,6 +132,7 @@ def test_a_lora_run_is_merged_once_and_served_merged(tmp_path, capsys, lora_run)
 
     server = Server(lora_run, tmp_path / "server.log")
     try:
+        assert [m.id for m in server.client.models.list()] == [str(merged)]
         reply = server.client.chat.completions.create(model=str(merged), messages=[{"role": "user", "content": "Who made you?"}],
                                                       temperature=0, max_tokens=16)
         assert reply.choices[0].message.content == greedy(lora_run, "Who made you?", 16)  # base + adapter, unmerged
