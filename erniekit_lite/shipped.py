@@ -8,6 +8,7 @@ out), it is read from the package instead (`localize`).
 
 from __future__ import annotations
 
+import itertools
 import shutil
 from pathlib import Path
 
@@ -27,12 +28,26 @@ def find(name: str) -> Path | None:
     return RECIPES / f"{stem}.yaml" if stem in names() else None
 
 
-def summary(name: str) -> str:
-    """The first comment line of a shipped recipe: what it is for."""
-    for line in (RECIPES / f"{name}.yaml").read_text(encoding="utf-8").splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-    return ""
+def summary(name: str, width: int = 110) -> str:
+    """The first sentence of a shipped recipe's opening comment: what it is for (its first line alone stopped
+    mid-sentence); past `width` characters, without its longest parenthesised asides."""
+    lines = (RECIPES / f"{name}.yaml").read_text(encoding="utf-8").splitlines()
+    comment = " ".join(line.lstrip("# ").strip() for line in itertools.takewhile(lambda l: l.startswith("#"), lines))
+    asides, depth, opened = [], 0, 0
+    for i, ch in enumerate(comment):
+        if ch == "(" and depth == 0:
+            opened = i
+        depth += (ch == "(") - (ch == ")")
+        if ch == ")" and depth == 0:
+            asides.append(comment[opened - 1:i + 1] if comment[opened - 1:opened] == " " else comment[opened:i + 1])
+        if ch == "." and depth == 0 and comment[i + 1:i + 2] in ("", " ") and not comment[:i].endswith(("e.g", "i.e")):
+            comment = comment[:i + 1]
+            break
+    for aside in sorted(asides, key=len, reverse=True):
+        if len(comment) <= width:
+            break
+        comment = comment.replace(aside, "", 1)
+    return comment
 
 
 def localize(raw, recipe: Path, cwd: Path | None = None):

@@ -179,3 +179,17 @@ def test_a_misspelt_section_says_did_you_mean_first_and_a_recipe_name_too(tmp_pa
     with pytest.raises(RecipeError) as e:
         recipes.load("quickstrat")
     assert str(e.value) == "quickstrat: recipe file not found (did you mean 'quickstart'?)"
+
+
+def test_the_recipes_list_gives_each_shipped_recipe_a_whole_sentence(capsys):
+    """`erniekit-lite recipes` printed each recipe's first comment line, cut mid-sentence ("... follow ERNIEKit's
+    official 0.3B LoRA recipe")."""
+    from erniekit_lite import shipped
+    from erniekit_lite.cli import main
+
+    assert main(["recipes"]) == 0
+    listed = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+    assert sorted(listed) == shipped.names()
+    for name, summary in listed.items():
+        assert summary.endswith(".") and summary.count("(") == summary.count(")"), (name, summary)
+    assert listed["ernie-4.5-0.3b/sft-lora"] == "LoRA fine-tuning of ERNIE-4.5-0.3B-PT."
