@@ -23,9 +23,10 @@ import math
 import os
 import re
 import shutil
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
-from pathlib import Path
 
 from erniekit_lite.errors import UserError
 from erniekit_lite.files import follow_umask
@@ -119,6 +120,15 @@ class CheckpointMixin:
             self._save(output_dir, state_dict=self.accelerator.get_state_dict(self.model))
             return
         super().save_model(output_dir, _internal_call)
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        """A tied LM head is not in a checkpoint (the embedding is written once, as `save_pretrained` does): its
+        missing key on resume is the design, not a warning."""
+        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+        if getattr(config, "tie_word_embeddings", False):
+            missing = [k for k in load_result.missing_keys if not k.endswith("lm_head.weight")]
+            load_result = SimpleNamespace(missing_keys=missing, unexpected_keys=load_result.unexpected_keys)
+        super()._issue_warnings_after_load(load_result)
 
     def _save(self, output_dir=None, state_dict=None):
         """A gathered full state dict (FSDP, ZeRO-3) holds a tied LM head as its own tensor, which `save_pretrained`
