@@ -205,8 +205,8 @@ def _validate(args) -> int:
     _quiet_libraries()
     from erniekit_lite.plan import plan
 
-    plan(r)
-    print(f"{args.recipe}: valid")
+    info = plan(r)
+    print(f"{args.recipe}: valid" + ("" if info["data_read"] else " (the data was not read: no tokenizer)"))
     return 0
 
 

@@ -623,7 +623,8 @@ def _final_norm(shape: Shape, params: Params, run: Run) -> int:
 
 
 def format_lines(est: Estimate, run: Run, gpu: int | None) -> list[str]:
-    """What validate prints: the total and the GPU it fits, then the components (GiB)."""
+    """What validate prints: the total, the device it is for (`validate` plans the CUDA run on any machine) and the
+    GPU it fits, then the components (GiB)."""
     g = lambda n: f"{n / GIB:.1f}"  # noqa: E731
     precision = ("bf16 autocast" if run.autocast else _dtype_name(run.dtype_bytes)) + (", 4-bit base" if run.load_in_4bit else "")
     ckpt = "activation checkpointing " + ("on" if run.checkpointing else "off")
@@ -646,7 +647,7 @@ def format_lines(est: Estimate, run: Run, gpu: int | None) -> list[str]:
         parts = parts[:3] + [f"max(training {g(est.training)}, generation {g(est.generation)})", parts[-1]]
     lines = [
         f"memory per device (estimate): {g(est.total)} GiB for {run.tokens:,} tokens per micro-batch "
-        f"({precision}, {ckpt}); {fits}",
+        f"on {'a CUDA GPU' if run.device == 'cuda' else run.device} ({precision}, {ckpt}); {fits}",
         f"  = {' + '.join(parts)} GiB",
     ]
     if est.four_bit:

@@ -13,9 +13,10 @@ from erniekit_lite.recipe import Recipe
 
 
 def plan(recipe: Recipe, log=print) -> dict:
-    from erniekit_lite.data.prepare import describe_data, describe_pairs, prepare, prepare_pairs
-    from erniekit_lite.model.load import adapter_base, load_tokenizer, tokenizer_path
-    from erniekit_lite.trainer_args import PAIR_METHODS, training_args
+    """Check the recipe and its data and log the plan; returns its figures. The memory plan needs only the model's
+    config: a model folder without a tokenizer (a config.json copied from a release) is planned with the data unread."""
+    from erniekit_lite.model.load import adapter_base, has_tokenizer, load_tokenizer, tokenizer_path
+    from erniekit_lite.trainer_args import training_args
 
     import torch
 
@@ -23,7 +24,62 @@ def plan(recipe: Recipe, log=print) -> dict:
     gpu_notes = gpu_only_settings(recipe, cuda)
     # On a machine without a GPU, plan the GPU run anyway: what `train` would refuse here is a note, not an error
     args = training_args(recipe if cuda else without_gpu_settings(recipe), Path(recipe.output.dir))
-    tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
+    arch = architecture(adapter_base(recipe.model.path) or recipe.model.path, recipe)  # first: its error names config.json
+    source = tokenizer_path(recipe.model.path)
+    if has_tokenizer(source):
+        info, data_lines = data_plan(recipe, args, load_tokenizer(source, recipe.model.trust_remote_code), log)
+    else:
+        info, data_lines = unread_data_plan(recipe, args, source, log)
+    info = {"architecture": arch["class"], "parameters": arch["parameters"], "trainable_parameters": arch["trainable"], **info}
+    log(
+        f"model: {arch['class']} ({recipe.model.path}), {arch['parameters']:,} parameters, "
+        f"{arch['trainable']:,} trainable ({'LoRA r=%d' % recipe.lora.r if recipe.lora else 'full fine-tuning'})"
+    )
+    log(arch["groups"])
+    for line in data_lines:
+        log(line)
+    est, run = memory_estimate(recipe, args, arch, cuda)
+    gpu = memory.smallest_gpu(est.total)
+    info["memory_gb"] = round(est.total / memory.GIB, 2)
+    info["fits_gpu_gb"] = gpu
+    for line in memory.format_lines(est, run, gpu):
+        log(line)
+    if recipe.method in ("orpo", "simpo"):
+        info["memory_gb_as_dpo"] = round(log_saved_vs_dpo(recipe, args, arch, run, est, log) / memory.GIB, 2)
+    if recipe.lora is None and recipe.method != "rm":  # a trained LM head (a reward model has none): `train` keeps its chunks instead of recomputing them when there is room
+        kept, _ = memory_estimate(recipe, args, arch, cuda, head_keep=True)
+        info["memory_gb_head_kept"] = round(kept.total / memory.GIB, 2)
+        log(f"  LM head trains: the estimate recomputes its logit chunks in backward; keeping them instead (what train "
+            f"does when the device has room, a third less LM-head compute) needs {kept.total / memory.GIB:.1f} GiB")
+    if not cuda:
+        log(f"  this machine has no CUDA GPU: `train` here runs on its CPU with mixed precision: {cpu_precision(recipe)} "
+            "(the plan above is for the GPU run)")
+    if gpu is None or (recipe.lora is None and gpu == memory.GPUS_GB[-1]):
+        for n in (2, 4, 8, 16, 32, 64):
+            per_device = memory.sharded_total(est, arch["memory"], run, n)
+            if per_device <= 80 * memory.GIB:
+                gpu_notes = gpu_notes + [
+                    f"sharded over {n} GPUs (FSDP / DeepSpeed ZeRO-3: `train --num-processes {n} --accelerate-config "
+                    f"recipes/accelerate/fsdp2.yaml`): about {per_device / memory.GIB:.0f} GiB per device (rough: the "
+                    "sharded states plus three gathered layers; not measured)"
+                ]
+                break
+    if recipe.method == "grpo":
+        gpu_notes = gpu_notes + grpo_notes(recipe, args, info.get("train_prompts"))
+    if recipe.lora is not None and recipe.lora.use_dora:
+        gpu_notes = gpu_notes + ["lora.use_dora: not in the estimate: peft forms each adapted weight's full matrix (and "
+                                 "its norm) in that layer's forward and backward, one layer at a time; not measured"]
+    for note in gpu_notes + est.notes:
+        log(f"note: {note}")
+    return info
+
+
+def data_plan(recipe: Recipe, args, tokenizer, log) -> tuple[dict, list[str]]:
+    """The data read and tokenized as training will: its figures, and the lines `validate` prints after the model's
+    (what the data preparation says, and its description, are logged here as they come)."""
+    from erniekit_lite.data.prepare import describe_data, describe_pairs, prepare, prepare_pairs
+    from erniekit_lite.trainer_args import PAIR_METHODS
+
     if recipe.method in PAIR_METHODS:
         data = prepare_pairs(recipe.data, tokenizer, seed=args.seed, log=log)
         describe, units = describe_pairs, "pairs"
@@ -38,14 +94,12 @@ def plan(recipe: Recipe, log=print) -> dict:
         count = len(data.train.examples)
     elif recipe.method == "grpo":
         from erniekit_lite.data.prompts import describe_prompts, prepare_prompts
-        from erniekit_lite.rewards import reward_functions
 
         data = prepare_prompts(recipe.data, tokenizer, seed=args.seed, log=log)
         describe, units = describe_prompts, "prompts"
         truncated, dropped = 0, data.train.dropped_overlong
         count = len(data.train.items)
-        funcs, _ = reward_functions(recipe.rewards, recipe.data.system)  # a reward that cannot be imported fails here
-        log(f"rewards: {', '.join(f'{f.__name__} x {e.weight:g}' for f, e in zip(funcs, recipe.rewards))}")
+        log(rewards_line(recipe))
     elif recipe.method == "pt":
         from erniekit_lite.data.documents import describe_documents, prepare_documents
 
@@ -59,7 +113,6 @@ def plan(recipe: Recipe, log=print) -> dict:
         truncated = data.train.stats.truncated
         dropped = data.train.stats.dropped_overlong + data.train.stats.dropped_untrained
         count = len(data.train.samples)
-    arch = architecture(adapter_base(recipe.model.path) or recipe.model.path, recipe)
 
     lengths = sorted(data.train.lengths if recipe.method == "grpo" else data.train.stats.lengths)
     # GRPO's rows are completions: num_generations per prompt, scored as one packed row per micro-batch
@@ -67,9 +120,6 @@ def plan(recipe: Recipe, log=print) -> dict:
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
     steps = args.max_steps if args.max_steps > 0 else math.ceil(rows / per_step) * math.ceil(args.num_train_epochs)
     info = {
-        "architecture": arch["class"],
-        "parameters": arch["parameters"],
-        "trainable_parameters": arch["trainable"],
         f"train_{units}": count,
         "length_mean": round(sum(lengths) / len(lengths), 1),
         "length_p95": lengths[min(len(lengths) - 1, int(0.95 * len(lengths)))],
@@ -79,61 +129,54 @@ def plan(recipe: Recipe, log=print) -> dict:
         "rows": rows,
         "packing_efficiency": 1.0 if recipe.method == "grpo" else round(data.train.packing_efficiency, 4),
         "optimizer_steps": steps,
+        "data_read": True,
     }
     if recipe.method == "kto":
         info["desirable"] = sum(e.desirable for e in data.train.examples)
         info["undesirable"] = count - info["desirable"]
     log(describe(data))
-    log(
-        f"model: {arch['class']} ({recipe.model.path}), {arch['parameters']:,} parameters, "
-        f"{arch['trainable']:,} trainable ({'LoRA r=%d' % recipe.lora.r if recipe.lora else 'full fine-tuning'})"
-    )
-    log(arch["groups"])
-    log(
+    lines = [
         f"tokens per {'piece' if recipe.method == 'pt' else 'sequence'}: mean {info['length_mean']}, p95 {info['length_p95']}, max {info['length_max']} "
         f"(max_length {recipe.data.max_length}); " + (f"{info['truncated']} documents cut into pieces, {info['dropped']} empty"
                                                        if recipe.method == "pt" else
                                                        f"{info['truncated']} truncated, {info['dropped']} dropped")
-    )
+    ]
     if recipe.method == "grpo":
-        log(f"batches: {rows} completions per epoch ({count} prompts x {args.num_generations}), each micro-batch's "
-            f"{args.per_device_train_batch_size} scored as one packed row; {steps} optimizer steps of {per_step} completions")
+        lines.append(f"batches: {rows} completions per epoch ({count} prompts x {args.num_generations}), each micro-batch's "
+                     f"{args.per_device_train_batch_size} scored as one packed row; {steps} optimizer steps of {per_step} completions")
     else:
-        log(
+        lines.append(
             f"batches: {rows} {'packed rows' if recipe.data.packing else 'padded rows'}, packing efficiency "
             f"{info['packing_efficiency']:.1%}; {steps} optimizer steps of {per_step} rows"
         )
-    est, run = memory_estimate(recipe, args, arch, cuda)
-    gpu = memory.smallest_gpu(est.total)
-    info["memory_gb"] = round(est.total / memory.GIB, 2)
-    info["fits_gpu_gb"] = gpu
-    for line in memory.format_lines(est, run, gpu):
-        log(line)
-    if recipe.method in ("orpo", "simpo"):
-        info["memory_gb_as_dpo"] = round(log_saved_vs_dpo(recipe, args, arch, run, est, log) / memory.GIB, 2)
-    if recipe.lora is None and recipe.method != "rm":  # a trained LM head (a reward model has none): `train` keeps its chunks instead of recomputing them when there is room
-        kept, _ = memory_estimate(recipe, args, arch, cuda, head_keep=True)
-        info["memory_gb_head_kept"] = round(kept.total / memory.GIB, 2)
-        log(f"  LM head trains: the estimate recomputes its logit chunks in backward; keeping them instead (what train "
-            f"does when the device has room, a third less LM-head compute) needs {kept.total / memory.GIB:.1f} GiB")
-    if gpu is None or (recipe.lora is None and gpu == memory.GPUS_GB[-1]):
-        for n in (2, 4, 8, 16, 32, 64):
-            per_device = memory.sharded_total(est, arch["memory"], run, n)
-            if per_device <= 80 * memory.GIB:
-                gpu_notes = gpu_notes + [
-                    f"sharded over {n} GPUs (FSDP / DeepSpeed ZeRO-3: `train --num-processes {n} --accelerate-config "
-                    f"recipes/accelerate/fsdp2.yaml`): about {per_device / memory.GIB:.0f} GiB per device (rough: the "
-                    "sharded states plus three gathered layers; not measured)"
-                ]
-                break
+    return info, lines
+
+
+def unread_data_plan(recipe: Recipe, args, tokenizer_dir: str, log) -> tuple[dict, list[str]]:
+    """No tokenizer in the model folder: the data is not read. The memory plan never needed it (it counts every
+    micro-batch's rows full, `memory_estimate`); the token statistics, rows and steps do, and are left out."""
     if recipe.method == "grpo":
-        gpu_notes = gpu_notes + grpo_notes(recipe, args, count)
-    if recipe.lora is not None and recipe.lora.use_dora:
-        gpu_notes = gpu_notes + ["lora.use_dora: not in the estimate: peft forms each adapted weight's full matrix (and "
-                                 "its norm) in that layer's forward and backward, one layer at a time; not measured"]
-    for note in gpu_notes + est.notes:
-        log(f"note: {note}")
-    return info
+        log(rewards_line(recipe))  # the rewards import without data
+    steps = args.max_steps if args.max_steps > 0 else None
+    counted = f"{steps} optimizer steps (train.max_steps)" if steps else "no token statistics or step count"
+    full = "as packed rows nearly are" if recipe.data.packing else "an upper bound for padded rows"
+    line = (f"data: not read (no tokenizer at {tokenizer_dir}); the memory plan assumes every row full, data.max_length "
+            f"{recipe.data.max_length:,} tokens per sequence, {full}; {counted}")
+    return {"optimizer_steps": steps, "data_read": False}, [line]
+
+
+def rewards_line(recipe: Recipe) -> str:
+    """GRPO's rewards, each imported (one that cannot be fails here) and weighed."""
+    from erniekit_lite.rewards import reward_functions
+
+    funcs, _ = reward_functions(recipe.rewards, recipe.data.system)
+    return f"rewards: {', '.join(f'{f.__name__} x {e.weight:g}' for f, e in zip(funcs, recipe.rewards))}"
+
+
+def cpu_precision(recipe: Recipe) -> str:
+    """The mixed precision `train` runs under on a machine without a GPU, as its `distributed:` line names it:
+    bf16 autocast only when the recipe asks for it (`training_args`' CPU default is off; fp16 is refused there)."""
+    return "bf16 autocast" if recipe.train.get("bf16") is True else "none"
 
 
 def log_saved_vs_dpo(recipe: Recipe, args, arch: dict, run, est, log) -> int:
@@ -149,12 +192,13 @@ def log_saved_vs_dpo(recipe: Recipe, args, arch: dict, run, est, log) -> int:
     return dpo.total
 
 
-def grpo_notes(recipe: Recipe, args, prompts: int) -> list[str]:
-    """What GRPO's steps are made of, and where its generation runs."""
+def grpo_notes(recipe: Recipe, args, prompts: int | None) -> list[str]:
+    """What GRPO's steps are made of, and where its generation runs (`prompts` None: the data was not read)."""
     groups = args.generation_batch_size // args.num_generations
     notes = [f"grpo: each optimizer step trains on {args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)} "
              f"completions; generation makes {args.generation_batch_size} at a time ({groups} prompts x "
-             f"{args.num_generations}), up to {args.max_completion_length} tokens each; {prompts} prompts"]
+             f"{args.num_generations}), up to {args.max_completion_length} tokens each"
+             + (f"; {prompts} prompts" if prompts is not None else "")]
     if args.use_vllm and args.vllm_mode == "server":
         notes.append(f"grpo: generation by the vLLM server at {args.vllm_server_base_url or f'{args.vllm_server_host}:{args.vllm_server_port}'} "
                      "(`trl vllm-serve`, its own environment and GPUs): not in this estimate")
@@ -247,15 +291,22 @@ def architecture(path: str, recipe: Recipe) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from erniekit_lite.errors import UserError
-    from erniekit_lite.model.load import check_source
+    from erniekit_lite.model.load import MODEL_FOLDER, QUICKSTART_MODEL, UNREACHABLE, check_source, missing_source, one_line
 
-    check_source(path)  # an adapter's base may be a Hub id: one quick request, not from_pretrained's retries
+    folder = Path(path).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file():  # transformers: "Should have a `model_type` key"
+        raise UserError(f"model.path: {path}: no config.json in this folder; {MODEL_FOLDER}")
+    offline = "" if Path(path) == Path(QUICKSTART_MODEL) else "; offline, a folder holding the model's config.json is enough for the memory plan"
     try:
+        check_source(path)  # an adapter's base may be a Hub id: one quick request, not from_pretrained's retries
         config = AutoConfig.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code)
+    except UserError as e:  # no such folder, and a Hub id that cannot be one, that the Hub lacks, or no Hub to ask
+        raise UserError(f"{e}{offline if UNREACHABLE in str(e) else ''}") from None
     except (OSError, ValueError) as e:
-        from erniekit_lite.model.load import missing_source
-
-        raise UserError(missing_source(path, e) or f"model.path: {path}: could not read the model config: {str(e).strip().splitlines()[0]}") from None
+        missing = missing_source(path, e)
+        if missing:
+            raise UserError(f"{missing}{offline if UNREACHABLE in missing else ''}") from None
+        raise UserError(f"model.path: {path}: could not read the model config: {one_line(e)}") from None
     auto = AutoModelForCausalLM
     if recipe.method == "rm":  # the base's body under a new one-output `score` head (model/reward.py)
         from erniekit_lite.model.reward import AutoRewardModel as auto, check_start

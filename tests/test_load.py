@@ -377,3 +377,35 @@ def test_an_unreachable_hub_is_one_line_without_retries(tmp_path, monkeypatch, c
                             "`erniekit-lite tiny runs/tiny-ernie --arch dense`")
     said = capfd.readouterr()
     assert "Retr" not in said.out + said.err + caplog.text
+
+
+def test_a_model_folder_without_a_tokenizer_says_which_files_it_needs(tmp_path):
+    """`train`, `chat` and `eval` load the tokenizer first: a folder with only the release's config.json, or with
+    tokenizer_config.json but no vocabulary, is one whole line naming the files (transformers blamed a missing
+    sentencepiece, and its message was cut after "from one of: "). The configs here are stand-ins: loading stops
+    before they are read."""
+    from erniekit_lite.model.load import load_tokenizer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "ernie4_5"}')
+    whole = ("`validate` needs only config.json for its memory plan, the tokenizer (tokenizer.model, tokenizer_config.json, "
+             "added_tokens.json and special_tokens_map.json as released, or a tokenizer.json) to read the data, and "
+             "`train` the weights (*.safetensors) too")
+    with pytest.raises(UserError) as e:
+        load_tokenizer(str(folder))
+    assert str(e.value) == f"{folder}: no tokenizer in this folder; {whole}"
+    (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer"}')
+    with pytest.raises(UserError) as e:
+        load_tokenizer(str(folder))
+    assert str(e.value) == f"{folder}: an incomplete tokenizer in this folder, no tokenizer.model or tokenizer.json; {whole}"
+
+
+def test_a_library_error_over_several_lines_is_kept_whole_on_one():
+    from erniekit_lite.model.load import one_line
+
+    error = ValueError("Couldn't instantiate the backend tokenizer from one of: \n(1) a `tokenizers` library "
+                       "serialization file, \n(2) a slow tokenizer instance to convert.\n")
+    assert one_line(error) == ("Couldn't instantiate the backend tokenizer from one of: (1) a `tokenizers` library "
+                               "serialization file, (2) a slow tokenizer instance to convert.")
+    assert one_line(OSError()) == "OSError"

@@ -24,7 +24,7 @@ import torch
 
 from erniekit_lite import memory
 from erniekit_lite.cli import main
-from helpers import shared_data, write_recipe
+from helpers import run_cli, shared_data, write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 IDENTITY = ROOT / "recipes" / "data" / "identity.jsonl"
@@ -184,8 +184,90 @@ def test_released_03b_lora_recipe_fits_a_24gb_gpu(capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     line = next(x for x in out.splitlines() if x.startswith("memory per device"))
-    assert "8,192 tokens per micro-batch (bf16 autocast, activation checkpointing on); fits a 24 GB GPU" in line
+    assert "8,192 tokens per micro-batch on a CUDA GPU (bf16 autocast, activation checkpointing on); fits a 24 GB GPU" in line
     assert "needs a CUDA GPU" not in out  # bf16 autocast runs on CPU too
+
+
+def _offline(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def test_a_model_folder_with_only_config_json_is_planned_offline(tmp_path, capsys, monkeypatch, ernie_tokenizer_dir):
+    """A release's config.json copied alone into a folder outside the repo, with HF_HUB_OFFLINE set: `validate` plans
+    the memory from the config, says in one line that the data was not read and what the plan assumes, and plans
+    what it plans with the tokenizer beside the config (the real 0.3B config; the fixture's re-saved real tokenizer
+    stands in for the release's tokenizer files)."""
+    import shutil
+
+    from conftest import ERNIE_TOKENIZER_DIR
+
+    _offline(monkeypatch)
+    only, full = tmp_path / "config-only", tmp_path / "with-tokenizer"
+    only.mkdir()
+    shutil.copy(ERNIE_TOKENIZER_DIR / "config.json", only)
+    shutil.copytree(ernie_tokenizer_dir, full)
+    shutil.copy(ERNIE_TOKENIZER_DIR / "config.json", full)
+    recipe = write_recipe(tmp_path / "recipe.yaml", only, lora={"r": 8}, data={"max_length": 1024},
+                          train={"per_device_train_batch_size": 1})
+
+    code, out, err = run_cli(capsys, "validate", recipe)
+    assert code == 0, err
+    lines = out.splitlines()
+    said = [line for line in lines if line.startswith("data: ")]
+    assert said == [f"data: not read (no tokenizer at {only}); the memory plan assumes every row full, data.max_length "
+                    "1,024 tokens per sequence, as packed rows nearly are; no token statistics or step count"]
+    assert lines[-1] == f"{recipe}: valid (the data was not read: no tokenizer)"
+    assert not any(line.startswith(("tokens per sequence", "batches: ")) for line in lines)
+    planned = [line for line in lines if line.startswith(("memory per device", "  = "))]
+    assert len(planned) == 2 and "1,024 tokens per micro-batch" in planned[0]
+
+    code, out, err = run_cli(capsys, "validate", recipe, f"model.path={full}")
+    assert code == 0, err
+    assert "data: not read" not in out and "tokens per sequence: mean" in out
+    assert [line for line in out.splitlines() if line.startswith(("memory per device", "  = "))] == planned
+
+
+def test_a_model_folder_without_config_json_says_what_each_command_needs(tmp_path, capsys, monkeypatch):
+    """An empty folder: one whole line naming config.json for the plan, the tokenizer's files for the data and the
+    weights for training (before: transformers' tokenizer error, cut after "from one of: ")."""
+    _offline(monkeypatch)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, out, err = run_cli(capsys, "validate", write_recipe(tmp_path / "recipe.yaml", empty))
+    assert code == 2
+    assert [line for line in err.splitlines() if not line.startswith((" ", "/"))] == [  # no Python warnings
+        f"error: model.path: {empty}: no config.json in this folder; `validate` needs only config.json for its memory "
+        "plan, the tokenizer (tokenizer.model, tokenizer_config.json, added_tokens.json and special_tokens_map.json as "
+        "released, or a tokenizer.json) to read the data, and `train` the weights (*.safetensors) too"
+    ]
+
+
+@pytest.mark.parametrize("override,gpu_precision,cpu_precision", [
+    (None, "bf16 autocast", "none"),  # the quick start's case: no train.bf16, fp32 weights
+    ("train.bf16=true", "bf16 autocast", "bf16 autocast"),
+    ("train.bf16=false", "fp32", "none"),
+])
+def test_validate_names_the_device_its_plan_is_for(tmp_path, tiny_own_dir, override, gpu_precision, cpu_precision):
+    """The memory line is the CUDA GPU's run (the GPU default is bf16 autocast); without a GPU the next line says
+    what `train` runs on this machine's CPU, in the words of its `distributed: ... mixed precision:` line
+    (tests/test_bf16.py checks that line after training: none for fp32, bf16 autocast with train.bf16)."""
+    from erniekit_lite import recipe as recipes
+    from erniekit_lite.plan import plan
+
+    lines = []
+    plan(recipes.load(_recipe(tmp_path, tiny_own_dir), [override] if override else []), log=lines.append)
+    memory_line = next(x for x in lines if x.startswith("memory per device"))
+    here = [x for x in lines if "this machine has no CUDA GPU" in x]
+    assert " tokens per micro-batch on a CUDA GPU (" in memory_line
+    if torch.cuda.is_available():
+        assert here == []
+    else:
+        assert f"on a CUDA GPU ({gpu_precision}, " in memory_line
+        assert here == [f"  this machine has no CUDA GPU: `train` here runs on its CPU with mixed precision: {cpu_precision} "
+                        "(the plan above is for the GPU run)"]
 
 
 def test_sharded_estimate_divides_the_states():

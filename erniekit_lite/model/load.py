@@ -41,14 +41,35 @@ def tokenizer_path(model_path: str) -> str:
     return model_path
 
 
+# What a model folder holds, and which command needs what (said by the errors for a folder that lacks a part)
+VOCABULARY_FILES = ("tokenizer.model", "tokenizer.json", "vocab.json", "vocab.txt")  # sentencepiece, tokenizers, BPE, WordPiece
+TOKENIZER_FILES = (*VOCABULARY_FILES, "tokenizer_config.json")
+MODEL_FOLDER = ("`validate` needs only config.json for its memory plan, the tokenizer (tokenizer.model, tokenizer_config.json, "
+                "added_tokens.json and special_tokens_map.json as released, or a tokenizer.json) to read the data, and "
+                "`train` the weights (*.safetensors) too")
+
+
+def has_tokenizer(path: str) -> bool:
+    """False for a local folder holding none of TOKENIZER_FILES (a config-only copy of a release); a Hub id, or a
+    folder with some of them, is left to `load_tokenizer` to answer."""
+    local = Path(path).expanduser()
+    return not local.is_dir() or any((local / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    # Without its files transformers blames a missing sentencepiece ("Couldn't instantiate the backend tokenizer")
+    if not has_tokenizer(path):
+        raise UserError(f"{path}: no tokenizer in this folder; {MODEL_FOLDER}")
+    local = Path(path).expanduser()
+    if local.is_dir() and not trust_remote_code and not any((local / name).is_file() for name in VOCABULARY_FILES):
+        raise UserError(f"{path}: an incomplete tokenizer in this folder, no tokenizer.model or tokenizer.json; {MODEL_FOLDER}")
     check_source(path)
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise UserError(missing_source(path, e) or f"{path}: could not load the tokenizer: {_first_line(e)}") from None
+        raise UserError(missing_source(path, e) or f"{path}: could not load the tokenizer: {one_line(e)}") from None
 
 
 def resolve_attention(setting: str, packing: bool) -> str:
@@ -106,7 +127,7 @@ def load_model(
                 **({"quantization_config": four_bit_config()} if load_in_4bit else {}),
             )
     except (OSError, ValueError) as e:
-        raise UserError(missing_source(base or path, e) or f"{base or path}: could not load the model: {_first_line(e)}") from None
+        raise UserError(missing_source(base or path, e) or f"{base or path}: could not load the model: {one_line(e)}") from None
     if load_in_4bit:
         keep_cpu_layout(model)
         from erniekit_lite.model.expert_lora import quantize_experts
@@ -244,6 +265,7 @@ def _valid_repo_id(path: str) -> bool:
     return True
 
 
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+def one_line(error: Exception) -> str:
+    """The whole message on one line: some of transformers' run over several lines, and the first alone stops
+    mid-sentence ("Couldn't instantiate the backend tokenizer from one of: ")."""
+    return " ".join(str(error).split()) or type(error).__name__
