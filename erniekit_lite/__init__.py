@@ -8,6 +8,9 @@ import logging as _logging
 # `kernels` package, is missing; it then dequantizes and runs a plain matmul (same result). Said once in docs/moe.md
 # (QLoRA), not in every command's output.
 _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
+# DeepSpeed (installed for ZeRO-3), imported by TRL on a machine without a GPU, warns that it found none: the run's
+# own `distributed:` line says where it trains. A filter on its logger survives DeepSpeed setting the logger up.
+_logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to CPU" not in record.getMessage())
 
 import warnings as _warnings
 

@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(handler=_webui)
 
     args = _parse(parser, sub, sys.argv[1:] if argv is None else argv)
+    if not sys.stderr.isatty():  # a log file or the web UI's log pane: tqdm's redraws are noise there
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' and the Hub's bars read it at import
+        if "transformers" in sys.modules:  # imported already (in-process callers): its switch instead
+            sys.modules["transformers"].utils.logging.disable_progress_bar()
     try:
         return args.handler(args) or 0
     except UserError as e:

@@ -81,6 +81,10 @@ def server(workdir, tmp_path):
                 break
             except OSError:
                 time.sleep(0.5)
+        while f"erniekit-lite webui: {url}" not in (tmp_path / "server.log").read_text() and time.time() < deadline:
+            time.sleep(0.2)  # said right after the server is up
+        said = (tmp_path / "server.log").read_text()
+        assert f"erniekit-lite webui: {url}" in said and "share=True" not in said, said  # the command's own flag
         yield url, hub
         process.send_signal(signal.SIGINT)
         try:

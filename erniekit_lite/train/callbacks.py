@@ -120,12 +120,8 @@ class _AboveTheBar:
 
 
 def show_progress(trainer) -> None:
-    """`ProgressLines` in place of transformers' bar and its dict printer; in a pipe, none of transformers' other bars
-    (saving's "Writing model shards")."""
-    if not sys.stderr.isatty():
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()
+    """`ProgressLines` in place of transformers' bar and its dict printer (the CLI turns transformers' other bars,
+    loading's and saving's, off in a pipe)."""
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(ProgressLines())

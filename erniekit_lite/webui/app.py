@@ -37,4 +37,9 @@ def launch(host: str, port: int, share: bool, auth: str | None) -> None:
     """Serve the app for the current directory until interrupted."""
     credentials = parse_auth(auth)
     demo = build()
-    demo.queue().launch(server_name=host, server_port=port, share=share, auth=credentials, css=train_tab.CSS)
+    # quiet: Gradio's own lines advise `share=True` in `launch()`; this command's flag is --share
+    demo.queue().launch(server_name=host, server_port=port, share=share, auth=credentials, css=train_tab.CSS, quiet=True,
+                        prevent_thread_lock=True)
+    public = f"; public link {demo.share_url}" if demo.share_url else " (a public link: --share)"
+    print(f"erniekit-lite webui: {demo.local_url}{public}; Ctrl-C stops it", flush=True)
+    demo.block_thread()
