@@ -432,3 +432,48 @@ def test_peft_refuses_pissa_on_a_4bit_base_and_dora_with_mica(tiny_own_dir):
     with pytest.raises(ValueError, match="unsupported variant combination"):
         get_peft_model(load_model(str(tiny_own_dir), "float32", "sdpa"),
                        LoraConfig(r=R, target_modules=["q_proj"], use_dora=True, init_lora_weights="mica"))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_adapters_without_dropout_skip_peft_input_casts_under_autocast_bit_for_bit(tiny_own_dir, dropout):
+    """A bf16 base with fp32 adapters under bf16 autocast, as the LoRA recipes train: without dropout, skipping peft's
+    input cast (and autocast's cast back) gives bit-identical logits and gradients with fewer copy kernels; with
+    dropout the cast is kept (the layers are left as peft made them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from erniekit_lite.model.lora import skip_input_casts
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten._to_copy.default
+            return func(*args, **(kwargs or {}))
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        with Copies() as copies, torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(input_ids=IDS).logits
+            out.float().square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return out.detach(), grads, copies.count
+
+    torch.manual_seed(0)
+    model = apply_lora(load_model(str(tiny_own_dir), "bfloat16", "sdpa"), LoraSection(r=R, alpha=ALPHA, dropout=dropout))
+    model.train()
+    torch.manual_seed(1)
+    before, grads_before, copies_before = step(model)
+    changed = skip_input_casts(model)
+    torch.manual_seed(1)  # the same dropout masks
+    after, grads_after, copies_after = step(model)
+    assert grads_before and grads_before.keys() == grads_after.keys()
+    if dropout:
+        assert changed == 0 and copies_after == copies_before
+        return
+    assert changed > 0 and copies_after < copies_before, (copies_after, copies_before)
+    assert torch.equal(after, before)
+    assert all(torch.equal(grads_after[k], grads_before[k]) for k in grads_before)
+    with torch.no_grad():  # outside autocast the cast is peft's again: an fp32 adapter on a bf16 input still runs
+        model(input_ids=IDS)

@@ -226,6 +226,30 @@ def adapter_dtypes(peft_model, every: bool = False) -> None:
                 param.data = param.data.to(torch.bfloat16)
 
 
+def skip_input_casts(model) -> int:
+    """Under autocast, adapters without dropout take their input as it comes: peft casts each adapted Linear's input
+    to the fp32 adapter dtype, and autocast casts it straight back to bf16 for the matmul, two kernels per layer and
+    direction for nothing (bit-identical without them, tests/test_lora_variants.py). Outside autocast, and with
+    dropout (which would scale in the other dtype), peft's cast stays. Returns the layers changed."""
+    import types
+
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    def cast_unless_autocast(self, x, dtype):
+        if x is not None and torch.is_autocast_enabled(x.device.type):
+            return x
+        return LoraLayer._cast_input_dtype(self, x, dtype)
+
+    changed = 0
+    for module in model.modules():
+        dropouts = getattr(module, "lora_dropout", None)
+        if isinstance(module, LoraLayer) and dropouts and all(isinstance(d, torch.nn.Identity) for d in dropouts.values()):
+            module._cast_input_dtype = types.MethodType(cast_unless_autocast, module)
+            changed += 1
+    return changed
+
+
 def load_adapter(model, path: str, trainable: bool = True):
     """An adapter dir saved by us (or any peft adapter) on `model`, with the same targets it was trained with."""
     from peft import PeftConfig, PeftModel

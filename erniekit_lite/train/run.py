@@ -12,6 +12,7 @@ from typing import Callable
 from erniekit_lite import hub
 from erniekit_lite.data import handoff
 from erniekit_lite.model.load import load_tokenizer, tokenizer_path
+from erniekit_lite.model.lora import skip_input_casts
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import callbacks, distribution, rundir
 from erniekit_lite.train.common import describe_model, load_for_training, plan_lm_head, run_arguments, watch_moe
@@ -53,6 +54,7 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
     try:  # an overwritten run waits aside until the first step (rundir): a failure before it puts it back
         trainer = method.build_trainer(model, tokenizer, args, data, recipe)
         trainer.add_callback(callbacks.FirstStep())
+        skip_input_casts(trainer.model)  # adapters now exist, ours or the trainer's
         plan_lm_head(trainer, recipe, log)
         distribution.units_of_one_dtype(trainer)
         distribution.report(trainer, log)
