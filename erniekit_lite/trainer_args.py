@@ -31,6 +31,9 @@ def training_args(recipe: Recipe, out: Path):
         "save_strategy": "steps",
         "save_total_limit": 2,
         "dataloader_pin_memory": cuda,
+        # transformers' default reads every micro-batch's loss back to test it for NaN/inf (two host syncs each);
+        # a non-finite loss makes a non-finite gradient norm, which the divergence guard stops on (checkpoints.py)
+        "logging_nan_inf_filter": False,
         **recipe.train,
         # owned by the recipe's own sections (see recipe.OWNED_TRAIN_KEYS)
         "output_dir": str(out),

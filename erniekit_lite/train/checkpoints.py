@@ -89,12 +89,14 @@ class CheckpointMixin:
 
     _staging: Path | None = None  # while saving: the dir transformers writes `checkpoint-N` into
     _last_loss = None  # the last micro-batch's loss, for the message when the gradient is not finite
+    _diverged_at = None  # on the device: (step, gradient norm, loss) of the first non-finite step, 0s while none
 
     def _get_output_dir(self, trial) -> str:
         # transformers' `_save_checkpoint` writes `<this>/checkpoint-N`, and rotates checkpoints in <this>
         return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial) -> None:
+        self._check_diverged()  # a checkpoint never follows a step whose gradient was not finite
         run_dir = Path(super()._get_output_dir(trial))
         name = f"checkpoint-{self.state.global_step}"
         staging, final = run_dir / f"{STAGING}{name}", run_dir / name
@@ -152,11 +154,39 @@ class CheckpointMixin:
 
         Every process sees the same norm, so all stop after the same step, and the weights in memory and in every
         checkpoint never hold a NaN/inf update. Under fp16 the loss scaler skips such steps itself.
+
+        With torch's fused Adam/AdamW (the Trainer's default optimizer) the check stays on the device: a non-finite
+        norm sets the optimizer's `found_inf`, which skips that step's update in the kernel (weights, moments and
+        step count untouched, as under a loss scaler), and the first such step is noted on the device; the run stops
+        at the next logging step or checkpoint, naming it (`_check_diverged`). Any other optimizer: the norm is read
+        on the host at every step.
         """
         grad_norm = super()._get_grad_norm(model, grad_norm)
-        if grad_norm is not None and not self.args.fp16 and not math.isfinite(float(grad_norm)):
+        if grad_norm is None or self.args.fp16:
+            return grad_norm
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # under accelerate's wrapper
+        if torch.is_tensor(grad_norm) and isinstance(optimizer, torch.optim.Adam) and optimizer.defaults.get("fused"):
+            bad = ~torch.isfinite(grad_norm.detach().float())
+            optimizer.found_inf = bad.float()
+            noted = torch.stack([torch.tensor(self.state.global_step + 1.0, device=bad.device), grad_norm.detach().float(),
+                                 self._last_loss.detach().float().reshape(())])
+            before = torch.zeros_like(noted) if self._diverged_at is None else self._diverged_at
+            self._diverged_at = torch.where(bad & (before[0] == 0), noted, before)
+            return grad_norm
+        if not math.isfinite(float(grad_norm)):
             raise Diverged(self.state.global_step + 1, float(grad_norm), float(self._last_loss))
         return grad_norm
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        self._check_diverged()  # a logging step reads values back anyway
+        super().log(logs, start_time)
+
+    def _check_diverged(self) -> None:
+        """Stops the run at the first step whose gradient norm was not finite (noted on the device)."""
+        if self._diverged_at is not None:
+            step, grad_norm, loss = self._diverged_at.tolist()
+            if step:
+                raise Diverged(int(step), grad_norm, loss)
 
 
 def sharded_checkpoints(trainer) -> bool:

@@ -51,6 +51,16 @@ def labelled_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return keep, targets[keep[:, :-1]]
 
 
+def with_score_positions(inputs: dict) -> dict:
+    """On the CPU, before the batch moves: the flat positions whose next token is trained and those tokens, from
+    the batch's `labels` (what `labelled_positions` finds on the device, where the mask's size is a host read)."""
+    labels = inputs.get("labels")
+    if not torch.is_tensor(labels) or labels.device.type != "cpu" or labels.dim() != 2:
+        return inputs
+    keep, targets = labelled_positions(labels)
+    return {**inputs, "score_positions": keep.flatten().nonzero().squeeze(1), "score_targets": targets}
+
+
 def add_scoring_forward(model) -> None:
     """Let `model(..., score_labels=labels)` return `Scores`; any other call is the model's own forward."""
     if getattr(model, "_erniekit_scoring", False):
@@ -73,11 +83,13 @@ def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True) -> Sco
     routed = moe or tracker is not None
     for key in ("labels", "fused_lm_head", "use_cache", "logits_to_keep"):
         inputs.pop(key, None)
-    keep, targets = labelled_positions(labels)
+    positions, targets = inputs.pop("score_positions", None), inputs.pop("score_targets", None)
+    if positions is None:  # a boolean mask: its size is read back from the device (`with_score_positions` avoids it)
+        keep, targets = labelled_positions(labels)
     out = model.base_model(**inputs, use_cache=False, **({"output_router_logits": True} if routed else {}))
     if tracker is not None and model.training and torch.is_grad_enabled():  # policy passes only, not the reference
         tracker.add(out.router_logits, inputs.get("attention_mask"))
-    hidden = out.last_hidden_state[keep]
+    hidden = out.last_hidden_state[keep] if positions is None else out.last_hidden_state.flatten(0, 1).index_select(0, positions)
     head = model.get_output_embeddings()
     log_probs, entropy, log_sum_sq, mean_logits, is_top1 = head_scores(
         head, hidden, targets, extras, getattr(model, "_erniekit_head_keep_positions", 0)
@@ -190,16 +202,16 @@ def _softmax_parts(logits, targets, extras: bool, spare):
 
 def _softmax_parts_fp32(logits, targets, extras: bool, spare):
     target_logit = logits.gather(-1, targets[:, None]).squeeze(-1)
-    top = logits.amax(-1)
+    top_index = logits.argmax(-1, keepdim=True)  # one pass, as amax; the index finds the top probability below
+    top = logits.gather(-1, top_index).squeeze(-1)
     top1 = target_logit >= top
     mean_logits = logits.mean(-1) if extras else None
     probs = torch.ops.aten._softmax.out(logits, -1, False, out=spare[: len(targets)] if extras else logits)
     token = probs.gather(-1, targets[:, None]).squeeze(-1).log()
-    small = token < math.log(UNDERFLOW)
-    # Eager: the fallback's extra pass over the chunk only when a probability underflowed. Compiled: always (a
-    # branch on a tensor's value breaks the graph; inductor fuses the pass into the softmax's)
-    if torch.compiler.is_compiling() or small.any():
-        token = torch.where(small, target_logit - top + probs.amax(-1).log(), token)
+    # The fallback for every position, from two gathered values per row: no pass over the chunk, and no branch on
+    # whether one underflowed (reading that back stalled the GPU once per chunk)
+    top_prob = probs.gather(-1, top_index).squeeze(-1)
+    token = torch.where(token < math.log(UNDERFLOW), target_logit - top + top_prob.log(), token)
     more = [None, None, None]
     if extras:  # entropy = logsumexp - sum p z; log sum p^2; mean logit (batched dots: no [n, V] temporary)
         dot = lambda a, b: torch.einsum("nv,nv->n", a, b)  # noqa: E731

@@ -25,7 +25,7 @@ from erniekit_lite.model.lora import INITIAL, save_as_plain_lora, unwrap
 from erniekit_lite.plan import CHECKPOINTING_OFF_BY_PLAN
 from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.optimizer import LoraPlusMixin
-from erniekit_lite.train.scoring import add_scoring_forward
+from erniekit_lite.train.scoring import add_scoring_forward, with_score_positions
 
 
 # What a micro-batch's training step adds to, put back before the first step's batches run again: the real-token
@@ -155,6 +155,14 @@ class ThroughputMixin(OutOfMemoryRetryMixin):  # every method's Trainer has it: 
             self.state.num_input_tokens_seen += real
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
+        # Metrics kept as device tensors between logging steps (a `.item()` per micro-batch stalled the GPU each
+        # time) are read back here, all of them in one transfer
+        held = [(values, i) for metrics in getattr(self, "_metrics", {}).values() for values in metrics.values()
+                for i, v in enumerate(values) if torch.is_tensor(v)]
+        if held:
+            read = torch.stack([values[i].detach().float().reshape(()) for values, i in held]).tolist()
+            for (values, i), value in zip(held, read):
+                values[i] = value
         if "loss" in logs:  # every process logs the same steps, so the sum below is collective-safe
             now = time.perf_counter()
             then, tokens, slots = self._since_log or (now, 0, 0)
@@ -183,13 +191,14 @@ class ThroughputMixin(OutOfMemoryRetryMixin):  # every method's Trainer has it: 
 
 
 class HostBoundsMixin:
-    """Packed batches: the sample lengths are taken from the collator's CPU `cu_seq_lens_q` before the batch moves to
-    the GPU, so per-sample attention never reads them back from the device (a host sync per step)."""
+    """What the batch says on the CPU is taken before it moves to the GPU, so no step reads it back from the device
+    (a host sync each): the sample lengths of packed rows (`cu_seq_lens_q`, for per-sample attention) and the
+    positions the LM head scores (`scoring.with_score_positions`)."""
 
     def _prepare_inputs(self, inputs):
         cu = inputs.get("cu_seq_lens_q")
         lengths = (cu[1:] - cu[:-1]).tolist() if torch.is_tensor(cu) and cu.device.type == "cpu" else None
-        inputs = super()._prepare_inputs(inputs)
+        inputs = super()._prepare_inputs(with_score_positions(inputs))
         if lengths is not None:
             remember_lengths(inputs["cu_seq_lens_q"], lengths)
         return inputs
@@ -240,11 +249,11 @@ class ErnieSFTTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlu
         if scores.aux_loss is not None:
             steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
             loss = loss + self.router_aux_loss_coef * scores.aux_loss / steps
-            self._metrics[mode]["aux_loss"].append(scores.aux_loss.item())
+            self._metrics[mode]["aux_loss"].append(scores.aux_loss.detach())  # read back when logged (`log`)
         if mode == "eval":
             self._eval_nll += -scores.log_probs.detach().double().sum()
             self._eval_tokens += n
-        self._metrics[mode]["mean_token_accuracy"].append(scores.is_top1.sum().item() / max(1, n))
+        self._metrics[mode]["mean_token_accuracy"].append(scores.is_top1.sum() / max(1, n))
         real = int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else inputs["input_ids"].numel()
         self.count_tokens(model, real, slots)
         if mode == "train":
