@@ -125,17 +125,19 @@ def test_cli_serves_localhost_behind_the_login_from_the_environment(tmp_path, mo
     launched = []
     real_launch = gr.Blocks.launch
 
-    def launch_in_background(self, **kwargs):  # the CLI's launch blocks; this one returns once serving
+    def launch_in_background(self, **kwargs):  # returns once serving, as the CLI's own launch does
         launched.append((self, kwargs))
-        return real_launch(self, **kwargs, prevent_thread_lock=True, quiet=True)
+        return real_launch(self, **{**kwargs, "prevent_thread_lock": True, "quiet": True})
 
     monkeypatch.setattr(gr.Blocks, "launch", launch_in_background)
+    monkeypatch.setattr(gr.Blocks, "block_thread", lambda self: None)  # the CLI then waits for Ctrl-C; not here
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ERNIEKIT_WEBUI_AUTH", "me:pw")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     assert main(["webui", "--port", str(port)]) == 0
+    assert capsys.readouterr().out == f"erniekit-lite webui: http://127.0.0.1:{port}/ (a public link: --share); Ctrl-C stops it\n"
     demo, kwargs = launched[0]
     try:
         assert (kwargs["server_name"], kwargs["share"], kwargs["auth"]) == ("127.0.0.1", False, ("me", "pw"))
