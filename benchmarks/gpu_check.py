@@ -298,10 +298,43 @@ def run_choices(lines: list[str]) -> tuple[bool | None, bool]:
     return (False if off else None), any(x.startswith("LM head: trained; its chunks are kept") for x in lines)
 
 
+def sync_counter(into: dict, warmup: int):
+    """A callback for a CUDA run: torch's sync debug mode over the optimizer steps after `warmup`, at the recipe's
+    own accumulation and logging (each synchronizing CUDA call warns); syncs per step and the lines that made most."""
+    import collections
+    import warnings
+
+    import torch
+    from transformers import TrainerCallback
+
+    class SyncCount(TrainerCallback):
+        recording = caught = None
+        start = 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == max(1, warmup) and self.recording is None:
+                self.recording, self.start = warnings.catch_warnings(record=True), state.global_step
+                self.caught = self.recording.__enter__()
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.recording is None:
+                return
+            torch.cuda.set_sync_debug_mode("default")
+            self.recording.__exit__(None, None, None)
+            syncs = [w for w in self.caught if "synchroniz" in str(w.message)]
+            sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+            steps = max(1, state.global_step - self.start)
+            into.update(syncs_per_step=len(syncs) / steps, sync_sites=[f"{k} ({v / steps:g}/step)" for k, v in sites.most_common(5)])
+
+    return SyncCount()
+
+
 def run_once(recipe, warmup: int) -> dict:
     import torch
 
-    from erniekit_lite.train import dpo, sft
+    from erniekit_lite.train import callbacks, dpo, sft
 
     cuda = torch.cuda.is_available()
     before = 0
@@ -312,8 +345,20 @@ def run_once(recipe, warmup: int) -> dict:
         before = torch.cuda.memory_allocated()
     shutil.rmtree(recipe.output.dir, ignore_errors=True)
     lines: list[str] = []
+    syncs: dict = {}
+    original = callbacks.train
+
+    def train(trainer, out, resume):  # the host syncs of the steps after the warm-up (issue 44), on a GPU only
+        if cuda:
+            trainer.add_callback(sync_counter(syncs, warmup))
+        return original(trainer, out, resume)
+
+    callbacks.train = train
     started = time.perf_counter()
-    out = (dpo if recipe.method == "dpo" else sft).run(recipe, log=lines.append)
+    try:
+        out = (dpo if recipe.method == "dpo" else sft).run(recipe, log=lines.append)
+    finally:
+        callbacks.train = original
     wall = time.perf_counter() - started
     events = [json.loads(x) for x in (out / "progress.jsonl").read_text().splitlines()]
     rates = [e["tokens_per_second"] for e in events if e["event"] == "log" and "tokens_per_second" in e]
@@ -325,6 +370,7 @@ def run_once(recipe, warmup: int) -> dict:
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
         "wall_s": wall, "loss": results.get("train_loss"), "distributed": results.get("distributed"),
         "lines": [x for x in lines if x.startswith(("activation checkpointing", "LM head", "distributed"))],
+        "syncs_per_step": syncs.get("syncs_per_step"), "sync_sites": syncs.get("sync_sites", []),
     }
 
 
@@ -338,6 +384,7 @@ def timed(recipe, args) -> dict:
             "peak_allocated_gib": max(peaks) if peaks else None,
             "peak_reserved_gib": max((r["peak_reserved_gib"] for r in runs if r["peak_reserved_gib"]), default=None),
             "loss": runs[-1]["loss"], "lines": runs[-1]["lines"], "distributed": runs[-1]["distributed"], "rounds": len(runs),
+            "syncs_per_step": runs[-1]["syncs_per_step"], "sync_sites": runs[-1]["sync_sites"],
             "left_before_gib": max((r["left_before_gib"] for r in runs if r["left_before_gib"]), default=None)}
 
 
@@ -557,6 +604,9 @@ def training_section(results: Results, number: str, title: str, recipe, model_di
              *measured["lines"]]
     if measured["left_before_gib"]:
         lines.append(f"allocated before the run (left by earlier ones, not counted in its peak): {measured['left_before_gib']:.2f} GiB")
+    if measured["syncs_per_step"] is not None:
+        lines.append(f"host syncs per optimizer step after the warm-up (torch.cuda.set_sync_debug_mode, the recipe's own "
+                     f"logging): {measured['syncs_per_step']:g}; most from: {', '.join(measured['sync_sites']) or 'none'}")
     header = ("| real tokens/s min / median / max | model GFLOPs per real token | MFU | MFU, head at every position | "
               "peak allocated GiB | peak reserved GiB | plan (allocated part) GiB | plan total GiB | peak allocated / plan |")
     lines += ["", header, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
