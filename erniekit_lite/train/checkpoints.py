@@ -165,7 +165,8 @@ class CheckpointMixin:
         if grad_norm is None or self.args.fp16:
             return grad_norm
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # under accelerate's wrapper
-        if torch.is_tensor(grad_norm) and isinstance(optimizer, torch.optim.Adam) and optimizer.defaults.get("fused"):
+        # a plain tensor: FSDP2's norm is a DTensor, which mixes with no other tensor (read on the host below)
+        if type(grad_norm) is torch.Tensor and isinstance(optimizer, torch.optim.Adam) and optimizer.defaults.get("fused"):
             bad = ~torch.isfinite(grad_norm.detach().float())
             optimizer.found_inf = bad.float()
             noted = torch.stack([torch.tensor(self.state.global_step + 1.0, device=bad.device), grad_norm.detach().float(),
