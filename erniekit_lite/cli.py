@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         if "transformers" in sys.modules:  # imported already (in-process callers): its switch instead
             sys.modules["transformers"].utils.logging.disable_progress_bar()
     try:
-        return args.handler(args) or 0
+        code = args.handler(args) or 0
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then caught below
+        return code
     except UserError as e:
         # one write of the whole line: the processes of a launched run share stderr, and print's two writes (text,
         # then newline) interleaved there, joining two processes' errors on one line
@@ -149,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `erniekit-lite recipes | head`: the reader left; the rest goes nowhere, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def _parse(parser, sub, argv: list[str]) -> argparse.Namespace:

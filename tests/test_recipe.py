@@ -193,3 +193,14 @@ def test_the_recipes_list_gives_each_shipped_recipe_a_whole_sentence(capsys):
     for name, summary in listed.items():
         assert summary.endswith(".") and summary.count("(") == summary.count(")"), (name, summary)
     assert listed["ernie-4.5-0.3b/sft-lora"] == "LoRA fine-tuning of ERNIE-4.5-0.3B-PT."
+
+
+def test_the_recipes_list_into_a_pipe_that_closes_early_ends_quietly():
+    """`erniekit-lite recipes | head -1` printed a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    listing = subprocess.Popen([sys.executable, "-m", "erniekit_lite", "recipes"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    listing.stdout.close()  # the reader is gone before the list is written, as `head` is once it has its line
+    err = listing.stderr.read().decode()
+    assert listing.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
