@@ -69,8 +69,8 @@ def syncs_per_step(tmp_path, monkeypatch, recipe_of, steps: int = 3) -> dict[str
 
 @pytest.mark.parametrize("lora", [None, {"r": 4}], ids=["full", "lora"])
 def test_an_sft_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch, tiny_own_dir, lora):
-    """Before: 5.25 per step for full SFT (the LM head's underflow branch, the NaN/inf filter's two reads of each
-    micro-batch's loss, the token accuracy's `.item()`, the divergence guard's `float(grad_norm)`) plus the boolean
+    """Before, each step read back: the LM head's underflow branch, the NaN/inf filter's two reads of each
+    micro-batch's loss, the token accuracy's `.item()`, the divergence guard's `float(grad_norm)`, and the boolean
     mask of trained positions (its forward and backward)."""
 
     def recipe_of(path, out, steps):
