@@ -169,8 +169,9 @@ class CheckpointMixin:
         if type(grad_norm) is torch.Tensor and isinstance(optimizer, torch.optim.Adam) and optimizer.defaults.get("fused"):
             bad = ~torch.isfinite(grad_norm.detach().float())
             optimizer.found_inf = bad.float()
-            noted = torch.stack([torch.tensor(self.state.global_step + 1.0, device=bad.device), grad_norm.detach().float(),
-                                 self._last_loss.detach().float().reshape(())])
+            norm = grad_norm.detach().float()
+            # the step filled in on the device (`new_full`): `torch.tensor(..., device=)` copies from the host and waits
+            noted = torch.stack([norm.new_full((), self.state.global_step + 1.0), norm, self._last_loss.detach().float().reshape(())])
             before = torch.zeros_like(noted) if self._diverged_at is None else self._diverged_at
             self._diverged_at = torch.where(bad & (before[0] == 0), noted, before)
             return grad_norm
