@@ -162,6 +162,7 @@ def score_rows(model, rows, batch_size: int, max_length: int) -> tuple[float, in
     from tqdm import tqdm
 
     from erniekit_lite.data.collate import PackedCollator
+    from erniekit_lite.model.attention import take_batch_lengths
     from erniekit_lite.model.lora import unwrap
     from erniekit_lite.train.scoring import score
 
@@ -174,8 +175,9 @@ def score_rows(model, rows, batch_size: int, max_length: int) -> tuple[float, in
         for start in range(0, len(rows), batch_size):
             batch = collate([vars(row) for row in rows[start : start + batch_size]])
             labels = batch.pop("labels").to(device)
-            del batch["token_slots"]
-            inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            for key in ("token_slots", "real_tokens"):
+                del batch[key]
+            inputs = take_batch_lengths({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
             log_probs = score(inner, labels, inputs, extras=False).log_probs
             nll -= log_probs.double().sum().item()  # summed in float64: one division at the end, over all batches
             tokens += log_probs.numel()

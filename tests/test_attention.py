@@ -124,21 +124,19 @@ def test_auto_picks_the_packed_attention_each_device_can_run(monkeypatch):
     assert resolve_attention("eager", packing=True) == "eager"  # a recipe's own choice always wins
 
 
-def test_trainer_hands_the_bounds_over_from_the_cpu_batch():
-    """The lengths come from the collator's CPU tensor; the moved tensor is never read (its values here are wrong on
-    purpose: only a read of it would give them)."""
-    from erniekit_lite.train.trainer import HostBoundsMixin
+def test_the_collators_sample_lengths_are_handed_to_the_moved_batch():
+    """The lengths come from the collator's CPU tensor (`collate.host_facts`); the moved tensor is never read (its
+    values here are wrong on purpose: only a read of it would give them)."""
+    from erniekit_lite.data.collate import PackedCollator, PaddedCollator
 
-    class Moving:
-        def _prepare_inputs(self, inputs):  # the Trainer's move to the device: a new tensor
-            return {k: torch.zeros_like(v) if k == "cu_seq_lens_q" else v for k, v in inputs.items()}
-
-    class Trainer(HostBoundsMixin, Moving):
-        pass
-
-    cu = torch.tensor([0, 5, 7, 12], dtype=torch.int32)
-    moved = Trainer()._prepare_inputs({"cu_seq_lens_q": cu, "input_ids": torch.zeros(1, 12)})
+    rows = [{"input_ids": [1] * 7, "labels": [-100, 3, 3, 3, 3, -100, 4], "seq_lengths": [5, 2]},
+            {"input_ids": [2] * 5, "labels": [-100] * 4 + [5], "seq_lengths": [5]}]
+    batch = PackedCollator(8)(rows)
+    assert batch["sample_lengths"] == [5, 2, 5] and batch["real_tokens"] == 12
+    assert batch["score_positions"].tolist() == [0, 1, 2, 3, 5, 10] and batch["score_targets"].tolist() == [3, 3, 3, 3, 4, 5]
+    moved = attention.take_batch_lengths({k: torch.zeros_like(v) if k == "cu_seq_lens_q" else v for k, v in batch.items()})
+    assert "sample_lengths" not in moved
     assert attention.sample_lengths(moved["cu_seq_lens_q"]) == [5, 2, 5]
-    padded = Trainer()._prepare_inputs({"input_ids": torch.zeros(2, 3)})  # no bounds: nothing remembered
-    assert "cu_seq_lens_q" not in padded
+    padded = PaddedCollator(0)(rows)  # no bounds: nothing to hand over
+    assert "sample_lengths" not in padded and padded["real_tokens"] == 12
     assert attention.sample_lengths(torch.tensor([0, 3, 4])) == [3, 1]  # a tensor not handed over is read

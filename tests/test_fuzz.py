@@ -57,7 +57,7 @@ from erniekit_lite.data.template import ErnieTemplate, template_for
 from erniekit_lite.data.tokenize import IGNORE, Sample, Tokenizer
 from erniekit_lite.errors import DataError, UserError
 from erniekit_lite.recipe import FORMATS, DataSection
-from erniekit_lite.train.scoring import labelled_positions
+from erniekit_lite.data.collate import labelled_positions
 
 from test_tokenize import CHATML, CHATML_TOOLS, THINKING_STYLE  # tests/ is on sys.path under pytest
 from test_tool_calls import CONTROL, DROPS_REASONING, THINKING_TEMPLATE

@@ -1,16 +1,17 @@
 """A training step that never waits for the host (issue 44): calls that read a device tensor on the host, counted
-per optimizer step on CPU.
+per optimizer step on CPU, for every method.
 
 A dispatch mode counts the aten calls that make the host wait for the device on a GPU: `_local_scalar_dense` (a
 tensor read as a Python number: `.item()`, `float()`, `bool()`, an `if` on a tensor), `nonzero`, `masked_select`,
 boolean-mask indexing, `bincount`, `unique`, `repeat_interleave` without an output size. Runs of N and 2N optimizer
 steps (accumulation 1, no logging step in between, no checkpoint) are counted and the difference divided by N, so
-set-up and the end of training cancel out. Calls made while the batch is still on the host are not syncs there and
-are left out: the collators, the dataloader and `scoring.with_score_positions` (before the batch moves). The
-method cannot see `.tolist()`, `.cpu()` or `.numpy()` of a tensor that lives on the GPU; those are found by reading.
+set-up and the end of training cancel out. Calls the collators and the dataloader make are left out: the batch is
+still on the host there. The method cannot see `.tolist()`, `.cpu()` or `.numpy()` of a tensor that lives on the GPU;
+the one the step would make, per-sample attention reading its sample lengths (`attention.sample_lengths`), is
+counted separately: each time they were not handed over from the collator.
 
-Covered so far: SFT, full fine-tuning and LoRA, on the tiny dense model. The preference methods, GRPO and the MoE
-are counted by the same helper once theirs are gone (issue 44 lists them).
+What remains is TRL's and is named here: its DPO and KTO loss functions test counts as Python bools and index by
+boolean masks for their metrics, and KTO splits each batch by label with `nonzero` (train/trl_metrics.py).
 """
 
 from __future__ import annotations
@@ -23,17 +24,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from erniekit_lite.cli import main
+from erniekit_lite.model import attention
 from erniekit_lite.train import callbacks
-from helpers import write_recipe
+from helpers import IDENTITY, PAIRS, ROOT, write_recipe
 
 SYNCING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::bincount", "aten::_unique2",
            "aten::unique_consecutive", "aten::unique_dim", "aten::repeat_interleave"}
-INDEXING = {"aten::index.Tensor", "aten::index_put_", "aten::index_put"}
-ON_THE_HOST = ("erniekit_lite/data/", "accelerate/data_loader.py", "torch/utils/data/", "with_score_positions")
+INDEXING = {"aten::index", "aten::index_put_", "aten::index_put"}
+ON_THE_HOST = ("erniekit_lite/data/", "accelerate/data_loader.py", "torch/utils/data/")
+LENGTHS_READ = "cu_seq_lens_q read back (attention.sample_lengths)"
 
 
 class Syncs(TorchDispatchMode):
-    """Sync-making calls, each under the nearest frame of this project or a library it uses."""
+    """Sync-making calls, each as (call, file:line, function) of the nearest frame outside torch."""
 
     def __init__(self):
         super().__init__()
@@ -44,38 +47,95 @@ class Syncs(TorchDispatchMode):
         boolean = name in INDEXING and any(t is not None and t.dtype == torch.bool for t in args[1])
         if name in SYNCING or boolean:
             stack = traceback.extract_stack()[:-1]
-            if not any(host in f.filename or host == f.name for f in stack for host in ON_THE_HOST):
+            if not any(host in f.filename for f in stack for host in ON_THE_HOST):
                 frames = [f for f in stack if "/torch/" not in f.filename]
                 where = frames[-1] if frames else stack[-1]
-                self.calls[f"{name} at {where.filename.split('site-packages/')[-1]}:{where.lineno} ({where.name})"] += 1
+                self.calls[(name, f"{where.filename.split('site-packages/')[-1]}:{where.lineno}", where.name)] += 1
         return func(*args, **(kwargs or {}))
 
 
-def syncs_per_step(tmp_path, monkeypatch, recipe_of, steps: int = 3) -> dict[str, float]:
-    counted, train = {}, callbacks.train
+def syncs_per_step(tmp_path, monkeypatch, recipe_of, steps: int = 3) -> dict[tuple, float]:
+    """{(call, file:line, function): calls per optimizer step} of the runs `recipe_of(path, out, steps)` writes."""
+    counted, running, train, lengths = {}, [], callbacks.train, attention.sample_lengths
 
     def counting(trainer, out, resume=None):
         with Syncs() as syncs:
+            running.append(syncs)
             result = train(trainer, out, resume)
-        counted[out.name] = syncs.calls
+        counted[out.name] = running.pop().calls
         return result
 
+    def sample_lengths(cu):
+        ref, _ = attention._bounds.get(id(cu), (None, None))
+        if running and (ref is None or ref() is not cu):  # not handed over: on a GPU, `.tolist()` of a device tensor
+            running[-1].calls[(LENGTHS_READ, "", "")] += 1
+        return lengths(cu)
+
     monkeypatch.setattr(callbacks, "train", counting)
+    monkeypatch.setattr(attention, "sample_lengths", sample_lengths)
     for n in (steps, 2 * steps):
         assert main(["train", str(recipe_of(tmp_path / f"r{n}.yaml", tmp_path / f"run{n}", n))]) == 0
     few, many = counted[f"run{steps}"], counted[f"run{2 * steps}"]
     return {k: (many[k] - few[k]) / steps for k in few.keys() | many.keys() if many[k] != few[k]}
 
 
+DATA = {"pt": ROOT / "recipes" / "data" / "pt_demo.jsonl", "kto": ROOT / "recipes" / "data" / "identity_kto.jsonl"}
+# TRL's own reads, per micro-batch, in its DPO and KTO loss functions (the module doc): (call, function) -> how many
+TRL_READS = {
+    "dpo": {("aten::_local_scalar_dense", "trl/trainer/dpo_trainer.py"): 4, ("aten::index", "trl/trainer/dpo_trainer.py"): 2},
+    "kto": {("aten::nonzero", "trl/trainer/kto_trainer.py"): 2, ("aten::index", "trl/trainer/kto_trainer.py"): 2},
+}
+KTO_GUARDS = 7  # at most: KTO's `count > 0` tests, one or two each, as the micro-batch holds desirable examples or not
+
+
+def by_kind(counts: dict) -> dict:
+    kinds = collections.Counter()
+    for (call, where, _), n in counts.items():
+        kinds[(call, where.rsplit(":", 1)[0])] += n
+    return kinds
+
+
 @pytest.mark.parametrize("lora", [None, {"r": 4}], ids=["full", "lora"])
-def test_an_sft_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch, tiny_own_dir, lora):
-    """Before, each step read back: the LM head's underflow branch, the NaN/inf filter's two reads of each
-    micro-batch's loss, the token accuracy's `.item()`, the divergence guard's `float(grad_norm)`, and the boolean
-    mask of trained positions (its forward and backward)."""
+@pytest.mark.parametrize("method", ["sft", "pt", "dpo", "orpo", "simpo", "kto", "rm"])
+def test_a_training_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch, tiny_own_dir, method, lora):
+    """Before (issue 44, counted the same way): 8 per step for SFT, 33.5 for DPO LoRA: the LM head's underflow
+    branch, the NaN/inf filter, metrics' `.item()`, the divergence guard's `float(grad_norm)`, the boolean masks of
+    trained positions, the step's pair counts, TRL's metrics. Now the collators count what the step needs on the CPU
+    and metrics stay on the device until a logging step."""
 
     def recipe_of(path, out, steps):
-        return write_recipe(path, tiny_own_dir, lora=lora, out=out,
+        data = [str(DATA.get(method, PAIRS if method in ("dpo", "orpo", "simpo", "rm") else IDENTITY))]
+        return write_recipe(path, tiny_own_dir, method=method, lora=lora, out=out, data={"train": data},
                             train={"max_steps": steps, "logging_steps": 1000, "save_strategy": "no", "learning_rate": 1e-3,
                                    "per_device_train_batch_size": 1})
 
-    assert syncs_per_step(tmp_path, monkeypatch, recipe_of) == {}
+    counts = syncs_per_step(tmp_path, monkeypatch, recipe_of)
+    if method not in TRL_READS:
+        assert counts == {}
+        return
+    trl = {k: n for k, n in counts.items() if k[2] == "_compute_loss" and k[1].startswith(f"trl/trainer/{method}_trainer.py")}
+    assert trl == counts, "calls outside TRL's loss function"
+    kinds = by_kind(counts)
+    guards = kinds.pop(("aten::_local_scalar_dense", f"trl/trainer/{method}_trainer.py"), 0)
+    if method == "kto":
+        assert 0 < guards <= KTO_GUARDS, counts
+    else:
+        kinds[("aten::_local_scalar_dense", f"trl/trainer/{method}_trainer.py")] = guards
+    assert kinds == TRL_READS[method], counts
+
+
+@pytest.mark.parametrize("case", ["moe-full", "moe-lora", "qlora"])
+def test_an_moe_or_qlora_sft_step_reads_back_only_what_the_expert_lora_path_does(tmp_path, monkeypatch, tiny_own_dir, tiny_moe_dir, case):
+    """Around the experts nothing is read back (the expert load counts by scatter, not `bincount` and a mask); the
+    split expert LoRA's own `bincount` of tokens per expert, once per MoE layer and pass, is the MoE issue's (47)."""
+
+    def recipe_of(path, out, steps):
+        qlora = case == "qlora"
+        return write_recipe(path, tiny_own_dir if qlora else tiny_moe_dir, lora=None if case == "moe-full" else {"r": 4, "dropout": 0.0},
+                            model={"dtype": "bfloat16", "load_in_4bit": True} if qlora else None, out=out,
+                            train={"max_steps": steps, "logging_steps": 1000, "save_strategy": "no", "learning_rate": 1e-3,
+                                   "per_device_train_batch_size": 1, "bf16": qlora})
+
+    counts = syncs_per_step(tmp_path, monkeypatch, recipe_of)
+    assert all(k[0] == "aten::bincount" and k[2] == "experts_forward" and "expert_lora.py" in k[1] for k in counts), counts
+    assert bool(counts) == (case == "moe-lora"), counts

@@ -24,6 +24,26 @@ def bounds(lengths: list[int], device=None) -> tuple[torch.Tensor, dict]:
     return positions, {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
+def labelled_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [batch, seq] mask of the positions whose next token is trained, and those tokens (flat, row-major)."""
+    targets = labels[:, 1:]
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = targets != IGNORE
+    return keep, targets[keep[:, :-1]]
+
+
+def host_facts(labels: torch.Tensor, real_tokens: int, cu: torch.Tensor | None = None) -> dict:
+    """What the training step would otherwise read back from the GPU (a wait for the device each), known here on the
+    CPU: the flat positions whose next token is trained and those tokens (the LM head selects them by index, not by a
+    boolean mask whose size is a host read: `scoring.score`), the real tokens (the throughput count) and, for packed
+    rows, the sample lengths per-sample attention cuts the row at (`attention.remember_lengths`)."""
+    keep, targets = labelled_positions(labels)
+    facts = {"score_positions": keep.flatten().nonzero().squeeze(1), "score_targets": targets, "real_tokens": real_tokens}
+    if cu is not None:
+        facts["sample_lengths"] = (cu[1:] - cu[:-1]).tolist()
+    return facts
+
+
 @dataclass
 class PackedCollator:
     max_length: int  # row capacity, for the packing-efficiency count
@@ -39,6 +59,7 @@ class PackedCollator:
             "position_ids": position_ids,
             **varlen,
             "token_slots": len(rows) * self.max_length,
+            **host_facts(labels, input_ids.numel(), varlen["cu_seq_lens_q"]),
         }
 
 
@@ -56,4 +77,5 @@ class PaddedCollator:
             input_ids[i, :n] = torch.tensor(row["input_ids"])
             labels[i, :n] = torch.tensor(row["labels"])
             attention_mask[i, :n] = 1
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, "token_slots": input_ids.numel()}
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, "token_slots": input_ids.numel(),
+                **host_facts(labels, int(attention_mask.sum()))}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from erniekit_lite.data.collate import bounds
+from erniekit_lite.data.collate import bounds, host_facts
 from erniekit_lite.data.formats import Conversation, Preference, Turn
 from erniekit_lite.data.packing import best_fit_decreasing, check_first_untrained
 from erniekit_lite.data.tokenize import IGNORE, Sample, Tokenizer
@@ -147,6 +147,8 @@ class PackedPairCollator:
             "logp_index": torch.cat(index),
             "token_slots": len(rows) * 2 * self.max_length,
             "row_units": row_pairs(rows),
+            "chosen_tokens": int(completion[:pairs].sum()),
+            **host_facts(labels[None], ids.numel(), varlen["cu_seq_lens_q"]),
         })
 
 
@@ -182,6 +184,8 @@ class PaddedPairCollator:
             "logp_index": rows_idx * (width - 1) + cols,
             "token_slots": input_ids.numel(),
             "row_units": row_pairs(rows),
+            "chosen_tokens": int((labels[:pairs] != IGNORE).sum()),
+            **host_facts(labels, int(attention.sum())),
         })
 
 

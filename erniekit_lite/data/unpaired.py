@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from erniekit_lite.data.collate import bounds
+from erniekit_lite.data.collate import bounds, host_facts
 from erniekit_lite.data.formats import Conversation, Feedback, Turn
 from erniekit_lite.data.packing import best_fit_decreasing, check_first_untrained
 from erniekit_lite.data.tokenize import IGNORE, Sample, Tokenizer
@@ -170,6 +170,7 @@ def _padded(seqs: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict:
         "completion_mask": (labels != IGNORE).long(),
         "pair_labels": labels,
         "logp_index": rows_idx * (width - 1) + cols,
+        **host_facts(labels, int(attention.sum())),
     }
 
 
@@ -179,13 +180,14 @@ def _packed(seqs: list[tuple[list[int], list[int]]]) -> dict:
     batch = _padded(seqs, 0)  # never run through the model: TRL reads its masks, the model reads `packed_*`
     batch.pop("pair_labels")
     positions, varlen = bounds(lengths)
+    labels = torch.tensor([t for _, lab in seqs for t in lab], dtype=torch.long)[None]
     return {
         **batch,
         "packed_input_ids": torch.tensor([t for ids, _ in seqs for t in ids], dtype=torch.long)[None],
-        "packed_labels": torch.tensor([t for _, lab in seqs for t in lab], dtype=torch.long)[None],
+        "packed_labels": labels,
         "packed_position_ids": positions,
         **varlen,
-        "lengths": lengths,  # the bounds on the host, so per-sample attention never reads `cu_seq_lens_q` back
+        **host_facts(labels, sum(lengths), varlen["cu_seq_lens_q"]),
     }
 
 

@@ -26,19 +26,32 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 NAME = "packed_sdpa"
 VARLEN = "packed_varlen"
 PACKED = (NAME, VARLEN)  # registered without a mask function: batched generation needs plain sdpa instead
-_bounds: tuple = (None, None)  # (weakref to the last cu_seq_lens tensor, its sample lengths): read once per forward
+# id of each live cu_seq_lens tensor -> (a weak reference to it, its sample lengths): a batch's examples and KTO's KL
+# twins are two. By identity (a tensor's == compares values); an entry goes when its tensor does
+_bounds: dict[int, tuple[weakref.ref, list[int]]] = {}
 
 
 def remember_lengths(cu: torch.Tensor, lengths: list[int]) -> None:
-    """Tell `sample_lengths` what `cu` holds, so it never reads the tensor: the trainer computes the lengths from the
-    collator's CPU tensor before the batch moves to the GPU (reading a GPU tensor waits for the GPU to catch up)."""
-    global _bounds
-    _bounds = (weakref.ref(cu), lengths)
+    """Tell `sample_lengths` what `cu` holds, so it never reads the tensor: the collator computes the lengths on the
+    CPU (`collate.host_facts`) and the trainer hands them over once the batch is on the GPU (reading a GPU tensor
+    waits for the GPU to catch up)."""
+    key = id(cu)
+    _bounds[key] = (weakref.ref(cu, lambda _: _bounds.pop(key, None)), lengths)
+
+
+def take_batch_lengths(batch: dict) -> dict:
+    """Remember the sample lengths a collator counted on the CPU (`collate.host_facts`: `sample_lengths`, and KTO's
+    twins' `KL_sample_lengths`) for the batch's `cu_seq_lens_q` tensors, once they are on the device; the keys go."""
+    for side in ("", "KL_"):
+        lengths = batch.pop(f"{side}sample_lengths", None)
+        if lengths is not None:
+            remember_lengths(batch[f"{side}cu_seq_lens_q"], lengths)
+    return batch
 
 
 def sample_lengths(cu: torch.Tensor) -> list[int]:
     """Sample lengths from `cu_seq_lens`: as remembered for this tensor, else read from it once per batch."""
-    ref, lengths = _bounds
+    ref, lengths = _bounds.get(id(cu), (None, None))
     if ref is None or ref() is not cu:
         lengths = (cu[1:] - cu[:-1]).tolist()
         remember_lengths(cu, lengths)

@@ -31,12 +31,14 @@ class ExpertLoad:
             for (_, router), logits, bias in zip(self.routers, router_logits, self._whole_biases()):
                 probs = torch.softmax(logits.detach().float(), dim=-1)
                 chosen = torch.topk(probs + (bias if bias is not None else _bias(router)), router.top_k, dim=-1).indices
+                real = torch.ones_like(chosen)
                 if keep is not None:
                     if keep.numel() != chosen.shape[0]:
                         raise ValueError(f"expert load: the attention mask covers {keep.numel()} tokens, the router "
                                          f"logits {chosen.shape[0]}; cannot tell real tokens from padding")
-                    chosen = chosen[keep]
-                rows.append(torch.bincount(chosen.reshape(-1), minlength=router.num_experts))
+                    real = real * keep[:, None]
+                # a scatter, not `bincount` or a boolean mask: their output sizes are host reads, a GPU sync each
+                rows.append(chosen.new_zeros(router.num_experts).scatter_add_(0, chosen.reshape(-1), real.reshape(-1)))
             counts = torch.stack(rows)
         self.counts = counts if self.counts is None else self.counts + counts
 

@@ -20,10 +20,10 @@ import types
 
 import torch
 
-from erniekit_lite.data.collate import bounds
+from erniekit_lite.data.collate import bounds, labelled_positions
 from erniekit_lite.data.tokenize import IGNORE
 from erniekit_lite.model.attention import remember_lengths
-from erniekit_lite.train.scoring import head_scores, labelled_positions
+from erniekit_lite.train.scoring import head_scores
 
 MARK = "grpo_completion_start"  # the keyword that routes a forward call here
 

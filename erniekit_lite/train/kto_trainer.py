@@ -31,13 +31,12 @@ from trl import KTOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
-from erniekit_lite.model.attention import remember_lengths
 from erniekit_lite.model.lora import unwrap
 from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.optimizer import LoraPlusMixin
 from erniekit_lite.train.pair_scoring import add_packed_forward
 from erniekit_lite.train.step_weights import StepWeightsMixin
-from erniekit_lite.train.trainer import HostBoundsMixin, ThroughputMixin
+from erniekit_lite.train.trainer import HostBoundsMixin, ThroughputMixin, real_tokens
 
 NOT_MODEL_INPUTS = ("completion_mask", "label", "ref_logps", "ref_KL_logps", "token_slots", "row_units")
 
@@ -82,21 +81,17 @@ class ErnieKTOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlu
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
-        real = int(inputs["attention_mask"].sum())
-        if self.calculate_KL and "KL_attention_mask" in inputs:  # the twins run through the model too
-            real += int(inputs["KL_attention_mask"].sum())
+        real = real_tokens(inputs)
+        if "KL_input_ids" in inputs:
+            twins = real_tokens(inputs, "KL_")
+            real += twins if self.calculate_KL else 0  # the twins run through the model too
         self.count_tokens(model, real, inputs.pop("token_slots", 0))
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def _scores(self, model, batch: dict, kl: bool) -> torch.Tensor:
         """Summed completion log-probs per sequence of one side, through our packed forward (no grad here: TRL
         scores the examples with grad itself)."""
-        inputs = side(batch, kl)
-        if "lengths" in inputs:
-            remember_lengths(inputs["cu_seq_lens_q"], inputs.pop("lengths"))
-        out = model(**inputs, use_cache=False, fused_lm_head=True)
-        if kl and "lengths" in batch:  # TRL's own call on the examples comes next
-            remember_lengths(batch["cu_seq_lens_q"], batch["lengths"])
+        out = model(**side(batch, kl), use_cache=False, fused_lm_head=True)
         return out.log_probs.sum(-1)
 
     def _compute_kl_logps(self, model, batch):

@@ -15,6 +15,7 @@ import torch
 from trl.trainer.utils import FusedCausalLMOutput
 
 from erniekit_lite.train.scoring import score
+from erniekit_lite.train.trainer import real_tokens
 
 
 def add_packed_forward(model) -> None:
@@ -43,6 +44,9 @@ def pair_scores(model, kwargs: dict) -> FusedCausalLMOutput:
         labels = kwargs["pair_labels"]
         inputs = {"input_ids": kwargs["input_ids"], "attention_mask": kwargs["attention_mask"]}
     inputs["output_router_logits"] = kwargs.get("output_router_logits", False)
+    for key in ("score_positions", "score_targets"):  # the collator's, for `labels` (`collate.host_facts`)
+        if key in kwargs:
+            inputs[key] = kwargs[key]
     scores = score(model, labels, inputs)
     index = kwargs["logp_index"]
 
@@ -53,8 +57,8 @@ def pair_scores(model, kwargs: dict) -> FusedCausalLMOutput:
     token = scores.log_probs
     chosen_nll = getattr(model, "_erniekit_chosen_nll", None)
     if chosen_nll is not None and torch.is_grad_enabled():  # the policy's pass (DPO's `sft` term, step_weights.py)
-        chosen = index < (rows // 2) * (width - 1)  # chosen rows first
-        chosen_nll(-token[chosen].sum() / chosen.sum().clamp(min=1))
+        chosen = index < (rows // 2) * (width - 1)  # chosen rows first; weights, not a mask (its size is a host read)
+        chosen_nll(-(token * chosen).sum() / chosen.sum().clamp(min=1))
     return FusedCausalLMOutput(
         loss=-token.sum() / max(1, token.numel()),
         log_probs=layout(token),
@@ -75,5 +79,5 @@ class PairRowsMixin:
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
-        self.count_tokens(model, int(inputs["attention_mask"].sum()), inputs.pop("token_slots", 0))
+        self.count_tokens(model, real_tokens(inputs), inputs.pop("token_slots", 0))
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

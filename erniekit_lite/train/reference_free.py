@@ -94,7 +94,7 @@ class ReferenceFreeMixin(StepWeightsMixin, PairRowsMixin):
 
     def concatenated_forward(self, model, batch):
         """TRL's (chosen_logps, rejected_logps, chosen_logits, rejected_logits, nll_loss[, aux_loss]) from one packed
-        forward. The logits are the mean logit of each scored position (TRL's metrics take their `.mean()`)."""
+        forward. The logits are each side's mean logit over its scored positions (TRL's metrics take their `.mean()`)."""
         out = model(**{k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}, output_router_logits=self.aux_loss_enabled)
         token, mask = out.log_probs, out.label_mask
         n = len(token) // 2  # chosen rows first
@@ -105,9 +105,13 @@ class ReferenceFreeMixin(StepWeightsMixin, PairRowsMixin):
             nll = -token[:n].sum() / mask[:n].sum()
             self._token_term = (self.nll_coef, nll)  # weighed by the step's chosen tokens (step_weights.py)
         else:
-            nll = torch.tensor(0.0, device=token.device)
-        logits = out.mean_logits
-        result = (logps[:n], logps[n:], logits[:n][mask[:n]], logits[n:][mask[n:]], nll)
+            nll = token.new_zeros(())
+        # TRL logs each side's `.mean()`: the mean over its scored positions, as one value (a boolean mask's size would
+        # be a host read)
+        def mean_logit(rows: slice) -> torch.Tensor:
+            return ((out.mean_logits[rows] * mask[rows]).sum() / mask[rows].sum()).reshape(1)
+
+        result = (logps[:n], logps[n:], mean_logit(slice(None, n)), mean_logit(slice(n, None)), nll)
         if not self.aux_loss_enabled:
             return result
         # TRL's loss adds it; logged as in SFT and DPO (TRL's ORPO and CPO do not log it)

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from erniekit_lite.data import cache
+from erniekit_lite.model.attention import take_batch_lengths
 
 FORMAT = 1  # bump when the entry layout changes
 
@@ -109,6 +110,7 @@ def _score(trainer, dataset, batch_size: int, score: Callable, per_row: Callable
     results, at = [], 0
     for counts, batch in loader:
         batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items() if k not in ("token_slots", "row_units")}
+        take_batch_lengths(batch)
         values = {k: v.float().cpu().tolist() for k, v in score(model, batch).items() if v is not None}
         if any(len(v) != sum(counts) for v in values.values()):
             raise RuntimeError(f"reference pass: {sorted(map(len, values.values()))} values for {sum(counts)} pairs or examples")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from erniekit_lite.data.tokenize import IGNORE
+from erniekit_lite.data.collate import labelled_positions
 from erniekit_lite.memory import MAX_CHUNK_ELEMENTS  # a module global here, so tests can make chunks small
 
 
@@ -41,24 +41,6 @@ class Scores:
     is_top1: torch.Tensor  # [n] bool
     aux_loss: torch.Tensor | None  # MoE router load-balancing loss, when requested
     router_logits: tuple | None = None  # MoE: [tokens, experts] per MoE layer, when requested or tracked
-
-
-def labelled_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [batch, seq] mask of the positions whose next token is trained, and those tokens (flat, row-major)."""
-    targets = labels[:, 1:]
-    keep = torch.zeros_like(labels, dtype=torch.bool)
-    keep[:, :-1] = targets != IGNORE
-    return keep, targets[keep[:, :-1]]
-
-
-def with_score_positions(inputs: dict) -> dict:
-    """On the CPU, before the batch moves: the flat positions whose next token is trained and those tokens, from
-    the batch's `labels` (what `labelled_positions` finds on the device, where the mask's size is a host read)."""
-    labels = inputs.get("labels")
-    if not torch.is_tensor(labels) or labels.device.type != "cpu" or labels.dim() != 2:
-        return inputs
-    keep, targets = labelled_positions(labels)
-    return {**inputs, "score_positions": keep.flatten().nonzero().squeeze(1), "score_targets": targets}
 
 
 def add_scoring_forward(model) -> None:
@@ -84,7 +66,7 @@ def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True) -> Sco
     for key in ("labels", "fused_lm_head", "use_cache", "logits_to_keep"):
         inputs.pop(key, None)
     positions, targets = inputs.pop("score_positions", None), inputs.pop("score_targets", None)
-    if positions is None:  # a boolean mask: its size is read back from the device (`with_score_positions` avoids it)
+    if positions is None:  # a boolean mask: its size is read back from the device (the collators' `host_facts` avoid it)
         keep, targets = labelled_positions(labels)
     out = model.base_model(**inputs, use_cache=False, **({"output_router_logits": True} if routed else {}))
     if tracker is not None and model.training and torch.is_grad_enabled():  # policy passes only, not the reference

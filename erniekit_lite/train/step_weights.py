@@ -24,9 +24,12 @@ as a per-pair term: KTO's KL estimate (a clamped mean over the micro-batch's KL 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from erniekit_lite.train import ragged_gather
+from erniekit_lite.train.trl_metrics import metrics_on_device
 
 
 class StepWeightsMixin:
@@ -48,20 +51,22 @@ class StepWeightsMixin:
         return batch["input_ids"].shape[0] // 2  # TRL's [2B, L] layout: chosen rows, then rejected
 
     def chosen_tokens(self, batch: dict) -> int:
-        return int(batch["completion_mask"][: self.units(batch)].sum())
+        return batch["chosen_tokens"]  # counted by the pair collators on the CPU (data/pairs.py)
 
     def _get_num_items_in_batch(self, batch_samples: list, device) -> None:
         """The step's pairs and chosen tokens (the Trainer calls this once per optimizer step, on every process, with
-        all the step's micro-batches). Returns None: TRL's losses take no `num_items_in_batch`."""
-        counts = torch.tensor([[sum(self.units(b) for b in batch_samples), sum(self.chosen_tokens(b) for b in batch_samples)]],
-                              dtype=torch.float64, device=device)
+        all the step's micro-batches). Returns None: TRL's losses take no `num_items_in_batch`. Counted on the host
+        from the collators' numbers; across processes they are summed on the device and stay there (`weigh` scales
+        with them as tensors), so no step waits to read them back."""
+        pairs, tokens = sum(self.units(b) for b in batch_samples), sum(self.chosen_tokens(b) for b in batch_samples)
         processes = 1
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
-            counts = self.accelerator.gather(counts).sum(0, keepdim=True)
+            counts = self.accelerator.gather(torch.tensor([[pairs, tokens]], dtype=torch.float64, device=device)).sum(0)
+            pairs, tokens = counts[0], counts[1]
             processes = self.accelerator.num_processes
         # the Trainer fetches a step's micro-batches before running them: the dataloader's end is known now
         self._last_batch = batch_samples[-1] if self.accelerator.gradient_state.end_of_dataloader else None
-        self._step_totals = (counts[0, 0].item(), counts[0, 1].item(), len(batch_samples), processes)
+        self._step_totals = (pairs, tokens, len(batch_samples), processes)
         return None
 
     def weigh(self, loss: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -73,7 +78,7 @@ class StepWeightsMixin:
         scale = accumulation * processes
         share = self.units(batch) / pairs
         weighed = loss * (share * scale)
-        if token_term is not None and tokens > 0:
+        if token_term is not None:  # C > 0: a pair is kept only if its prompt leaves room for a response (data/pairs.py)
             coef, value = token_term
             weighed = weighed + coef * value * ((self.chosen_tokens(batch) / tokens - share) * scale)
         return weighed
@@ -87,7 +92,8 @@ class StepWeightsMixin:
         rows = inputs.pop("row_units", None)  # the collator's pairs (examples) per row, for `ragged_gather`
         last = self._scoring_last if model.training else self.accelerator.gradient_state.end_of_dataloader
         self._last_rows = rows if last else None
-        out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        with metrics_on_device() if model.training else contextlib.nullcontext():
+            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if return_outputs:
             return self.weigh(out[0], inputs), out[1]
         return self.weigh(out, inputs)

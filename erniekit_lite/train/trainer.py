@@ -20,12 +20,12 @@ import torch
 from trl import SFTTrainer
 
 from erniekit_lite.errors import UserError
-from erniekit_lite.model.attention import remember_lengths
+from erniekit_lite.model.attention import take_batch_lengths
 from erniekit_lite.model.lora import INITIAL, save_as_plain_lora, unwrap
 from erniekit_lite.plan import CHECKPOINTING_OFF_BY_PLAN
 from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.optimizer import LoraPlusMixin
-from erniekit_lite.train.scoring import add_scoring_forward, with_score_positions
+from erniekit_lite.train.scoring import add_scoring_forward
 
 
 # What a micro-batch's training step adds to, put back before the first step's batches run again: the real-token
@@ -157,8 +157,8 @@ class ThroughputMixin(OutOfMemoryRetryMixin):  # every method's Trainer has it: 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         # Metrics kept as device tensors between logging steps (a `.item()` per micro-batch stalled the GPU each
         # time) are read back here, all of them in one transfer
-        held = [(values, i) for metrics in getattr(self, "_metrics", {}).values() for values in metrics.values()
-                for i, v in enumerate(values) if torch.is_tensor(v)]
+        kept = [*getattr(self, "_metrics", {}).values(), *getattr(self, "_stored_metrics", {}).values()]  # ORPO, CPO: stored
+        held = [(values, i) for metrics in kept for values in metrics.values() for i, v in enumerate(values) if torch.is_tensor(v)]
         if held:
             read = torch.stack([values[i].detach().float().reshape(()) for values, i in held]).tolist()
             for (values, i), value in zip(held, read):
@@ -190,18 +190,23 @@ class ThroughputMixin(OutOfMemoryRetryMixin):  # every method's Trainer has it: 
         return int(total[0]), int(total[1])
 
 
+def real_tokens(inputs: dict, side: str = "") -> int:
+    """The non-pad tokens of a batch (popped): as the collator counted them (`collate.host_facts`), else counted here,
+    a read from the device, for a batch some other collator made."""
+    real = inputs.pop(f"{side}real_tokens", None)
+    if real is None:
+        mask = inputs.get(f"{side}attention_mask")
+        real = int(mask.sum()) if mask is not None else inputs[f"{side}input_ids"].numel()
+    return real
+
+
 class HostBoundsMixin:
-    """What the batch says on the CPU is taken before it moves to the GPU, so no step reads it back from the device
-    (a host sync each): the sample lengths of packed rows (`cu_seq_lens_q`, for per-sample attention) and the
-    positions the LM head scores (`scoring.with_score_positions`)."""
+    """The sample lengths the collator counted on the CPU (`collate.host_facts`) are handed to per-sample attention
+    once the batch is on the GPU (accelerate's dataloader moves it before `_prepare_inputs`), so no step reads them
+    back from the device (a host sync each)."""
 
     def _prepare_inputs(self, inputs):
-        cu = inputs.get("cu_seq_lens_q")
-        lengths = (cu[1:] - cu[:-1]).tolist() if torch.is_tensor(cu) and cu.device.type == "cpu" else None
-        inputs = super()._prepare_inputs(with_score_positions(inputs))
-        if lengths is not None:
-            remember_lengths(inputs["cu_seq_lens_q"], lengths)
-        return inputs
+        return take_batch_lengths(super()._prepare_inputs(inputs))
 
 
 class PlainLoraSaveMixin:
@@ -241,6 +246,7 @@ class ErnieSFTTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlu
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         slots = inputs.pop("token_slots", labels.numel())
+        real = real_tokens(inputs)
         scores = model(**inputs, score_labels=labels, output_router_logits=self.aux_loss_enabled)
         n = scores.log_probs.numel()
         loss = -scores.log_probs.sum() / (num_items_in_batch if num_items_in_batch is not None else max(1, n))
@@ -254,7 +260,6 @@ class ErnieSFTTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlu
             self._eval_nll += -scores.log_probs.detach().double().sum()
             self._eval_tokens += n
         self._metrics[mode]["mean_token_accuracy"].append(scores.is_top1.sum() / max(1, n))
-        real = int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else inputs["input_ids"].numel()
         self.count_tokens(model, real, slots)
         if mode == "train":
             self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
