@@ -12,6 +12,7 @@ from typing import Callable
 from erniekit_lite import hub
 from erniekit_lite.data import handoff
 from erniekit_lite.model.load import load_tokenizer, tokenizer_path
+from erniekit_lite.model import fused_lora
 from erniekit_lite.model.lora import skip_input_casts
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import callbacks, distribution, rundir
@@ -55,6 +56,9 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
         trainer = method.build_trainer(model, tokenizer, args, data, recipe)
         trainer.add_callback(callbacks.FirstStep())
         skip_input_casts(trainer.model)  # adapters now exist, ours or the trainer's
+        fused = fused_lora.describe(*fused_lora.fuse(trainer.model))
+        if fused:
+            log(fused)
         plan_lm_head(trainer, recipe, log)
         distribution.units_of_one_dtype(trainer)
         distribution.report(trainer, log)
