@@ -15,6 +15,7 @@ from erniekit_lite.recipe import Recipe
 def plan(recipe: Recipe, log=print) -> dict:
     """Check the recipe and its data and log the plan; returns its figures. The memory plan needs only the model's
     config: a model folder without a tokenizer (a config.json copied from a release) is planned with the data unread."""
+    from erniekit_lite.model import compile_layers
     from erniekit_lite.model.load import adapter_base, has_tokenizer, load_tokenizer, tokenizer_path
     from erniekit_lite.trainer_args import training_args
 
@@ -51,6 +52,7 @@ def plan(recipe: Recipe, log=print) -> dict:
         info["memory_gb_head_kept"] = round(kept.total / memory.GIB, 2)
         log(f"  LM head trains: the estimate recomputes its logit chunks in backward; keeping them instead (what train "
             f"does when the device has room, a third less LM-head compute) needs {kept.total / memory.GIB:.1f} GiB")
+    log(compile_layers.describe(recipe, args.torch_compile_backend))
     if not cuda:
         log(f"  this machine has no CUDA GPU: `train` here runs on its CPU with mixed precision: {cpu_precision(recipe)} "
             "(the plan above is for the GPU run)")

@@ -42,6 +42,12 @@ class ModelSection(_Section):
     load_in_4bit: bool = Field(
         False, description="QLoRA: load the frozen base in 4-bit NF4 through bitsandbytes (CUDA GPU or CPU; needs lora:)."
     )
+    compile_layers: bool = Field(
+        False, description="Compile each decoder layer with torch.compile (dynamic row length: no recompile per row), "
+        "one compiled layer reused by all, so the eager step's elementwise work (RoPE, RMSNorm, SiLU x up, casts) fuses; "
+        "backend train.torch_compile_backend (default inductor). Off by default: not yet measured faster on a GPU. "
+        "Not with train.torch_compile, which compiles the whole model.",
+    )
 
 
 class Source(_Section):

@@ -40,6 +40,8 @@ def training_args(recipe: Recipe, out: Path):
         "remove_unused_columns": False,
         "prediction_loss_only": True,
     }
+    if recipe.model.compile_layers and settings.get("torch_compile"):
+        raise UserError("model.compile_layers: train.torch_compile compiles the whole model as well; choose one")
     for key in ("save_strategy", "eval_strategy", "logging_strategy"):
         if settings.get(key) is False:  # YAML 1.1 reads `save_strategy: no` as false
             settings[key] = "no"

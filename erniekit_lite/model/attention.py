@@ -15,7 +15,6 @@ tokens of short samples), where `split`'s backward concatenates the pieces once.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import weakref
 
@@ -109,10 +108,15 @@ def packed_varlen_forward(module, query, key, value, attention_mask, scaling=Non
     return out[None].to(query.dtype), None
 
 
-@functools.cache
+_PARAMETERS: dict = {}  # varlen_attn -> its parameter names (a plain dict: a compiled layer traces through it)
+
+
 def _varlen_parameters(kernel) -> frozenset:
     """The parameter names of this torch's `varlen_attn`, read once (not once per layer and step)."""
-    return frozenset(inspect.signature(kernel).parameters)
+    names = _PARAMETERS.get(kernel)
+    if names is None:
+        names = _PARAMETERS[kernel] = frozenset(inspect.signature(kernel).parameters)
+    return names
 
 
 def _call_varlen(q, k, v, cu, longest, scale):

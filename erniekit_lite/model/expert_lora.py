@@ -130,6 +130,9 @@ def set_expert_compute(model, mode: str = SPLIT) -> int:
     return count
 
 
+# Per-expert bounds counted from the routing (data-dependent sizes): a compiled layer calls this eagerly, one clean
+# break per MoE layer; traced, every new routing recompiled (model/compile_layers.py)
+@torch.compiler.disable
 def experts_forward(experts, hidden_states, top_k_index, top_k_weights, factors):
     """transformers' grouped_mm experts forward with each projection's adapter added per expert (x·Wᵀ + s·x·Aᵀ·Bᵀ)."""
     tokens, k = top_k_index.shape

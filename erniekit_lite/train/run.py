@@ -12,7 +12,7 @@ from typing import Callable
 from erniekit_lite import hub
 from erniekit_lite.data import handoff
 from erniekit_lite.model.load import load_tokenizer, tokenizer_path
-from erniekit_lite.model import fused_lora
+from erniekit_lite.model import compile_layers, fused_lora
 from erniekit_lite.model.lora import skip_input_casts
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import callbacks, distribution, rundir
@@ -59,6 +59,9 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
         fused = fused_lora.describe(*fused_lora.fuse(trainer.model))
         if fused:
             log(fused)
+        if recipe.model.compile_layers:
+            compile_layers.compile_layers(trainer.model, args.torch_compile_backend)
+            log(compile_layers.describe(recipe, args.torch_compile_backend))
         plan_lm_head(trainer, recipe, log)
         distribution.units_of_one_dtype(trainer)
         distribution.report(trainer, log)
