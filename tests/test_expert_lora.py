@@ -221,3 +221,36 @@ def test_split_equals_merged_at_the_released_widths():
     random_b(model)
     assert experts_of(model)[0].get_base_layer().gate_up_proj.shape == (64, 3072, 2560)
     assert_same_step(model, batch(1024, rows=1, length=128))
+
+
+def test_experts_without_tokens_get_no_gradient_and_a_layer_may_get_no_tokens(tiny_moe_dir, one_thread):
+    """Tokens routed to experts 0 and 1 only: every other expert's A rows and B columns get a gradient of exactly 0,
+    the two used ones a nonzero one; a call with no tokens at all (a micro-batch whose tokens all went elsewhere)
+    returns [0, hidden] and backpropagates."""
+    model = adapted(tiny_moe_dir, r=4)
+    set_expert_compute(model, SPLIT)
+    wrapper = next(m for m in model.modules() if isinstance(m, SplitExperts))
+    chain, experts = wrapper_parts(wrapper)
+    n, hidden = experts.num_experts, model.config.hidden_size
+    x = torch.randn(6, hidden, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    index = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1], [1, 0]])
+    wrapper(x, index, torch.full((6, 2), 0.5)).square().sum().backward()
+    for param in chain:
+        a, b = param.lora_A["default"].weight.grad, param.lora_B["default"].weight.grad
+        r = a.shape[0] // n  # gate_up's adapter has rank 2r (peft's layout: docs/methods.md)
+        for e in range(n):
+            rows, columns = a[e * r:(e + 1) * r], b[:, [j * n + e for j in range(r)]]
+            used = e in (0, 1)
+            assert (rows.abs().max() > 0) == used and (columns.abs().max() > 0) == used, (param.parameter_name, e)
+    empty = torch.zeros(0, hidden, requires_grad=True)
+    out = wrapper(empty, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    assert out.shape == (0, hidden)
+    out.sum().backward()
+    assert empty.grad.shape == (0, hidden)
+
+
+def wrapper_parts(outer):
+    from erniekit_lite.model.expert_lora import wrappers
+
+    chain, experts = wrappers(outer)
+    return list(chain.values()), experts

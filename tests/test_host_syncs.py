@@ -125,9 +125,10 @@ def test_a_training_step_reads_nothing_back_from_the_device(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("case", ["moe-full", "moe-lora", "qlora"])
-def test_an_moe_or_qlora_sft_step_reads_back_only_what_the_expert_lora_path_does(tmp_path, monkeypatch, tiny_own_dir, tiny_moe_dir, case):
-    """Around the experts nothing is read back (the expert load counts by scatter, not `bincount` and a mask); the
-    split expert LoRA's own `bincount` of tokens per expert, once per MoE layer and pass, is the MoE issue's (47)."""
+def test_an_moe_or_qlora_sft_step_reads_nothing_back(tmp_path, monkeypatch, tiny_own_dir, tiny_moe_dir, case):
+    """The expert load counts by scatter, not `bincount` and a mask; the split expert LoRA finds each expert's rows by
+    a search over the sorted ids, not `bincount` (two reads per MoE layer and pass before). Its 4-bit experts and the
+    unaligned-rank loop still read offsets back (issue 47); they are not counted here."""
 
     def recipe_of(path, out, steps):
         qlora = case == "qlora"
@@ -136,6 +137,4 @@ def test_an_moe_or_qlora_sft_step_reads_back_only_what_the_expert_lora_path_does
                             train={"max_steps": steps, "logging_steps": 1000, "save_strategy": "no", "learning_rate": 1e-3,
                                    "per_device_train_batch_size": 1, "bf16": qlora})
 
-    counts = syncs_per_step(tmp_path, monkeypatch, recipe_of)
-    assert all(k[0] == "aten::bincount" and k[2] == "experts_forward" and "expert_lora.py" in k[1] for k in counts), counts
-    assert bool(counts) == (case == "moe-lora"), counts
+    assert syncs_per_step(tmp_path, monkeypatch, recipe_of) == {}

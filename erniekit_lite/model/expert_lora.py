@@ -137,8 +137,9 @@ def experts_forward(experts, hidden_states, top_k_index, top_k_weights, factors)
     """transformers' grouped_mm experts forward with each projection's adapter added per expert (x·Wᵀ + s·x·Aᵀ·Bᵀ)."""
     tokens, k = top_k_index.shape
     expert_ids, perm = torch.sort(top_k_index.reshape(-1))
-    counts = torch.bincount(expert_ids, minlength=experts.num_experts)
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    # where each expert's rows end, from the sorted ids: a fixed-size search, where `bincount` reads the ids' range
+    # back to the host to size its output (a GPU sync per MoE layer and pass)
+    offsets = torch.searchsorted(expert_ids, torch.arange(experts.num_experts, device=expert_ids.device), right=True).to(torch.int32)
     dtype = compute_dtype(experts)
     # As the merged path: grouped_mm runs in the expert weights' dtype whatever autocast says
     with torch.autocast(hidden_states.device.type, enabled=False):
@@ -148,7 +149,7 @@ def experts_forward(experts, hidden_states, top_k_index, top_k_weights, factors)
         x = x * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(dtype)
     restore = torch.empty_like(perm)
     restore[perm] = torch.arange(perm.numel(), device=perm.device)
-    return x[restore].view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+    return x[restore].view(tokens, k, x.shape[-1]).sum(dim=1).to(hidden_states.dtype)  # sized: a layer may get no tokens
 
 
 def project(x, experts, name: str, lora, offsets):
