@@ -127,8 +127,8 @@ def test_a_training_step_reads_nothing_back_from_the_device(tmp_path, monkeypatc
 @pytest.mark.parametrize("case", ["moe-full", "moe-lora", "qlora"])
 def test_an_moe_or_qlora_sft_step_reads_nothing_back(tmp_path, monkeypatch, tiny_own_dir, tiny_moe_dir, case):
     """The expert load counts by scatter, not `bincount` and a mask; the split expert LoRA finds each expert's rows by
-    a search over the sorted ids, not `bincount` (two reads per MoE layer and pass before). Its 4-bit experts and the
-    unaligned-rank loop still read offsets back (issue 47); they are not counted here."""
+    a search over the sorted ids, not `bincount` (two reads per MoE layer and pass before). Its 4-bit experts still read
+    offsets back (issue 47); they are not counted here."""
 
     def recipe_of(path, out, steps):
         qlora = case == "qlora"

@@ -164,8 +164,11 @@ def project(x, experts, name: str, lora, offsets):
         return out
     a, b, scale = lora
     # As peft's fold: the factors in the weight's dtype. B's view has no unit stride, which grouped_mm needs: a copy
-    # (the size of B, kept for backward)
-    a, b = a.to(x.dtype), b.to(x.dtype).contiguous()
+    # (the size of B, kept for backward). A rank whose rows are not 16-byte aligned is padded with zero rows, which
+    # add nothing: grouped_mm runs instead of a loop over the experts that reads the offsets back
+    a, b = a.to(x.dtype), b.to(x.dtype)
+    pad = -a.shape[1] % (16 // x.element_size())
+    a, b = (F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, 0, 0, pad))) if pad else (a, b.contiguous())
     return torch.add(out, grouped(grouped(x, a.transpose(-2, -1), offsets), b, offsets), alpha=scale)
 
 
