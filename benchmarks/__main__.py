@@ -65,6 +65,7 @@ BENCHES = [
           ("dpo_packing.py", "--steps", "1", "--samples", "40"), 20),
     Bench("dpo_packing-0.3b", "results-dpo_packing-cpu-0.3b-shape.txt",
           ("dpo_packing.py", "--released-shape", "--steps", "2", "--batch", "2", "--samples", "80", "--rounds", "3"), None, 12),
+    Bench("compile_layers", "results-compile_layers.txt", ("compile_layers.py", "--rounds", "3"), ("compile_layers.py", "--rounds", "1", "--steps", "3"), 10),
     Bench("lora_kernels", "results-lora_kernels.txt", ("lora_kernels.py", "--rounds", "3"), ("lora_kernels.py", "--rounds", "1", "--steps", "1"), 3),
     Bench("methods", "results-methods.txt", ("methods.py", "--rounds", "3"),
           ("methods.py", "--steps", "1", "--samples", "20"), 20),
