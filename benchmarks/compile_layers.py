@@ -9,7 +9,7 @@ with `model.compile_layers: true` (backend inductor), each in its own process, i
 
 Metrics, from each run's own `trainer_state.json` log and wall clock:
 - first step: the first logged step's wall time minus eager's (compiling happens there, and again for the first
-  backward; on CPU inductor writes and builds C++);
+  backward; on CPU inductor writes and builds C++), each run with an empty inductor cache (a cold compile);
 - later steps: the median wall time per step over steps 3 to --steps (after the shapes went dynamic);
 - the losses: equal within 1e-5 or the script says so.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -69,7 +70,9 @@ def run(tmp: Path, model: Path, name: str, steps: int, round_: int) -> dict:
     path = tmp / f"{name}-{round_}.yaml"
     path.write_text(yaml.safe_dump(recipe))
     times = tmp / f"{name}-{round_}.json"
-    done = subprocess.run([sys.executable, "-c", CHILD, str(path), str(times)], cwd=ROOT, capture_output=True, text=True)
+    # a fresh inductor cache per run: the compile time measured is a cold one, as on a new machine
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp / f"inductor-{name}-{round_}")}
+    done = subprocess.run([sys.executable, "-c", CHILD, str(path), str(times)], cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"compile_layers: the {name} run failed:\n{done.stderr[-3000:]}")
     losses = [h["loss"] for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h]
