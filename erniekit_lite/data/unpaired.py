@@ -170,7 +170,6 @@ def _padded(seqs: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict:
         "completion_mask": (labels != IGNORE).long(),
         "pair_labels": labels,
         "logp_index": rows_idx * (width - 1) + cols,
-        **host_facts(labels, int(attention.sum())),
     }
 
 
@@ -210,7 +209,11 @@ class PaddedFeedbackCollator:
     pad_token_id: int
 
     def __call__(self, rows: list[dict]) -> dict:
-        return _batch(rows, lambda seqs: _padded(seqs, self.pad_token_id), None)
+        return _batch(rows, self._side, None)
+
+    def _side(self, seqs: list[tuple[list[int], list[int]]]) -> dict:
+        side = _padded(seqs, self.pad_token_id)
+        return {**side, **host_facts(side["pair_labels"], int(side["attention_mask"].sum()))}
 
 
 def _batch(rows: list[dict], side, max_length: int | None) -> dict:
