@@ -79,12 +79,15 @@ def test_fused_lora_in_bf16_is_as_close_to_fp32_as_peft_path(tiny_own_dir):
     assert errors["fused"][1] <= 1.5 * errors["peft"][1], errors
 
 
-def test_the_layers_that_keep_peft_path_are_named(tiny_own_dir):
+def test_the_layers_that_keep_peft_path_are_named(tiny_own_dir, tiny_moe_dir):
     _, fused, (n, kept) = pair(tiny_own_dir, "float32", use_dora=True)
     assert n == 0 and kept == {"DoRA": 14}
     assert fused_lora.describe(n, kept) == "LoRA: fused forward and backward on 0 of 14 adapted layers (14 kept peft's path: DoRA)"
     _, _, (n, kept) = pair(tiny_own_dir, "float32", dropout=0.1)
     assert n == 0 and kept == {"dropout": 14}
+    # the MoE's routed experts have their own path (expert_lora.py): not counted as kept on peft's
+    _, _, (n, kept) = pair(tiny_moe_dir, "float32")
+    assert n == 21 and kept == {}
 
 
 def test_a_run_trains_the_same_adapter_fused_as_through_peft(tmp_path, monkeypatch, tiny_own_dir, capsys):

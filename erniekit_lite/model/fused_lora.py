@@ -55,10 +55,6 @@ class LoraLinear(torch.autograd.Function):
 
 def _eligible(module) -> str | None:
     """Why this peft LoRA Linear keeps peft's forward, or None."""
-    from peft.tuners.lora import Linear
-
-    if not isinstance(module, Linear):
-        return "not a LoRA Linear"
     if type(module.get_base_layer()) is not torch.nn.Linear:
         return "4-bit or 8-bit base (QLoRA)"
     if module.lora_variant:
@@ -85,12 +81,13 @@ def _forward(self, x, *args, **kwargs):
 
 
 def fuse(model) -> tuple[int, dict[str, int]]:
-    """Give every eligible peft LoRA Linear of `model` the fused forward. Returns (layers fused, {reason: layers not})."""
-    from peft.tuners.lora import LoraLayer
+    """Give every eligible peft LoRA Linear of `model` the fused forward. Returns (layers fused, {reason: layers not}).
+    Other LoRA layers are not counted: the MoE's routed experts have their own path (expert_lora.py)."""
+    from peft.tuners.lora import Linear
 
     fused, kept = 0, {}
     for module in model.modules():
-        if not isinstance(module, LoraLayer) or hasattr(module, "_erniekit_peft_forward"):
+        if not isinstance(module, Linear) or hasattr(module, "_erniekit_peft_forward"):
             continue
         why = _eligible(module)
         if why is not None:
