@@ -38,8 +38,8 @@ b = bytes of matmul outputs (2 under bf16/fp16 autocast, else r).
     fp32 weights under autocast also keep the bf16 copy of every linear weight (2 bytes/param). LoRA on the
     routed experts (peft target_parameters) with `lora.expert_compute: merged` merges W + BA for each MoE layer
     in every forward and keeps it: one full copy of that layer's expert weights. `split` (the default,
-    model/expert_lora.py) keeps instead each expert adapter's B densely in r (and A too when cast to r), plus
-    k x r x (rank of gate_up + rank of down) per token.
+    model/expert_lora.py) keeps instead k x r x (rank of gate_up + rank of down) per token, and each MoE layer's
+    expert adapters' B densely in r (and A too when cast to r) from one optimizer step to the next, checkpointed or not.
     Activation checkpointing (TRL's default; activation_checkpointing_kwargs every_n_layers / offload honoured):
     a checkpointed layer keeps only its input, r*h per token (none on the device when offloaded), plus the rope
     cos/sin once, 8d.
@@ -54,9 +54,10 @@ b = bytes of matmul outputs (2 under bf16/fp16 autocast, else r).
   and with several chunks at least 3 x V x h gradient bytes: a chunk's head-weight gradient, the running sum, the new sum); the layer phase, one
   recomputed layer (with checkpointing) + a quarter of a layer's activations (gradients in flight; fitted to the
   measurements) + 2 x the layer's parameters in gradient bytes (full FT) + the merged expert stack's gradient
-  (expert LoRA, merged), less the trained head's kept buffers, freed by then. QLoRA's layer phase adds the largest
-  4-bit weight dequantized (a linear, or one routed expert's gate_up; x2, bf16); its LM-head phase nothing (the
-  tied head is not quantized).
+  (expert LoRA, merged), less the trained head's kept buffers, freed by then. QLoRA's layer phase adds the larger of
+  the largest 4-bit linear dequantized (x2, bf16) and the routed experts' largest run (model/expert_4bit.py: every
+  expert's rows of one run dequantized, 2.56 B per element, plus with several runs 6 B per routed token and input
+  feature in backward); its LM-head phase nothing (the tied head is not quantized).
 - DPO (ORPO and SimPO have no reference): LoRA DPO's reference is the base with the adapter disabled: its no-grad
   forward (one layer's activations, or one logits chunk at (8 + b) x CV) counts where it exceeds the working set. Full DPO adds a frozen
   copy of the model (not with precompute_ref_log_probs). Not yet measured. KTO: the same reference; T counts one
@@ -390,13 +391,13 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
     activations = kept * t
     recompute = max((layer[i] for i in ckpt), default=0) * t  # the layer being recomputed in backward
     merged = params.expert_params_per_layer * r if params.expert_lora and not params.expert_split else 0
-    # peft merges W + B@A per MoE layer in every forward; autograd keeps the merged stack for backward. Split keeps
-    # instead each expert adapter's B once more, densely, in the experts' dtype (model/expert_lora.py)
-    per_moe_layer = merged + (_split_copies(shape, params, run) if params.expert_split else 0)
-    if per_moe_layer:
-        activations += per_moe_layer * sum(1 for i in shape.moe_layers if i not in ckpt)
+    # peft merges W + B@A per MoE layer in every forward; autograd keeps the merged stack for backward
+    if merged:
+        activations += merged * sum(1 for i in shape.moe_layers if i not in ckpt)
         if any(i in ckpt for i in shape.moe_layers):
-            recompute += per_moe_layer
+            recompute += merged
+    if params.expert_split:  # each expert adapter's B laid out, kept from one optimizer step to the next, every layer's
+        activations += _split_copies(shape, params, run) * len(shape.moe_layers)
     weight_copies = run.autocast and r == 4 and not run.load_in_4bit
     if weight_copies:
         # autocast's bf16 copy of every linear weight is kept for backward (of the layers not checkpointed)
@@ -410,12 +411,11 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
     b = 2 if (run.autocast or r == 2) else 4
     layer_phase = recompute + max(layer.values()) * t // 4 + merged
     if run.load_in_4bit:
-        # The largest 4-bit weight dequantized to bf16 as it runs (a linear, or one routed expert's gate_up: ExpertMatmul
-        # dequantizes one expert at a time), x2 for forward's and backward's copies: a bound, since bitsandbytes'
-        # MatMul4Bit and ExpertMatmul free forward's copy as the matmul returns (measured on CPU: one copy alive,
-        # benchmarks/memory_check.py's held-out QLoRA case). The layer phase only: the tied LM head is not quantized
-        expert = 2 * shape.moe_intermediate * shape.hidden if params.experts_frozen else 0
-        layer_phase += 2 * max(params.largest_linear, expert) * 2
+        # The largest 4-bit weight dequantized to bf16 as it runs: a linear, x2 for forward's and backward's copies (a
+        # bound, since bitsandbytes' MatMul4Bit frees forward's copy as the matmul returns: measured on CPU, one copy
+        # alive, benchmarks/memory_check.py's held-out QLoRA case), or the routed experts' largest run
+        # (`_expert_run_bytes`). The layer phase only: the tied LM head is not quantized
+        layer_phase += max(2 * params.largest_linear * 2, _expert_run_bytes(shape, t) if params.experts_frozen else 0)
     if full:
         layer_phase += 2 * params.layer_params_max * train_bytes
     if params.head_trains:
@@ -612,6 +612,20 @@ def _split_copies(shape: Shape, params: Params, run: Run) -> int:
     gate_up, down = (params.lora_rank.get(f"experts.{n}", 0) for n in ("gate_up_proj", "down_proj"))
     cast = r != (2 if run.load_in_4bit else 4)
     return shape.experts * r * (gate_up * (2 * mi + h * cast) + down * (h + mi * cast))
+
+
+def _expert_run_bytes(shape: Shape, tokens: int) -> int:
+    """What 4-bit routed experts hold at once (model/expert_4bit.py): one run of rows dequantized (2 B each), its
+    packed bytes gathered (0.5 B) and its absmax as floats (4 B per 64); with several runs, backward's fp32 sum of the
+    runs' input gradients and one run's part (6 B per routed token and input feature)."""
+    from erniekit_lite.model.expert_4bit import run_rows
+
+    e, h, m = shape.experts, shape.hidden, shape.moe_intermediate
+    largest = 0
+    for out, inner in ((2 * m, h), (h, m)):
+        rows = run_rows((e, out, inner), 2)
+        largest = max(largest, int(e * rows * inner * (2 + 0.5 + 4 / 64)) + (6 * tokens * shape.top_k * inner if rows < out else 0))
+    return largest
 
 
 def _final_norm(shape: Shape, params: Params, run: Run) -> int:

@@ -59,7 +59,7 @@ def assert_close(got, want, what: str = "") -> None:
 def assert_same_step(model, inputs, looped: bool = False, monkeypatch=None) -> None:
     merged_logits, merged_grads = run(model, MERGED, inputs)
     if looped:  # the loop over the experts hit, which runs where torch's grouped_mm cannot
-        monkeypatch.setattr("erniekit_lite.model.expert_lora.can_group", lambda *args: False)
+        monkeypatch.setattr("erniekit_lite.model.grouped.can_group", lambda *args: False)
     logits, grads = run(model, SPLIT, inputs)
     assert_close(logits, merged_logits, "logits")
     assert grads.keys() == merged_grads.keys()
@@ -259,10 +259,46 @@ def wrapper_parts(outer):
 def test_an_unaligned_rank_is_padded_and_grouped_not_looped(tiny_moe_dir, one_thread, monkeypatch):
     """Rank 3 in fp32 (12-byte rows): zero rows pad A and B to rank 4, so grouped_mm runs (the loop over the experts
     read the offsets back) and the result still equals the merged path."""
-    from erniekit_lite.model import expert_lora
+    from erniekit_lite.model import grouped
 
     model = adapted(tiny_moe_dir, r=3, alpha=7, use_rslora=True)
-    seen, can_group = [], expert_lora.can_group
-    monkeypatch.setattr(expert_lora, "can_group", lambda x, w: seen.append(can_group(x, w)) or seen[-1])
+    seen, can_group = [], grouped.can_group
+    monkeypatch.setattr(grouped, "can_group", lambda x, w: seen.append(can_group(x, w)) or seen[-1])
     assert_same_step(model, batch(model.config.vocab_size))
     assert seen and all(seen)
+
+
+def test_the_laid_out_factors_follow_every_optimizer_step(tiny_moe_dir, one_thread):
+    """Split keeps each expert adapter's B (and A, when cast to bf16 experts) laid out from one optimizer step to the
+    next. After each of two steps of torch's fused AdamW (which updates the parameters without moving their version
+    counter), each over two accumulated micro-batches, and after an in-place edit: the logits equal those with the
+    kept layouts dropped (exactly), and in fp32 the merged path's on the same weights."""
+    for dtype in ("float32", "bfloat16"):
+        model = apply_lora(load_model(str(tiny_moe_dir), dtype, "sdpa"), LoraSection(r=4))
+        random_b(model)
+        wrappers = [m for m in model.modules() if isinstance(m, SplitExperts)]
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+        inputs = [batch(model.config.vocab_size, rows=1, seed=seed) for seed in range(4)]
+        probe = batch(model.config.vocab_size, rows=1, seed=9)["input_ids"]
+
+        def check(when):
+            with torch.no_grad():
+                kept = model(input_ids=probe).logits
+                for wrapper in wrappers:
+                    for inner in wrapper_parts(wrapper)[0]:
+                        inner.__dict__.get("laid_out", {}).clear()
+                assert torch.equal(model(input_ids=probe).logits, kept), (dtype, when)
+                if dtype == "float32":
+                    set_expert_compute(model, MERGED)
+                    assert_close(kept, model(input_ids=probe).logits, when)
+                    set_expert_compute(model, SPLIT)
+
+        for step in range(2):
+            for micro in inputs[2 * step:2 * step + 2]:
+                model(**micro).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            check(f"after step {step + 1}")
+        with torch.no_grad():
+            next(p for n, p in model.named_parameters() if "experts" in n and ".lora_B." in n).mul_(3)
+        check("after an in-place edit")

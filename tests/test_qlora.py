@@ -59,7 +59,7 @@ def test_the_base_loads_in_4bit_routed_experts_included(arch, tiny_own_dir, tiny
         if name.endswith("mlp.gate.weight"):  # the router: not quantized
             assert param.dtype == torch.float32, name
     if arch == "moe":  # quantized as loaded (transformers' quantizer hook) = the loaded bf16 weights quantized after
-        from erniekit_lite.model.expert_lora import quantize_experts
+        from erniekit_lite.model.expert_4bit import quantize_experts
 
         after = load_model(str(path), "bfloat16", "sdpa")
         quantize_experts(after, torch.bfloat16)
@@ -73,7 +73,7 @@ def test_4bit_experts_compute_as_their_dequantized_weights(tiny_moe_dir):
     """Logits (without and with an adapter) and LoRA gradients of the 4-bit-expert model against the same model
     with its experts dequantized once up front and run through the split path: within REFERENCE_TOLERANCE
     (measured on CPU, bf16: identical, 0.0)."""
-    from erniekit_lite.model.expert_lora import unquantize_experts
+    from erniekit_lite.model.expert_4bit import unquantize_experts
 
     torch.manual_seed(0)
     ids = torch.randint(5, 200, (2, 24))
@@ -101,6 +101,53 @@ def test_4bit_experts_compute_as_their_dequantized_weights(tiny_moe_dir):
     grad_diff = max(((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12)).item() for n in ref_grads)
     print(f"4-bit experts vs dequantized: logits {base_diff:.3g} (base), {diff:.3g} (adapter); LoRA gradients {grad_diff:.3g} (relative)")
     assert base_diff <= REFERENCE_TOLERANCE and diff <= REFERENCE_TOLERANCE and grad_diff <= REFERENCE_TOLERANCE
+
+
+def test_4bit_experts_in_runs_of_rows_match_the_dequantized_experts(tiny_moe_dir, monkeypatch):
+    """One MoE layer's 4-bit experts with an adapter, dequantized in runs of 8 rows (RUN_BYTES cut to force 8 and 16
+    runs) and in one run, against the same experts dequantized up front: outputs and gradients within
+    REFERENCE_TOLERANCE (bf16); tokens routed to experts 0 and 1 only, so the other experts' adapter gradients are
+    exactly 0; a call with no tokens returns [0, hidden]. The released 21B-A3B widths run in whole runs under RUN_BYTES."""
+    from erniekit_lite.model import expert_4bit
+    from erniekit_lite.model.expert_lora import SplitExperts, wrappers
+
+    assert expert_4bit.run_rows((64, 3072, 2560), 2) == 384 and expert_4bit.run_rows((64, 2560, 1536), 2) == 640
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 64, generator=generator, dtype=torch.bfloat16)
+    index, weights = torch.tensor([[0, 1], [1, 0]] * 3), torch.full((6, 2), 0.5)
+    results = {}
+    for case, run_bytes in (("runs", 1), ("one run", expert_4bit.RUN_BYTES), ("dequantized", None)):
+        model = four_bit(tiny_moe_dir)
+        if run_bytes is None:
+            expert_4bit.unquantize_experts(model)
+        monkeypatch.setattr(expert_4bit, "RUN_BYTES", run_bytes or expert_4bit.RUN_BYTES)
+        torch.manual_seed(0)
+        peft_model = apply_lora(model, LoraSection(r=4, dropout=0.0))
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+        wrapper = next(m for m in peft_model.modules() if isinstance(m, SplitExperts))
+        chain, experts = wrappers(wrapper)
+        if case == "runs":
+            assert [len(expert_4bit.runs_of(experts, n, 2)) for n in expert_4bit.NAMES] == [8, 8]
+        inputs = x.clone().requires_grad_(True)
+        out = wrapper(inputs, index, weights)
+        out.float().square().sum().backward()
+        grads = {f"{n}.{f}": getattr(w, f)["default"].weight.grad.float() for n, w in chain.items() for f in ("lora_A", "lora_B")}
+        results[case] = out.detach().float(), inputs.grad.float(), grads
+        empty = wrapper(torch.zeros(0, 64, dtype=torch.bfloat16), index[:0], weights[:0])
+        assert empty.shape == (0, 64)
+    reference = results.pop("dequantized")
+    for case, (out, input_grad, grads) in results.items():
+        diffs = {what: ((got - want).norm() / want.norm()).item() for got, want, what in [
+            (out, reference[0], "output"), (input_grad, reference[1], "input gradient")] + [(grads[n], reference[2][n], n) for n in grads]}
+        print(f"4-bit experts ({case}) vs dequantized up front: largest relative difference {max(diffs.values()):.3g}")
+        assert max(diffs.values()) <= REFERENCE_TOLERANCE, (case, diffs)
+        for name, grad in grads.items():
+            experts = 8
+            per = grad.view(experts, -1, grad.shape[-1]) if "lora_A" in name else grad.view(grad.shape[0], -1, experts).permute(2, 1, 0)
+            assert [bool(per[e].abs().max() > 0) for e in range(experts)] == [True, True] + [False] * 6, (case, name)
 
 
 @pytest.mark.parametrize("shape", [(3, 128, 128), (3, 64, 32)])  # whole 256-blocks of absmax per expert, or not

@@ -10,7 +10,7 @@ packed row of a new length reuses the graph instead of recompiling.
 Inside a layer: `packed_varlen` (PyTorch's varlen attention, a custom op) and flash-attn take the sample bounds as
 tensors and the longest sample as a number the collator computed, so attention compiles with the rest; per-sample
 sdpa (`packed_sdpa`, CPU) loops over the samples and stays eager, a break in the middle of each layer. The MoE's
-split expert LoRA and 4-bit experts count tokens per expert on the host and run eagerly the same way.
+routed experts under split expert LoRA or in 4-bit (model/grouped.py) run eagerly the same way.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The MoE's fused routed experts in 4-bit NF4 (`model.load_in_4bit`), dequantized one expert at a time as used.
+"""The MoE's fused routed experts in 4-bit NF4 (`model.load_in_4bit`): stored, computed, and put back.
 
 bitsandbytes quantizes nn.Linear weights only; transformers keeps the routed experts as two 3-D parameters per MoE
 layer (gate_up_proj [E, 2m, h], down_proj [E, h, m]), 20.38B of the 21B-A3B's 21.8B parameters, which so stayed
@@ -9,18 +9,27 @@ absmax too. Where they are not (tiny test models) each expert is quantized on it
 
 The packed NF4 bytes replace the parameter itself ([E, out·in/2] uint8, frozen), so peft still finds and wraps it
 (`ds_shape` gives it the logical [E, out, in] shape, as DeepSpeed's partitioned parameters do); the statistics are
-non-persistent buffers of the experts module, so they move with it. `ExpertMatmul` dequantizes one expert's weight
-in forward and again in backward (as bitsandbytes' MatMul4Bit does for a Linear4bit): no layer ever holds its
-dequantized stack, and the frozen weight gets no gradient.
-"""
+non-persistent buffers of the experts module, so they move with it.
 
+Computing (`matmul`): the stack is dequantized in runs of output rows, each run every expert's rows start:stop (one
+bitsandbytes call), and multiplied by one grouped_mm over all the tokens; backward dequantizes the runs again (as
+bitsandbytes' MatMul4Bit does for a Linear4bit). Runs of rows rather than of experts: which rows of the sorted tokens
+belong to a run of experts is only known on the device, and slicing them would read it back (a GPU sync per run); a
+row run needs no routing at all. Nothing reads the device on the host, and RUN_BYTES caps what is dequantized at once.
+"""
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
+from erniekit_lite.model.grouped import experts_forward, grouped, splittable
+
 BLOCK, NESTED = 64, 256  # bitsandbytes' 4-bit blocksize and its double quantization's
+# The most bytes of dequantized weights alive at once (one run; the memory plan's transient): on the 21B-A3B a layer's
+# gate_up stack [64, 3072, 2560] is 1.0 GB in bf16, and in runs of 384 rows 126 MB
+RUN_BYTES = 128 * 2**20
 NAMES = ("gate_up_proj", "down_proj")
 STATS = ("absmax", "absmax2", "offset", "code", "code2")
 
@@ -36,8 +45,8 @@ def quantize(experts, name: str, dtype: torch.dtype, weight: torch.Tensor | None
 
     weight = (getattr(experts, name) if weight is None else weight).detach()
     count, numel = weight.shape[0], weight[0].numel()
-    if numel % 2:
-        raise ValueError(f"{name}: {numel} elements per expert cannot pack two 4-bit values a byte")
+    if numel % BLOCK:
+        raise ValueError(f"{name}: {numel} elements per expert are not whole {BLOCK}-element 4-bit blocks")
     if numel % (BLOCK * NESTED) == 0:  # one state for the stack, sliced per expert
         packed, state = bnbf.quantize_4bit(weight.reshape(-1), blocksize=BLOCK, compress_statistics=True, quant_type="nf4")
         parts = [(packed, state)]
@@ -115,58 +124,131 @@ def quantized_as_loaded(is_experts, dtype: torch.dtype):
         Bnb4BitHfQuantizer.param_needs_quantization, Bnb4BitHfQuantizer.get_quantize_ops = needs, ops
 
 
-def dequantize_expert(experts, name: str, expert: int) -> torch.Tensor:
-    """Expert `expert`'s weight of `experts.<name>` [out, in], in the experts' compute dtype."""
+def run_rows(shape: tuple[int, int, int], element_size: int) -> int:
+    """Output rows of every expert dequantized at once: the largest equal split of `out` whose run ([E, rows, in] in
+    the compute dtype) stays within RUN_BYTES, in whole 64-blocks and 16-byte rows (grouped_mm's alignment); the
+    smallest such split when none stays within; all of `out` when there is none (shapes only: the same every call)."""
+    experts, out, inner = shape
+    unit = math.lcm(BLOCK // math.gcd(inner, BLOCK), max(1, 16 // element_size))
+    rows = out
+    for parts in range(1, out // unit + 1):
+        if out % parts == 0 and (out // parts) % unit == 0:
+            rows = out // parts
+            if experts * rows * inner * element_size <= RUN_BYTES:
+                break
+    return rows
+
+
+def dequantize_rows(experts, name: str, start: int, stop: int) -> torch.Tensor:
+    """Rows start:stop of every expert's weight of `experts.<name>`, [E, stop - start, in] in the compute dtype: one
+    bitsandbytes call over the run. The run's absmax is un-double-quantized here (bitsandbytes' own arithmetic:
+    code2[q] · absmax2 of its 256-block + the expert's offset), so any run of whole 64-blocks dequantizes alone."""
     import bitsandbytes.functional as bnbf
     from bitsandbytes.functional import QuantState
 
     stat = {s: getattr(experts, f"{name}_{s}") for s in STATS}
-    shape = experts.nf4_shapes[name]
-    nested = QuantState(absmax=stat["absmax2"][expert], code=stat["code2"], blocksize=NESTED, dtype=torch.float32)
-    # dequantized flat, as quantized: bitsandbytes 0.50.2's CPU kernel, given [out, in] with `in` not a multiple of
-    # the blocksize (tiny models), starts a new 64-block at every row and so scales later rows by the wrong absmax
-    state = QuantState(absmax=stat["absmax"][expert], shape=torch.Size((shape[0] * shape[1],)), code=stat["code"],
-                       blocksize=BLOCK, quant_type="nf4", dtype=experts.nf4_dtype, offset=stat["offset"][expert], state2=nested)
-    return bnbf.dequantize_4bit(getattr(experts, name)[expert], state).view(shape)
+    packed, inner = getattr(experts, name), experts.nf4_shapes[name][1]
+    count, rows = packed.shape[0], stop - start
+    first, last = start * inner // BLOCK, stop * inner // BLOCK
+    nested = stat["absmax2"].unsqueeze(-1).expand(-1, -1, NESTED).reshape(count, -1)[:, first:last]
+    scale = stat["code2"][stat["absmax"][:, first:last].int()] * nested + stat["offset"].unsqueeze(-1)
+    if rows != experts.nf4_shapes[name][0]:  # a slice of each expert: its bytes gathered (E copies of a strided run)
+        packed = packed[:, start * inner // 2:stop * inner // 2]
+    state = QuantState(absmax=scale.reshape(-1), shape=torch.Size((count * rows * inner,)), code=stat["code"],
+                       blocksize=BLOCK, quant_type="nf4", dtype=experts.nf4_dtype)
+    return bnbf.dequantize_4bit(packed.reshape(-1), state).view(count, rows, inner)
 
 
 def dequantize(experts, name: str) -> torch.Tensor:
     """The whole stack [E, out, in] (merge, reference tests): allocates it."""
-    return torch.stack([dequantize_expert(experts, name, e) for e in range(getattr(experts, name).shape[0])])
+    return dequantize_rows(experts, name, 0, experts.nf4_shapes[name][0])
 
 
-def unquantize(experts) -> None:
-    """Put the dequantized stacks back as ordinary frozen parameters (merge: peft adds adapters to those)."""
-    for name in experts.nf4_shapes:
-        weight = dequantize(experts, name)
-        for stat in STATS:
-            delattr(experts, f"{name}_{stat}")
-        experts._parameters[name] = torch.nn.Parameter(weight, requires_grad=False)  # in place, as `quantize`
-    experts.nf4_shapes = None
-
-
-class ExpertMatmul(torch.autograd.Function):
-    """rows [n, in] @ W_eᵀ with W_e dequantized in forward and again in backward; no gradient for W."""
+class Matmul4bit(torch.autograd.Function):
+    """x [S, in] sorted by expert -> x·W_eᵀ per group [S, out], W 4-bit: the stack dequantized a run of output rows at
+    a time (every expert's rows start:stop) and multiplied by one grouped_mm per run; in backward the same runs are
+    dequantized again for x's gradient. The frozen W gets none, and nothing dequantized outlives its run."""
 
     @staticmethod
-    def forward(ctx, rows, experts, name, expert):
-        ctx.args = experts, name, expert
-        return rows @ dequantize_expert(experts, name, expert).t()
+    def forward(ctx, x, offsets, experts, name):
+        ctx.save_for_backward(offsets)
+        ctx.experts, ctx.name = experts, name
+        runs = runs_of(experts, name, x.element_size())
+        return torch.cat([grouped(x, dequantize_rows(experts, name, a, b).transpose(-2, -1), offsets) for a, b in runs], dim=1)
 
     @staticmethod
     def backward(ctx, grad):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        return grad @ dequantize_expert(*ctx.args).to(grad.dtype), None, None, None
+        (offsets,) = ctx.saved_tensors
+        runs = runs_of(ctx.experts, ctx.name, grad.element_size())
+        parts = (grouped(grad[:, a:b].contiguous(), dequantize_rows(ctx.experts, ctx.name, a, b), offsets) for a, b in runs)
+        if len(runs) == 1:
+            return next(parts), None, None, None
+        total = torch.zeros(grad.shape[0], ctx.experts.nf4_shapes[ctx.name][1], dtype=torch.float32, device=grad.device)
+        for part in parts:  # summed over the runs in fp32, as one matmul accumulates
+            total += part
+        return total.to(grad.dtype), None, None, None
 
 
-def grouped_4bit(x, experts, name: str, offsets) -> torch.Tensor:
-    """x [S, in] (rows grouped by expert, group e ending at offsets[e]) @ W_eᵀ per group, W 4-bit: a loop over the
-    experts hit, each dequantized only while its rows are multiplied."""
-    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
-    parts = [ExpertMatmul.apply(rows, experts, name, e) for e, (rows, n) in enumerate(zip(x.split(counts), counts)) if n]
-    return torch.cat(parts) if parts else x.new_zeros(0, experts.nf4_shapes[name][0])
+def runs_of(experts, name: str, element_size: int) -> list[tuple[int, int]]:
+    out, inner = experts.nf4_shapes[name]
+    rows = run_rows((getattr(experts, name).shape[0], out, inner), element_size)
+    return [(a, a + rows) for a in range(0, out, rows)]
 
+
+def matmul(x, experts, name: str, offsets) -> torch.Tensor:
+    """x [S, in] (rows grouped by expert, group e ending at offsets[e]) @ W_eᵀ per group, W = experts.<name> in 4-bit."""
+    return Matmul4bit.apply(x, offsets, experts, name)
+
+
+class FourBitExperts:
+    """Mixed into a 4-bit experts module's class (`quantize_experts`, one subclass per base class): its own forward,
+    taken when no expert adapter wraps it (routed experts not adapted, inference of the base, adapters disabled)."""
+
+    base_class: type
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        project = lambda x, name, offsets: matmul(x, self, name, offsets)  # noqa: E731
+        return experts_forward(self, hidden_states, top_k_index, top_k_weights, project, self.nf4_dtype)
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def four_bit_class(base: type) -> type:
+    if base not in _SUBCLASSES:
+        _SUBCLASSES[base] = type(f"FourBit{base.__name__}", (FourBitExperts, base), {"base_class": base})
+    return _SUBCLASSES[base]
+
+
+def quantize_experts(model, dtype: torch.dtype) -> int:
+    """Store every routed-experts module of `model` in NF4 and give it the 4-bit forward; how many. One module at a
+    time: only one layer's stack is ever quantized at once."""
+    count = 0
+    for module in list(model.modules()):
+        if splittable(module) and not isinstance(module, FourBitExperts):
+            restore_stats(module)
+            for name in NAMES:
+                if name not in (getattr(module, "nf4_shapes", None) or {}):  # not already quantized as loaded
+                    quantize(module, name, dtype)
+            module.__class__ = four_bit_class(type(module))
+            count += 1
+    return count
+
+
+def unquantize_experts(model) -> None:
+    """Put every 4-bit experts module's dequantized stacks back as ordinary frozen parameters, and its base class
+    (merge: peft adds adapters to those)."""
+    for module in list(model.modules()):
+        if is_4bit(module):
+            for name in module.nf4_shapes:
+                weight = dequantize(module, name)
+                for stat in STATS:
+                    delattr(module, f"{name}_{stat}")
+                module._parameters[name] = torch.nn.Parameter(weight, requires_grad=False)  # in place, as `quantize`
+            module.nf4_shapes = None
+            module.__class__ = type(module).base_class
 
 def stack_bytes(experts) -> int:
     """Bytes the 4-bit stacks of one experts module hold (packed weights and statistics)."""

@@ -6,16 +6,18 @@ On the 21B-A3B each token uses 6 of the 64 experts, yet every MoE layer forms (a
 expert weights in every forward, and backward computes the full gradient of W' only to project it onto A and B.
 
 Split computes, for the tokens routed to expert e, x·W_eᵀ + s·(x·A_eᵀ)·B_eᵀ, grouped over the experts (torch's
-grouped_mm, as transformers' default `grouped_mm` experts implementation; a loop over the experts hit where grouped_mm
-cannot run). W is frozen and is only ever a matmul operand, so autograd computes no gradient for it. The outermost
-ParamWrapper of each experts module (peft nests one per adapted parameter) gets this forward by a class swap to
-`SplitExperts`, a ParamWrapper subclass: parameters, names, shapes, rank/alpha patterns and rsLoRA scales stay
-peft's, so saving, loading, merging and export are unchanged. Disabled adapters (DPO's reference), merged ones, or
+grouped_mm through model/grouped.py, as transformers' default `grouped_mm` experts implementation). W is frozen and
+is only ever a matmul operand, so autograd computes no gradient for it. The outermost ParamWrapper of each experts
+module (peft nests one per adapted parameter) gets this forward by a class swap to `SplitExperts`, a ParamWrapper
+subclass: parameters, names, shapes, rank/alpha patterns and rsLoRA scales stay peft's, so saving, loading, merging
+and export are unchanged. Disabled adapters (DPO's reference), merged ones, or
 more than one active adapter take peft's own forward.
 
 peft's layout (`ParamWrapper.get_delta_factors`), for ERNIE 4.5's experts stored [experts, out, in]
 (gate_up_proj [E, 2m, h], down_proj [E, h, m]): lora_A.weight [E·r, in] holds A_e [r, in] in rows e·r .. e·r + r-1;
-lora_B.weight [out, r·E] holds B_e [out, r] in columns j·E + e (rank-major, expert-minor).
+lora_B.weight [out, r·E] holds B_e [out, r] in columns j·E + e (rank-major, expert-minor). grouped_mm needs each
+expert's B with a unit stride: `LaidOut` copies it so once per optimizer step, not in every forward (and casts A the
+same way when the adapters' dtype is not the experts').
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import ParamWrapper
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from erniekit_lite.errors import UserError
 from erniekit_lite.model import expert_4bit
+from erniekit_lite.model.grouped import experts_forward, grouped, splittable
 
 SPLIT, MERGED = "split", "merged"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what peft folds without upcasting (fp8 experts stay peft's)
@@ -37,13 +41,15 @@ class SplitExperts(ParamWrapper):
     def forward(self, hidden_states, *args, **kwargs):
         chain, experts = wrappers(self)
         factors = {name: lora_factors(w) for name, w in chain.items()}
-        peft_path = any(f is False for f in factors.values()) or compute_dtype(experts) not in DTYPES
+        dtype = compute_dtype(experts)
+        peft_path = any(f is False for f in factors.values()) or dtype not in DTYPES
         if expert_4bit.is_4bit(experts) and any(f is False for f in factors.values()) and not self.disable_adapters:
             raise ValueError("4-bit routed experts: peft cannot merge an adapter into them (or run several at once)")
         if peft_path or len(args) != 2 or kwargs:  # not the MoE block's call (experts(x, top_k_index, top_k_weights))
             return super().forward(hidden_states, *args, **kwargs)
         top_k_index, top_k_weights = args
-        return experts_forward(experts, hidden_states, top_k_index, top_k_weights, factors)
+        project = lambda x, name, offsets: project_with(x, experts, name, factors.get(name), offsets)  # noqa: E731
+        return experts_forward(experts, hidden_states, top_k_index, top_k_weights, project, dtype)
 
 
 def wrappers(outer) -> tuple[dict, torch.nn.Module]:
@@ -56,61 +62,19 @@ def wrappers(outer) -> tuple[dict, torch.nn.Module]:
 
 
 def lora_factors(wrapper):
-    """(A [E, r, in], B [E, r, out], scale) of the one active adapter, views of peft's weights; None without one; False
-    when peft's own forward must run (adapters disabled or merged, or several active)."""
+    """(wrapper, adapter name) of the one active adapter; None without one; False when peft's own forward must run
+    (adapters disabled or merged, or several active)."""
     if wrapper.disable_adapters or wrapper.merged:
         return False
     active = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
     if len(active) != 1:
         return None if not active else False
-    name, experts = active[0], wrapper.num_experts
-    weight_a, weight_b = wrapper.lora_A[name].weight, wrapper.lora_B[name].weight
-    a = weight_a.view(experts, -1, weight_a.shape[-1])
-    return a, weight_b.view(weight_b.shape[0], -1, experts).permute(2, 1, 0), wrapper.scaling[name]
-
-
-def splittable(experts) -> bool:
-    """transformers' fused experts as ERNIE 4.5 has them (gated, no bias, no post-norm, not expert-parallel)."""
-    return (getattr(experts, "has_gate", False) and not getattr(experts, "has_bias", True)
-            and not getattr(experts, "has_post_expert_norm", True) and not getattr(experts, "_is_expert_parallel", True)
-            and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
-            and (experts.gate_up_proj.dim() == 3 or expert_4bit.is_4bit(experts)))
+    return wrapper, active[0]
 
 
 def compute_dtype(experts) -> torch.dtype:
     """What the experts' matmuls run in: their weights' dtype, or what 4-bit ones dequantize to."""
     return experts.nf4_dtype if expert_4bit.is_4bit(experts) else experts.gate_up_proj.dtype
-
-
-class FourBitExperts:
-    """Mixed into a 4-bit experts module's class (`quantize_experts`): its own forward, taken when no expert adapter
-    wraps it (routed experts not adapted, inference of the base, adapters disabled), computes as the split path."""
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        return experts_forward(self, hidden_states, top_k_index, top_k_weights, {})
-
-
-def quantize_experts(model, dtype: torch.dtype) -> int:
-    """Store every routed-experts module of `model` in NF4 (`expert_4bit`) and give it the 4-bit forward; how many.
-    One module at a time: only one layer's stack is ever quantized at once."""
-    count = 0
-    for module in list(model.modules()):
-        if splittable(module) and not isinstance(module, FourBitExperts):
-            expert_4bit.restore_stats(module)
-            for name in expert_4bit.NAMES:
-                if name not in (getattr(module, "nf4_shapes", None) or {}):  # not already quantized as loaded
-                    expert_4bit.quantize(module, name, dtype)
-            module.__class__ = type(f"FourBit{type(module).__name__}", (FourBitExperts, type(module)), {})
-            count += 1
-    return count
-
-
-def unquantize_experts(model) -> None:
-    """Dequantize every 4-bit experts module back to bf16/fp32 parameters and its original class (merge)."""
-    for module in list(model.modules()):
-        if expert_4bit.is_4bit(module):
-            expert_4bit.unquantize(module)
-            module.__class__ = next(c for c in type(module).__mro__[1:] if c is not FourBitExperts)
 
 
 def set_expert_compute(model, mode: str = SPLIT) -> int:
@@ -130,65 +94,60 @@ def set_expert_compute(model, mode: str = SPLIT) -> int:
     return count
 
 
-# Per-expert bounds counted from the routing (data-dependent sizes): a compiled layer calls this eagerly, one clean
-# break per MoE layer; traced, every new routing recompiled (model/compile_layers.py)
-@torch.compiler.disable
-def experts_forward(experts, hidden_states, top_k_index, top_k_weights, factors):
-    """transformers' grouped_mm experts forward with each projection's adapter added per expert (x·Wᵀ + s·x·Aᵀ·Bᵀ)."""
-    tokens, k = top_k_index.shape
-    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
-    # where each expert's rows end, from the sorted ids: a fixed-size search, where `bincount` reads the ids' range
-    # back to the host to size its output (a GPU sync per MoE layer and pass)
-    offsets = torch.searchsorted(expert_ids, torch.arange(experts.num_experts, device=expert_ids.device), right=True).to(torch.int32)
-    dtype = compute_dtype(experts)
-    # As the merged path: grouped_mm runs in the expert weights' dtype whatever autocast says
-    with torch.autocast(hidden_states.device.type, enabled=False):
-        x = hidden_states[perm // k].to(dtype)
-        x = project(x, experts, "gate_up_proj", factors.get("gate_up_proj"), offsets)
-        x = project(experts._apply_gate(x), experts, "down_proj", factors.get("down_proj"), offsets)
-        x = x * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(dtype)
-    restore = torch.empty_like(perm)
-    restore[perm] = torch.arange(perm.numel(), device=perm.device)
-    return x[restore].view(tokens, k, x.shape[-1]).sum(dim=1).to(hidden_states.dtype)  # sized: a layer may get no tokens
-
-
-def project(x, experts, name: str, lora, offsets):
+def project_with(x, experts, name: str, lora, offsets):
     """x [S, in] sorted by expert -> [S, out]: the frozen weight `experts.<name>`'s product plus the adapter's, per
-    expert. A 4-bit weight is dequantized one expert at a time (`expert_4bit.grouped_4bit`)."""
+    expert. A 4-bit weight is dequantized as it runs (`expert_4bit.matmul`)."""
     if expert_4bit.is_4bit(experts):
-        out = expert_4bit.grouped_4bit(x, experts, name, offsets)
+        out = expert_4bit.matmul(x, experts, name, offsets)
     else:
         weight = getattr(experts, name)
         out = grouped(x, weight if experts.is_transposed else weight.transpose(-2, -1), offsets)
     if lora is None:
         return out
-    a, b, scale = lora
-    # As peft's fold: the factors in the weight's dtype. B's view has no unit stride, which grouped_mm needs: a copy
-    # (the size of B, kept for backward). A rank whose rows are not 16-byte aligned is padded with zero rows, which
-    # add nothing: grouped_mm runs instead of a loop over the experts that reads the offsets back
-    a, b = a.to(x.dtype), b.to(x.dtype)
-    pad = -a.shape[1] % (16 // x.element_size())
-    a, b = (F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, 0, 0, pad))) if pad else (a, b.contiguous())
-    return torch.add(out, grouped(grouped(x, a.transpose(-2, -1), offsets), b, offsets), alpha=scale)
+    wrapper, adapter = lora
+    a, b = operands(wrapper, adapter, x.dtype)
+    return torch.add(out, grouped(grouped(x, a, offsets), b, offsets), alpha=wrapper.scaling[adapter])
 
 
-def grouped(x, weight, offsets):
-    """x [S, in] (rows grouped by expert, group e ending at offsets[e]) @ weight[e] [in, out] for each group."""
-    if can_group(x, weight):
-        return F.grouped_mm(x, weight, offs=offsets)
-    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
-    # unbind, not indexing: one backward for the whole stack (an adapter's gradient), none for a frozen weight
-    parts = [rows @ w for rows, w, n in zip(x.split(counts), weight.unbind(0), counts) if n]
-    return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[-1])
+def operands(wrapper, adapter: str, dtype: torch.dtype):
+    """(A [E, in, r'], B [E, r', out]) of `adapter` as grouped_mm takes them, in `dtype` (peft's fold casts the same
+    way), r' the rank padded with zero rows to 16-byte rows: grouped_mm runs at any rank, and zero rows add nothing."""
+    experts = wrapper.num_experts
+    weight_a, weight_b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
+    rank, inner, out = weight_a.shape[0] // experts, weight_a.shape[1], weight_b.shape[0]
+    pad = -rank % (16 // torch.empty(0, dtype=dtype).element_size())
+    cache = wrapper.__dict__.setdefault("laid_out", {})
+    if pad or weight_a.dtype != dtype:
+        a = LaidOut.apply(weight_a, cache, (adapter, "A", dtype),
+                          lambda w: F.pad(w.view(experts, rank, inner).to(dtype), (0, 0, 0, pad)),
+                          lambda g: g[:, :rank].reshape(experts * rank, inner).to(weight_a.dtype))
+    else:
+        a = weight_a.view(experts, rank, inner)  # already grouped_mm's layout: no copy
+    b = LaidOut.apply(weight_b, cache, (adapter, "B", dtype),
+                      lambda w: F.pad(w.view(out, rank, experts).permute(2, 1, 0).to(dtype), (0, 0, 0, pad)).contiguous(),
+                      lambda g: g[:, :rank].permute(2, 1, 0).reshape(out, rank * experts).to(weight_b.dtype))
+    return a.transpose(-2, -1), b
 
 
-def can_group(x, weight) -> bool:
-    """Where torch's grouped_mm runs (as transformers decides): CPU, CUDA from Ampere on, bf16 only under
-    torch.compile; its kernels need the rows of both operands (so of the output and gradients too) 16-byte aligned."""
-    if not hasattr(F, "grouped_mm") or x.device.type not in ("cpu", "cuda"):
-        return False
-    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:  # inductor lowers grouped_mm in bf16 only
-        return False
-    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
-        return False
-    return all(size * x.element_size() % 16 == 0 for size in weight.shape[-2:])
+# Optimizer steps taken in this process, by any torch optimizer: a kept layout is stale after one. The version counter
+# alone does not tell: torch's fused AdamW updates the parameters without moving it
+_steps = [0]
+register_optimizer_step_post_hook(lambda *args: _steps.__setitem__(0, _steps[0] + 1))
+
+
+class LaidOut(torch.autograd.Function):
+    """`lay(weight)`, made once per value of `weight` and kept in `cache`: new after every optimizer step, in-place
+    update (a load, a manual edit: the version counter) or replaced storage. Gradient accumulation and checkpoint
+    recomputes reuse the copy; backward maps the gradient back to the weight's layout (`unlay`)."""
+
+    @staticmethod
+    def forward(ctx, weight, cache, key, lay, unlay):
+        ctx.unlay = unlay
+        stamp = (weight.data_ptr(), weight._version, _steps[0])
+        if key not in cache or cache[key][0] != stamp:
+            cache[key] = (stamp, lay(weight))
+        return cache[key][1].detach()  # a new tensor each call: the graph hangs on it, not on the kept copy
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.unlay(grad), None, None, None, None

@@ -113,7 +113,7 @@ def load_model(
     context = contextlib.nullcontext()
     if load_in_4bit:
         from erniekit_lite.model.expert_4bit import quantized_as_loaded
-        from erniekit_lite.model.expert_lora import splittable
+        from erniekit_lite.model.grouped import splittable
 
         # bitsandbytes leaves the fused routed experts (3-D parameters) in model.dtype: NF4 too, as each is loaded
         context = quantized_as_loaded(splittable, getattr(torch, DTYPES[dtype]))
@@ -130,7 +130,7 @@ def load_model(
         raise UserError(missing_source(base or path, e) or f"{base or path}: could not load the model: {one_line(e)}") from None
     if load_in_4bit:
         keep_cpu_layout(model)
-        from erniekit_lite.model.expert_lora import quantize_experts
+        from erniekit_lite.model.expert_4bit import quantize_experts
 
         # their 4-bit forward (and NF4 for any that loading did not quantize)
         quantize_experts(model, getattr(torch, DTYPES[dtype]))

@@ -59,7 +59,7 @@ def merge(adapter_dir: str, out_dir: str, overwrite: bool = False, log=print) ->
         # QLoRA: the adapter learned against the 4-bit base, its other weights in the run's model.dtype. It is merged
         # into that base dequantized (what the 4-bit model computes with), not into the original weights, so the
         # merged model answers as the run did; saved in that dtype
-        from erniekit_lite.model.expert_lora import unquantize_experts
+        from erniekit_lite.model.expert_4bit import unquantize_experts
         from erniekit_lite.model.lora import load_adapter
 
         four_bit = load_model(base, qlora_dtype, "sdpa", load_in_4bit=True, model_class=model_class)
