@@ -17,7 +17,7 @@ def plan(recipe: Recipe, log=print) -> dict:
     config: a model folder without a tokenizer (a config.json copied from a release) is planned with the data unread."""
     from erniekit_lite.model import compile_layers
     from erniekit_lite.model.load import adapter_base, has_tokenizer, load_tokenizer, tokenizer_path
-    from erniekit_lite.trainer_args import training_args
+    from erniekit_lite.trainer_args import router_losses, training_args
 
     import torch
 
@@ -37,6 +37,9 @@ def plan(recipe: Recipe, log=print) -> dict:
         f"{arch['trainable']:,} trainable ({'LoRA r=%d' % recipe.lora.r if recipe.lora else 'full fine-tuning'})"
     )
     log(arch["groups"])
+    router_line = router_losses(recipe, arch["shape"].experts > 0)[1]
+    if router_line:
+        log(router_line)
     for line in data_lines:
         log(line)
     est, run = memory_estimate(recipe, args, arch, cuda)

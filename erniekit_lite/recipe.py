@@ -10,6 +10,7 @@ import difflib
 import functools
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -323,6 +324,33 @@ OWNED_TRAIN_KEYS = {
 }
 
 
+@dataclass(frozen=True)
+class OwnTrainKey:
+    """A `train:` key of erniekit-lite's own (not a TRL config field): checked like TRL's, removed before TRL's config
+    is built (trainer_args.py), offered by the web UI's form and named by `validate`."""
+
+    default: float
+    help: str
+    methods: tuple[str, ...]  # the methods that take it
+    lora: bool = True  # whether it means anything when LoRA freezes the rest
+
+
+OWN_TRAIN_KEYS = {
+    "router_z_loss_coef": OwnTrainKey(
+        0.0, "MoE: weight of the router z-loss, the mean over real tokens of logsumexp(router logits)², summed over MoE "
+        "layers (ERNIEKit's moe_z_loss_lambda; 0: off).", ("sft", "pt")),
+    "router_orthogonal_loss_coef": OwnTrainKey(
+        0.0, "MoE: weight of the router orthogonal loss, ||W·Wᵀ − I||² / E² of each router's row-normalised weight, "
+        "summed over MoE layers (ERNIEKit's moe_orthogonal_loss_lambda; 0: off). Full fine-tuning only: LoRA "
+        "leaves the router frozen.", ("sft", "pt"), lora=False),
+}
+
+
+def own_train(recipe: Recipe, key: str) -> float:
+    """An own `train:` key's value, its default when the recipe leaves it out."""
+    return recipe.train.get(key, OWN_TRAIN_KEYS[key].default)
+
+
 def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a recipe file (or a shipped recipe by name: `quickstart`, `ernie-4.5-0.3b/sft-lora`), apply `a.b=value`
     overrides and validate. Raises RecipeError with file:line."""
@@ -363,7 +391,7 @@ def from_dict(raw: dict, source: str = "<recipe>", lines: dict[tuple, str] | Non
         recipe = Recipe.model_validate(raw)
     except ValidationError as e:
         raise _first_error(e, source, lines) from None
-    _check_train_keys(recipe.train, source, lines, recipe.method)
+    _check_train_keys(recipe.train, source, lines, recipe.method, lora=recipe.lora is not None)
     return recipe
 
 
@@ -475,17 +503,33 @@ def _trl_fields() -> dict[str, dict[str, dict]]:
     return trl_fields_from_trl()  # another TRL than the file's: read from TRL itself
 
 
-def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int], method: str = "sft") -> None:
+def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int], method: str = "sft", lora: bool = False) -> None:
     fields = _trl_fields()[CONFIG_CLASSES.get(method, "SFTConfig")]
-    valid = list(fields)
+    valid = list(fields) + [k for k, own in OWN_TRAIN_KEYS.items() if method in own.methods]
     for key, value in list(train.items()):
         where = _where(source, lines, ("train", key))
         if key in OWNED_TRAIN_KEYS:
             raise RecipeError(where, f"train.{key} is set by the recipe; use {OWNED_TRAIN_KEYS[key]} instead")
+        if key in OWN_TRAIN_KEYS:
+            train[key] = _check_own(key, value, method, lora, where)
+            continue
         if key not in valid:
             raise RecipeError(where, f"unknown key '{key}' in train{_did_you_mean(key, valid)}")
         train[key] = _check_type(key, value, fields[key]["sample"], where)
         _check_choice(key, train[key], fields[key]["choices"], where)
+
+
+def _check_own(key: str, value: Any, method: str, lora: bool, where: str) -> Any:
+    own = OWN_TRAIN_KEYS[key]
+    if method not in own.methods:
+        raise RecipeError(where, f"train.{key}: method {method} does not take it (methods that do: {', '.join(own.methods)})")
+    value = _check_type(key, value, own.default, where)
+    if value is not None and value < 0:
+        raise RecipeError(where, f"train.{key}: expected a number >= 0 (got {value!r})")
+    if lora and not own.lora and value:
+        raise RecipeError(where, f"train.{key}: LoRA leaves the MoE router frozen, and this loss depends on its weight "
+                          "alone; remove it or train without lora:")
+    return value
 
 
 def listed_choices(field) -> tuple | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
-from erniekit_lite.recipe import Recipe, train_config_class
+from erniekit_lite.recipe import OWN_TRAIN_KEYS, Recipe, own_train, train_config_class
 
 PAIR_METHODS = ("dpo", "orpo", "simpo", "rm")  # trained on preference pairs (data/pairs.py)
 # RewardConfig fields that TRL reads only to load the model or tokenize the data itself, which erniekit-lite does
@@ -34,7 +34,7 @@ def training_args(recipe: Recipe, out: Path):
         # transformers' default reads every micro-batch's loss back to test it for NaN/inf (two host syncs each);
         # a non-finite loss makes a non-finite gradient norm, which the divergence guard stops on (checkpoints.py)
         "logging_nan_inf_filter": False,
-        **recipe.train,
+        **{k: v for k, v in recipe.train.items() if k not in OWN_TRAIN_KEYS},  # erniekit-lite's own keys: not TRL's
         # owned by the recipe's own sections (see recipe.OWNED_TRAIN_KEYS)
         "output_dir": str(out),
         "remove_unused_columns": False,
@@ -81,3 +81,24 @@ def training_args(recipe: Recipe, out: Path):
     except (ValueError, TypeError) as e:
         raise UserError(f"train: {str(e).strip().splitlines()[0]}") from None
     return args
+
+
+ROUTER_LOSSES = ("router_z_loss_coef", "router_orthogonal_loss_coef")
+
+
+def router_losses(recipe: Recipe, moe: bool) -> tuple[dict[str, float], str | None]:
+    """The MoE router's z-loss and orthogonal loss coefficients the recipe sets for its method (train/router_losses.py)
+    and the line `validate` and `train` print about them (None for a method that takes neither); a dense model with
+    either set is a one-line error."""
+    coefs = {key: own_train(recipe, key) for key in ROUTER_LOSSES if recipe.method in OWN_TRAIN_KEYS[key].methods}
+    if not moe:
+        for key, value in coefs.items():
+            if value:
+                raise UserError(f"train.{key}: {recipe.model.path} is a dense model, with no MoE router; remove it")
+        return coefs, None
+    if not coefs:
+        return coefs, None
+    z, orthogonal = coefs["router_z_loss_coef"], coefs["router_orthogonal_loss_coef"]
+    return coefs, ("moe: router z-loss " + (f"coefficient {z:g}, logged as z_loss" if z else "off") + ", orthogonal loss "
+                   + (f"coefficient {orthogonal:g}, logged as orthogonal_loss" if orthogonal else "off")
+                   + " (train.router_z_loss_coef, train.router_orthogonal_loss_coef)")

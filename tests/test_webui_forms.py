@@ -104,7 +104,8 @@ def test_labels_carry_the_keys_own_help():
 # Each method's own fields: shown for that method only, in sync with the YAML, and dropped with the method.
 
 OWN_FIELDS = {
-    "sft": set(), "pt": set(),
+    "sft": {"train.router_z_loss_coef", "train.router_orthogonal_loss_coef"},  # erniekit-lite's own (recipe.OWN_TRAIN_KEYS)
+    "pt": {"train.router_z_loss_coef", "train.router_orthogonal_loss_coef"},
     "dpo": {"train.beta", "train.loss_type", "train.loss_weights"},
     "orpo": {"train.beta"},
     "simpo": {"train.beta", "train.simpo_gamma", "train.cpo_alpha"},
@@ -114,7 +115,7 @@ OWN_FIELDS = {
 }
 # A recipe of each method with its own keys set (values unlike TRL's defaults), and the form's edit of them
 OWN_VALUES = {
-    "sft": ({}, {}),
+    "sft": ({"router_z_loss_coef": 0.001}, {"train.router_z_loss_coef": 0.002}),
     "pt": ({}, {}),
     "dpo": ({"beta": 0.25, "loss_type": ["sigmoid", "sft"], "loss_weights": [0.8, 0.2]},
             {"train.beta": 0.5, "train.loss_type": ["ipo"], "train.loss_weights": None}),
@@ -237,6 +238,7 @@ def test_switching_the_method_says_what_it_removed_and_refills_the_form():
         "train.beta": (True, None), "train.loss_type": (False, None), "train.loss_weights": (False, None),
         "train.simpo_gamma": (True, None), "train.cpo_alpha": (True, None), "train.desirable_weight": (False, None),
         "train.undesirable_weight": (False, None), "train.center_rewards_coefficient": (False, None),
+        "train.router_z_loss_coef": (False, None), "train.router_orthogonal_loss_coef": (False, None),
         "train.num_generations": (False, None), "train.max_completion_length": (False, None),
         "train.temperature": (False, None), "rewards": (False, None)}
     assert note["value"] == "SimPO is TRL's CPO with `loss_type: simpo`, set for you: leave `train.loss_type` out."

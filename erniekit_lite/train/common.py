@@ -9,7 +9,7 @@ from erniekit_lite.model.load import load_model, resolve_attention
 from erniekit_lite.model.lora import groups_line, is_moe, unwrap
 from erniekit_lite.plan import choose_checkpointing, head_keep_positions
 from erniekit_lite.recipe import Recipe
-from erniekit_lite.trainer_args import training_args
+from erniekit_lite.trainer_args import router_losses, training_args
 
 
 def run_arguments(recipe: Recipe, out: Path, log=print):
@@ -76,11 +76,15 @@ def plan_lm_head(trainer, recipe: Recipe, log=print) -> None:
 
 def watch_moe(trainer, recipe: Recipe, log=print):
     """MoE runs: say how the router is trained and start recording expert load (None for dense models)."""
+    coefs, line = router_losses(recipe, is_moe(trainer.model))
     if not is_moe(trainer.model):
         return None
     aux = f"coefficient {trainer.router_aux_loss_coef:g}, logged as aux_loss" if trainer.aux_loss_enabled else "off"
     router = "trained" if any(p.requires_grad for n, p in trainer.model.named_parameters() if ".mlp.gate." in n) else "frozen"
     log(f"moe: router {router}, router aux loss {aux} (train.router_aux_loss_coef; 0 turns it off)")
+    if line:
+        trainer.router_z_coef, trainer.router_orthogonal_coef = coefs["router_z_loss_coef"], coefs["router_orthogonal_loss_coef"]
+        log(line)
     if not recipe.output.expert_load:
         return None
     from erniekit_lite.train.expert_load import save_callback, track

@@ -49,20 +49,21 @@ def add_scoring_forward(model) -> None:
         return
     inner = model.forward
 
-    def forward(self, *args, score_labels=None, score_extras=False, **kwargs):
+    def forward(self, *args, score_labels=None, score_extras=False, score_router_logits=False, **kwargs):
         if score_labels is None:
             return inner(*args, **kwargs)
-        return score(self, score_labels, kwargs, score_extras)
+        return score(self, score_labels, kwargs, score_extras, score_router_logits)
 
     model.forward = types.MethodType(forward, model)
     model._erniekit_scoring = True
 
 
-def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True) -> Scores:
-    """`extras` adds entropy, log-sum of squared probabilities and mean logit (DPO's metrics)."""
+def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True, router_logits: bool = False) -> Scores:
+    """`extras` adds entropy, log-sum of squared probabilities and mean logit (DPO's metrics); `output_router_logits`
+    in `inputs` the aux loss; `router_logits` the router logits alone (the router losses, train/router_losses.py)."""
     moe = bool(inputs.pop("output_router_logits", False))
     tracker = getattr(model, "_expert_load", None)  # an ExpertLoad (expert_load.py) during MoE training
-    routed = moe or tracker is not None
+    routed = moe or router_logits or tracker is not None
     for key in ("labels", "fused_lm_head", "use_cache", "logits_to_keep"):
         inputs.pop(key, None)
     positions, targets = inputs.pop("score_positions", None), inputs.pop("score_targets", None)

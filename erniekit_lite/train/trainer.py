@@ -26,6 +26,7 @@ from erniekit_lite.plan import CHECKPOINTING_OFF_BY_PLAN
 from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.optimizer import LoraPlusMixin
 from erniekit_lite.train.scoring import add_scoring_forward
+from erniekit_lite.train.router_losses import RouterLossMixin
 
 
 # What a micro-batch's training step adds to, put back before the first step's batches run again: the real-token
@@ -221,7 +222,7 @@ class PlainLoraSaveMixin:
             save_as_plain_lora(output_dir if output_dir is not None else self.args.output_dir, initial)
 
 
-class ErnieSFTTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, PlainLoraSaveMixin, SFTTrainer):
+class ErnieSFTTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, PlainLoraSaveMixin, RouterLossMixin, SFTTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         add_scoring_forward(unwrap(self.model))
@@ -247,15 +248,17 @@ class ErnieSFTTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlu
         labels = inputs.pop("labels")
         slots = inputs.pop("token_slots", labels.numel())
         real = real_tokens(inputs)
-        scores = model(**inputs, score_labels=labels, output_router_logits=self.aux_loss_enabled)
+        scores = model(**inputs, score_labels=labels, output_router_logits=self.aux_loss_enabled,
+                       score_router_logits=bool(self.router_z_coef))
         n = scores.log_probs.numel()
         loss = -scores.log_probs.sum() / (num_items_in_batch if num_items_in_batch is not None else max(1, n))
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
+        steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else None
         if scores.aux_loss is not None:
-            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
-            loss = loss + self.router_aux_loss_coef * scores.aux_loss / steps
+            loss = loss + self.router_aux_loss_coef * scores.aux_loss / (steps or 1)
             self._metrics[mode]["aux_loss"].append(scores.aux_loss.detach())  # read back when logged (`log`)
+        loss = loss + self.router_terms(model, scores, inputs.get("attention_mask"), real, steps, mode)
         if mode == "eval":
             self._eval_nll += -scores.log_probs.detach().double().sum()
             self._eval_tokens += n

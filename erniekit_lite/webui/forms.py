@@ -98,6 +98,10 @@ FIELDS = (
     Field("train.num_generations", "generations per prompt (a group)", "int", methods=("grpo",)),
     Field("train.max_completion_length", "max completion length (tokens)", "int", methods=("grpo",)),
     Field("train.temperature", "sampling temperature", "number", methods=("grpo",)),
+    # erniekit-lite's own train: keys (recipe.OWN_TRAIN_KEYS; help from there)
+    Field("train.router_z_loss_coef", "MoE router z-loss (blank: 0, off)", "number", methods=recipes.OWN_TRAIN_KEYS["router_z_loss_coef"].methods),
+    Field("train.router_orthogonal_loss_coef", "MoE router orthogonal loss (blank: 0, off; full fine-tuning)", "number",
+          methods=recipes.OWN_TRAIN_KEYS["router_orthogonal_loss_coef"].methods),
     # The built-in rewards by name; function and reward-model entries (and weights, args) are kept as the YAML has them
     Field("rewards", "built-in rewards (your own functions and reward models: in the YAML)", "choices", REWARD_NAMES,
           methods=("grpo",)),
@@ -133,7 +137,9 @@ def help_text(field: Field, method: str | None = None) -> str:
     field of `method` (default: the first method that shows the field) for train: keys. A short help is given
     whole, a long one up to its first full stop."""
     section, _, key = field.key.partition(".")
-    if section == "train":
+    if section == "train" and key in recipes.OWN_TRAIN_KEYS:
+        help_ = recipes.OWN_TRAIN_KEYS[key].help
+    elif section == "train":
         method = method if method in (field.methods or METHODS) else (field.methods or ("sft",))[0]
         help_ = next(f.metadata.get("help", "") for f in dataclasses.fields(recipes.train_config_class(method)) if f.name == key)
     elif field.key == "data.format":

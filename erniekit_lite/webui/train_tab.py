@@ -35,6 +35,7 @@ LAYOUT = (
     ("train.beta", "train.loss_type", "train.loss_weights", "train.simpo_gamma", "train.cpo_alpha"),
     ("train.desirable_weight", "train.undesirable_weight", "train.center_rewards_coefficient"),
     ("train.num_generations", "train.max_completion_length", "train.temperature", "rewards"),  # grpo
+    ("train.router_z_loss_coef", "train.router_orthogonal_loss_coef"),  # sft, pt: the MoE router's losses
 )
 CSS = ".ek-track{background:#e5e7eb;border-radius:4px;height:14px}.ek-bar{background:#f97316;height:14px;border-radius:4px}"
 

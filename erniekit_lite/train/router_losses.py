@@ -1,0 +1,82 @@
+"""The MoE router's z-loss and orthogonal loss beside the load-balancing aux loss (`train.router_z_loss_coef`,
+`train.router_orthogonal_loss_coef`), as ERNIEKit computes them (paddleformers `nn/moe/topk_gate.py`, added per MoE
+layer in `nn/moe/moe_alltoall_layer.py`; its `moe_z_loss_lambda`, `moe_orthogonal_loss_lambda`):
+
+- z-loss of a layer: the mean over tokens of logsumexp(router logits)², the logits before the softmax; summed over
+  the MoE layers. Here the mean is over the real tokens of the whole optimizer step (padding never counts; a packed
+  row has none), so it weighs the same at any micro-batching and process count, as the token loss does.
+- orthogonal loss of a layer: its router weight W [E, H] in fp32, each row divided by max(its L2 norm, 1e-12), then
+  ||W·Wᵀ − I||² / E²; summed over the MoE layers. It depends on the router weight alone: once per optimizer step,
+  whatever the micro-batching. ERNIEKit's grouped variant (`moe_group_orthogonal_loss`, experts in top-k groups) is
+  not offered: ERNIE 4.5's released configs do not group their experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPS = 1e-12  # ERNIEKit's floor on a router row's norm
+
+
+def z_loss_sum(router_logits, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ over MoE layers and real tokens of logsumexp(logits)²; `mask` [B, L] marks real tokens (None: all are)."""
+    total = None
+    for logits in router_logits:
+        squares = torch.logsumexp(logits.float(), dim=-1).square()
+        if mask is not None:
+            squares = squares * mask.reshape(-1).to(squares.dtype)
+        total = squares.sum() if total is None else total + squares.sum()
+    return total
+
+
+def orthogonal_loss(model) -> torch.Tensor:
+    """Σ over the MoE routers of ||Ŵ·Ŵᵀ − I||² / E², Ŵ each router weight with its rows L2-normalised."""
+    total = None
+    for weight in routers(model):
+        w = weight.float()
+        w = w / w.norm(dim=1, keepdim=True).clamp_min(EPS)
+        gram = w @ w.t() - torch.eye(w.shape[0], device=w.device, dtype=w.dtype)
+        term = gram.square().sum() / gram.numel()
+        total = term if total is None else total + term
+    return total
+
+
+def routers(model) -> list[torch.Tensor]:
+    """The MoE routers' weights [E, H], in layer order (transformers' `mlp.gate.weight` of each MoE layer)."""
+    return [p for name, p in model.named_parameters() if name.endswith("mlp.gate.weight")]
+
+
+class RouterLossMixin:
+    """For the SFT/PT trainer: the step's real tokens counted with its micro-batches (the z-loss's denominator), and
+    both losses added in `router_terms`. `router_z_coef` / `router_orthogonal_coef` are set from the recipe."""
+
+    router_z_coef = 0.0
+    router_orthogonal_coef = 0.0
+    _step_real = None  # real tokens of the optimizer step, over all processes (a device tensor across processes)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device):
+        # the collators count real tokens on the CPU (`collate.host_facts`): summed here, across processes on the device
+        real = sum(b["real_tokens"] for b in batch_samples) if all("real_tokens" in b for b in batch_samples) else None
+        if real is not None and self.args.average_tokens_across_devices and self.args.world_size > 1:
+            real = self.accelerator.gather(torch.tensor([real], dtype=torch.float64, device=device)).sum()
+        self._step_real = real
+        return super()._get_num_items_in_batch(batch_samples, device)
+
+    def router_terms(self, model, scores, mask, real: int, steps: int | None, mode: str) -> torch.Tensor | int:
+        """What the router losses add to a micro-batch's loss (0 when both are off), and their logged values. `steps`:
+        the micro-batches of the optimizer step whose loss is not divided by them again (the token loss's
+        `num_items_in_batch` case), None otherwise (evaluation)."""
+        added = 0
+        if self.router_z_coef and scores.router_logits is not None:
+            z = z_loss_sum(scores.router_logits, mask)
+            self._metrics[mode]["z_loss"].append(z.detach() / max(1, real))  # the micro-batch's mean, per layer summed
+            if steps is not None and self._step_real is not None:
+                processes = self.accelerator.num_processes if self.args.average_tokens_across_devices else 1
+                added = added + self.router_z_coef * z * processes / self._step_real
+            else:
+                added = added + self.router_z_coef * z / max(1, real)
+        if self.router_orthogonal_coef and mode == "train":
+            orthogonal = orthogonal_loss(model)
+            self._metrics[mode]["orthogonal_loss"].append(orthogonal.detach())
+            added = added + self.router_orthogonal_coef * orthogonal / (steps or 1)
+        return added
