@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--private", action="store_true", help="create the repository as private")
     p.add_argument("--merged", action="store_true", help="LoRA runs: push the adapter merged into its base")
     p.add_argument("--revision", metavar="BRANCH", help="push to this branch (created from main if missing)")
+    p.add_argument("--ema", action="store_true", help="push the run's weight EMA (OUTPUT/ema, written with train.ema) instead")
     p.set_defaults(handler=_push)
 
     p = sub.add_parser("eval", help="--tasks: benchmarks through lm-evaluation-harness (MMLU, C-Eval, GSM8K, ...); --data: loss and perplexity on a data file")
@@ -257,7 +258,14 @@ def _push(args) -> int:
     _quiet_libraries()
     from erniekit_lite.hub import push, settings
 
-    push(args.output_dir, settings(args.repo, args.private, args.merged, args.revision))
+    run = args.output_dir
+    if args.ema:
+        from pathlib import Path
+
+        run = str(Path(args.output_dir) / "ema")
+        if not (Path(run) / "recipe.yaml").is_file():
+            raise UserError(f"{args.output_dir}: no finished weight EMA in it ({run}); train with train.ema to write one")
+    push(run, settings(args.repo, args.private, args.merged, args.revision))
     return 0
 
 

@@ -20,7 +20,8 @@ b = bytes of matmul outputs (2 under bf16/fp16 autocast, else r).
   expert for each fused parameter.
 - gradients: one per trainable parameter, in its dtype (Trainer's bf16 is autocast: no fp32 master copy).
 - optimizer: AdamW (adamw_torch_fused, the default; any adam*): 2 states per trainable parameter in its dtype;
-  *8bit optimizers 2 bytes; lion/rmsprop/adagrad 1 state; sgd and adafactor counted as none.
+  *8bit optimizers 2 bytes; lion/rmsprop/adagrad 1 state; sgd and adafactor counted as none. train.ema adds
+  4 bytes per trainable parameter (its fp32 copy).
 - activations: what autograd saves in one training forward, per decoder layer and token:
       norms       2 x (4h + 4)            fp32 input (or its fp32 copy) and 1/rms; + r*h each when norms train
       attention   8d + b(H + 2K)d + b*H*d + 4H   rope cos/sin (fp32), q/k/v as attention sees them, output,
@@ -187,6 +188,7 @@ class Run:
     chunk_elements: int = 2**27
     head_keep: bool = False  # a trained LM head keeps every chunk's buffer instead of recomputing (scoring.py)
     device: str = "cuda"  # cpu only for the calibration: CPU dropout keeps its mask in the input's dtype
+    ema: bool = False  # train.ema: an fp32 copy of the trained parameters (train/ema.py)
     generate_sequences: int = 0  # GRPO: sequences transformers' generate runs at once on this device (0: none here)
     generate_length: int = 0  # GRPO: their longest prompt + completion
 
@@ -379,6 +381,9 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
         notes.append(f"optimizer {run.optim}: assumed 2 states per trainable parameter, as AdamW")
         states, state_bytes = 2, train_bytes
     optimizer = params.trainable * states * state_bytes
+    if run.ema:  # kept beside the optimizer states for the whole run
+        optimizer += params.trainable * 4
+        notes.append("train.ema: an fp32 copy of the trained parameters, counted with the optimizer states")
 
     layer = _layer_bytes(shape, params, run)  # layer index -> saved bytes per token
     ckpt = {i for i in range(shape.layers) if run.checkpointing and i % max(1, run.every_n_layers) == 0}

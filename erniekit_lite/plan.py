@@ -286,6 +286,7 @@ def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: boo
         reference=reference,
         chunk_elements=memory.MAX_CHUNK_ELEMENTS,
         head_keep=head_keep,
+        ema=bool(recipe.train.get("ema")),
     )
     return memory.estimate(arch["shape"], arch["memory"], run), run
 

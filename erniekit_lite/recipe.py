@@ -329,10 +329,11 @@ class OwnTrainKey:
     """A `train:` key of erniekit-lite's own (not a TRL config field): checked like TRL's, removed before TRL's config
     is built (trainer_args.py), offered by the web UI's form and named by `validate`."""
 
-    default: float
+    default: Any
     help: str
     methods: tuple[str, ...]  # the methods that take it
     lora: bool = True  # whether it means anything when LoRA freezes the rest
+    check: Any = None  # (value, where) -> the value checked; None: a number >= 0
 
 
 OWN_TRAIN_KEYS = {
@@ -343,10 +344,35 @@ OWN_TRAIN_KEYS = {
         0.0, "MoE: weight of the router orthogonal loss, ||W·Wᵀ − I||² / E² of each router's row-normalised weight, "
         "summed over MoE layers (ERNIEKit's moe_orthogonal_loss_lambda; 0: off). Full fine-tuning only: LoRA "
         "leaves the router frozen.", ("sft", "pt"), lora=False),
+    "ema": OwnTrainKey(
+        None, "An exponential moving average of the trained parameters, written as OUTPUT/ema/ (a run dir of its own) "
+        "and kept in every checkpoint: {decay: 0.999, start: 0} (the EMA follows the parameters until step `start`). "
+        "With a constant learning rate, what the ERNIE 4.5 report uses instead of a decaying one.",
+        ("sft", "pt", "dpo", "orpo", "simpo", "kto", "rm", "grpo"), check=lambda value, where: _check_ema(value, where)),
 }
+EMA_KEYS = {"decay": None, "start": 0}
 
 
-def own_train(recipe: Recipe, key: str) -> float:
+def _check_ema(value: Any, where: str) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RecipeError(where, f"train.ema: expected {{decay: 0.999, start: 0}} (got {value!r})")
+    for key in value:
+        if key not in EMA_KEYS:
+            raise RecipeError(where, f"unknown key '{key}' in train.ema{_did_you_mean(key, list(EMA_KEYS))}")
+    if "decay" not in value:
+        raise RecipeError(where, "train.ema: missing required key 'decay' (e.g. 0.999)")
+    decay = _check_type("ema.decay", value["decay"], 0.0, where)
+    if not 0 < decay < 1:
+        raise RecipeError(where, f"train.ema.decay: expected a number between 0 and 1, exclusive (got {decay!r})")
+    start = _check_type("ema.start", value.get("start", 0), 0, where)
+    if start < 0:
+        raise RecipeError(where, f"train.ema.start: expected a whole number >= 0 (got {start!r})")
+    return {"decay": float(decay), "start": int(start)}
+
+
+def own_train(recipe: Recipe, key: str) -> Any:
     """An own `train:` key's value, its default when the recipe leaves it out."""
     return recipe.train.get(key, OWN_TRAIN_KEYS[key].default)
 
@@ -523,6 +549,8 @@ def _check_own(key: str, value: Any, method: str, lora: bool, where: str) -> Any
     own = OWN_TRAIN_KEYS[key]
     if method not in own.methods:
         raise RecipeError(where, f"train.{key}: method {method} does not take it (methods that do: {', '.join(own.methods)})")
+    if own.check is not None:
+        return own.check(value, where)
     value = _check_type(key, value, own.default, where)
     if value is not None and value < 0:
         raise RecipeError(where, f"train.{key}: expected a number >= 0 (got {value!r})")

@@ -204,6 +204,24 @@ def test_push_merged_uploads_a_plain_checkpoint(lora_run, hub, tmp_path):
         assert torch.allclose(merged(input_ids=ids).logits, tuned(input_ids=ids).logits, atol=1e-5)
 
 
+def test_push_ema_uploads_the_runs_ema_dir(lora_run, hub, tmp_path):
+    """`push RUN --ema` uploads RUN/ema (here a stand-in: a copy of the run's own files; tests/test_ema.py trains a
+    real one), and without one it is a one-line error that uploads nothing."""
+    run = copy_of(lora_run, tmp_path)
+    result = cli(hub, tmp_path, "push", run, "--repo", "someone/tiny-ernie-ema", "--ema")
+    assert result.returncode != 0 and not hub.repos
+    assert result.stderr.strip().splitlines()[-1].endswith(f"{run}: no finished weight EMA in it ({run / 'ema'}); "
+                                                           "train with train.ema to write one")
+    (run / "ema").mkdir()
+    for file in run.iterdir():
+        if file.is_file():
+            shutil.copy2(file, run / "ema" / file.name)
+    (run / "ema" / "adapter_model.safetensors").write_bytes(b"stand-in")  # what tells the upload came from ema/
+    result = cli(hub, tmp_path, "push", run, "--repo", "someone/tiny-ernie-ema", "--ema")
+    assert result.returncode == 0, result.stderr
+    assert hub.files("someone/tiny-ernie-ema")["adapter_model.safetensors"] == b"stand-in"
+
+
 def test_recipe_hub_pushes_when_training_ends(tiny_own_dir, hub, tmp_path):
     out = tmp_path / "out"
     recipe = tmp_path / "recipe.yaml"

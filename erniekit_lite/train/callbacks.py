@@ -179,6 +179,8 @@ def train(trainer, out: Path, resume_from_checkpoint=None):
     if trainer.args.should_save:
         checkpoints.remove_partial(Path(out), say)
     resume = checkpoints.resume_point(resume_from_checkpoint, Path(out), say)
+    if getattr(trainer, "ema", None) is not None:
+        trainer.ema.resume = Path(resume) if resume else None
     trainer.add_callback(ProgressLog(out))
     show_progress(trainer)
     stop = StopOnSignal()
@@ -255,6 +257,8 @@ def save_final(trainer, out: Path, metrics: dict, expert_load=None) -> None:
         trainer.save_state()  # trainer_state.json with log_history
         if expert_load is not None:
             expert_load.save(out, trainer.is_world_process_zero())
+        if getattr(trainer, "ema", None) is not None:  # train.ema: OUTPUT/ema, a run dir of the EMA weights (ema.py)
+            trainer.ema.write_run(trainer, out)
     if received:
         finished(out, trainer.state)
         raise Stopped(128 + received[0], f"stopped after the final save: the trained model is complete in {out} "

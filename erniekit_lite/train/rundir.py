@@ -7,6 +7,8 @@
       train_results.json     train_loss, train_runtime, train_tokens, train_tokens_per_second, packing_efficiency
       trainer_state.json     per-step log_history
       samples.jsonl          answers to output.sample_prompts, when set
+      ema/                   with train.ema: the same format (model or adapter, tokenizer, recipe.yaml, metrics)
+                             holding the EMA of the trained weights (train/ema.py)
       checkpoint-N/          intermediate checkpoints (Trainer), each complete (see checkpoints.py)
       tmp-checkpoint-N/      a save in progress, or what a killed one left (removed when training starts)
 
@@ -44,7 +46,7 @@ SCHEDULE_KEYS = (
 
 # What a run dir may hold besides recipe.yaml (the contract above, and the result files later features add)
 RUN_FILES = ("*.safetensors", "*.json", "*.jsonl", "*.jinja", "*.png", "*.md", "training_args.bin", "tokenizer.model")
-RUN_DIRS = re.compile(r"(tmp-)?checkpoint-\d+|runs")
+RUN_DIRS = re.compile(r"(tmp-)?checkpoint-\d+|runs|ema")
 _aside: Path | None = None  # the run an overwrite moved aside, until the new run's first step (claim, first_step_done)
 
 

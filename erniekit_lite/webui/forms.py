@@ -84,6 +84,7 @@ FIELDS = (
     Field("train.num_train_epochs", "epochs", "number"),
     Field("train.per_device_train_batch_size", "batch size (rows per device)", "int"),
     Field("train.logging_steps", "log every N steps", "int"),
+    Field("train.ema", "weight EMA decay (blank: off; OUTPUT/ema)", "number"),  # train.ema.decay; start stays as the YAML has it
     Field("output.dir", "output dir", "text"),
     # Each method's own train: keys (TRL's config field names; help from the method's config class)
     Field("train.beta", "beta", "number", methods=("dpo", "orpo", "simpo", "kto", "grpo")),
@@ -174,6 +175,7 @@ def values(recipe: Recipe) -> list[Any]:
         "lora": recipe.lora is not None,
         **{f.key: getattr(lora, f.key.removeprefix("lora.")) for f in FIELDS if f.key.startswith("lora.")},
         "lora.init": "true" if lora.init is True else lora.init,
+        "train.ema": (recipe.train.get("ema") or {}).get("decay"),
     }
     out = []
     for field in FIELDS:
@@ -221,6 +223,12 @@ def apply(recipe: Recipe, form: list[Any]) -> Recipe:
     if lora["init"] == "true":
         lora["init"] = True  # YAML's `init: true`
     raw["lora"] = lora if given.pop("lora") else None
+    if "train.ema" in given:  # the form's number is the decay; a start set in the YAML stays
+        decay = given.pop("train.ema")
+        if decay is None:
+            raw["train"].pop("ema", None)
+        else:
+            raw["train"]["ema"] = {**(raw["train"].get("ema") or {}), "decay": decay}
     for key, value in given.items():
         section, _, name = key.partition(".")
         if not name:
@@ -243,10 +251,12 @@ def kept_on_switch(old: str, new: str) -> frozenset[str]:
     """The train: keys that survive a change of method from `old` to `new`: all of them between methods trained
     with one TRL config class (sft and pt: SFTConfig), else those that every method's config has (learning_rate,
     max_steps, ...). The rest are the old method's own (beta, loss_type, ...): meaningless or different for the
-    new one (SimPO's beta 2.0 is no DPO beta; SFTConfig and DPOConfig both have a loss_type, with other values)."""
+    new one (SimPO's beta 2.0 is no DPO beta; SFTConfig and DPOConfig both have a loss_type, with other values).
+    erniekit-lite's own keys (recipe.OWN_TRAIN_KEYS) survive where both methods take them (train.ema: all)."""
+    own = frozenset(k for k, key in recipes.OWN_TRAIN_KEYS.items() if old in key.methods and new in key.methods)
     if recipes.train_config_class(old) is recipes.train_config_class(new):
-        return _config_fields(new)
-    return frozenset.intersection(*(_config_fields(m) for m in METHODS))
+        return _config_fields(new) | own
+    return frozenset.intersection(*(_config_fields(m) for m in METHODS)) | own
 
 
 def _rewards(entries: list[dict], names: list[str]) -> list[dict]:

@@ -1,0 +1,113 @@
+"""A weight EMA instead of a decaying learning rate (`train.ema: {decay: D, start: S}`), as the ERNIE 4.5 report trains.
+
+After each optimizer step past step S the EMA of every trained parameter (LoRA: the adapters; full fine-tuning: the
+model, one fp32 copy) moves towards it, e ← e + (1 − D)·(p − e), on the device with one `torch._foreach_lerp_` and no
+host read; until step S it is the parameter itself. It is saved in every checkpoint (`ema.safetensors`, written in
+the checkpoint's staging dir, so a checkpoint holds it or does not exist) and restored exactly on resume. At the end
+`OUTPUT/ema/` is a run dir of the same format with the EMA weights in place of the trained ones (an adapter folder or
+a model folder, the tokenizer, recipe.yaml and the metrics files), which `chat`, `merge`, `eval`, `export` and `push`
+take as a path. Parameters sharded across processes (FSDP, ZeRO-3) are refused before training: gathering them
+every step is what the EMA must not cost.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+FILE = "ema.safetensors"
+DIR = "ema"
+COPIED = ("recipe.yaml", "generation_config.json", "train_results.json", "trainer_state.json")  # beside the weights
+
+
+def setup(trainer, recipe, log=print) -> WeightEma | None:
+    """`train.ema`: the callback on the trainer (`trainer.ema`, which the checkpoints and the final save read)."""
+    from erniekit_lite.errors import UserError
+
+    settings = recipe.train.get("ema")
+    if not settings:
+        return None
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if trainer.is_fsdp_enabled or (plugin is not None and plugin.zero_stage == 3):
+        raise UserError("train.ema: the parameters are sharded across processes (FSDP, ZeRO-3), and the EMA would gather "
+                        "them every step; use DDP or ZeRO-1/2, or remove train.ema")
+    ema = WeightEma(settings["decay"], settings["start"])
+    trainer.ema = ema
+    trainer.add_callback(ema)
+    trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    log(f"ema: decay {ema.decay:g} from step {ema.start}, an fp32 copy of the {trained:,} trained parameters "
+        f"({trained * 4 / 2**20:,.1f} MiB), in every checkpoint; {Path(recipe.output.dir) / DIR} at the end (train.ema)")
+    return ema
+
+
+class WeightEma(TrainerCallback):
+    def __init__(self, decay: float, start: int):
+        self.decay, self.start = decay, start
+        self.names: list[str] = []
+        self.params: list[torch.Tensor] = []
+        self.ema: list[torch.Tensor] = []
+        self.resume: Path | None = None  # the checkpoint training resumes from (callbacks.train sets it)
+
+    def attach(self, model) -> None:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        with torch.no_grad():
+            self.ema = [p.detach().float().clone() for p in self.params]
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.attach(model)
+        if self.resume is not None:
+            self.load(self.resume)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        with torch.no_grad():
+            current = [p.detach() if p.dtype == torch.float32 else p.detach().float() for p in self.params]
+            if state.global_step <= self.start:
+                torch._foreach_copy_(self.ema, current)
+            else:
+                torch._foreach_lerp_(self.ema, current, 1.0 - self.decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: value.contiguous() for name, value in zip(self.names, self.ema)}
+
+    def save(self, checkpoint: Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file({n: t.cpu() for n, t in self.state_dict().items()}, str(Path(checkpoint) / FILE))
+
+    def load(self, checkpoint: Path) -> None:
+        from safetensors.torch import load_file
+
+        from erniekit_lite.errors import UserError
+
+        file = Path(checkpoint) / FILE
+        if not file.is_file():
+            raise UserError(f"{checkpoint}: no {FILE}; this checkpoint was saved without train.ema")
+        saved = load_file(str(file))
+        if sorted(saved) != sorted(self.names):
+            raise UserError(f"{file}: its parameters are not the ones this run trains")
+        with torch.no_grad():
+            for name, value in zip(self.names, self.ema):
+                value.copy_(saved[name])
+
+    def write_run(self, trainer, out: Path) -> Path:
+        """OUTPUT/ema: the trained parameters swapped for their EMA while the model is saved, then swapped back."""
+        target = Path(out) / DIR
+        kept = [p.detach().to("cpu", copy=True) for p in self.params]
+        with torch.no_grad():
+            for p, e in zip(self.params, self.ema):
+                p.copy_(e)
+        try:
+            trainer.save_model(str(target))
+        finally:
+            with torch.no_grad():
+                for p, k in zip(self.params, kept):
+                    p.copy_(k)
+        if trainer.is_world_process_zero():
+            for name in COPIED:
+                if (Path(out) / name).is_file():
+                    shutil.copy2(Path(out) / name, target / name)
+        return target
