@@ -324,6 +324,28 @@ OWNED_TRAIN_KEYS = {
 }
 
 
+EMA_KEYS = {"decay": None, "start": 0}
+
+
+def _check_ema(value: Any, where: str) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RecipeError(where, f"train.ema: expected {{decay: 0.999, start: 0}} (got {value!r})")
+    for key in value:
+        if key not in EMA_KEYS:
+            raise RecipeError(where, f"unknown key '{key}' in train.ema{_did_you_mean(key, list(EMA_KEYS))}")
+    if "decay" not in value:
+        raise RecipeError(where, "train.ema: missing required key 'decay' (e.g. 0.999)")
+    decay = _check_type("ema.decay", value["decay"], 0.0, where)
+    if not 0 < decay < 1:
+        raise RecipeError(where, f"train.ema.decay: expected a number between 0 and 1, exclusive (got {decay!r})")
+    start = _check_type("ema.start", value.get("start", 0), 0, where)
+    if start < 0:
+        raise RecipeError(where, f"train.ema.start: expected a whole number >= 0 (got {start!r})")
+    return {"decay": float(decay), "start": int(start)}
+
+
 @dataclass(frozen=True)
 class OwnTrainKey:
     """A `train:` key of erniekit-lite's own (not a TRL config field): checked like TRL's, removed before TRL's config
@@ -348,30 +370,8 @@ OWN_TRAIN_KEYS = {
         None, "An exponential moving average of the trained parameters, written as OUTPUT/ema/ (a run dir of its own) "
         "and kept in every checkpoint: {decay: 0.999, start: 0} (the EMA follows the parameters until step `start`). "
         "With a constant learning rate, what the ERNIE 4.5 report uses instead of a decaying one.",
-        ("sft", "pt", "dpo", "orpo", "simpo", "kto", "rm", "grpo"), check=lambda value, where: _check_ema(value, where)),
+        ("sft", "pt", "dpo", "orpo", "simpo", "kto", "rm", "grpo"), check=_check_ema),
 }
-EMA_KEYS = {"decay": None, "start": 0}
-
-
-def _check_ema(value: Any, where: str) -> dict | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise RecipeError(where, f"train.ema: expected {{decay: 0.999, start: 0}} (got {value!r})")
-    for key in value:
-        if key not in EMA_KEYS:
-            raise RecipeError(where, f"unknown key '{key}' in train.ema{_did_you_mean(key, list(EMA_KEYS))}")
-    if "decay" not in value:
-        raise RecipeError(where, "train.ema: missing required key 'decay' (e.g. 0.999)")
-    decay = _check_type("ema.decay", value["decay"], 0.0, where)
-    if not 0 < decay < 1:
-        raise RecipeError(where, f"train.ema.decay: expected a number between 0 and 1, exclusive (got {decay!r})")
-    start = _check_type("ema.start", value.get("start", 0), 0, where)
-    if start < 0:
-        raise RecipeError(where, f"train.ema.start: expected a whole number >= 0 (got {start!r})")
-    return {"decay": float(decay), "start": int(start)}
-
-
 def own_train(recipe: Recipe, key: str) -> Any:
     """An own `train:` key's value, its default when the recipe leaves it out."""
     return recipe.train.get(key, OWN_TRAIN_KEYS[key].default)
