@@ -20,6 +20,7 @@ row run needs no routing at all. Nothing reads the device on the host, and RUN_B
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -128,13 +129,18 @@ def run_rows(shape: tuple[int, int, int], element_size: int) -> int:
     """Output rows of every expert dequantized at once: the largest equal split of `out` whose run ([E, rows, in] in
     the compute dtype) stays within RUN_BYTES, in whole 64-blocks and 16-byte rows (grouped_mm's alignment); the
     smallest such split when none stays within; all of `out` when there is none (shapes only: the same every call)."""
+    return _run_rows(tuple(shape), element_size, RUN_BYTES)
+
+
+@functools.cache  # asked in every forward and backward of every MoE layer: the search runs once per shape
+def _run_rows(shape: tuple[int, int, int], element_size: int, cap: int) -> int:
     experts, out, inner = shape
     unit = math.lcm(BLOCK // math.gcd(inner, BLOCK), max(1, 16 // element_size))
     rows = out
     for parts in range(1, out // unit + 1):
         if out % parts == 0 and (out // parts) % unit == 0:
             rows = out // parts
-            if experts * rows * inner * element_size <= RUN_BYTES:
+            if experts * rows * inner * element_size <= cap:
                 break
     return rows
 
@@ -150,7 +156,9 @@ def dequantize_rows(experts, name: str, start: int, stop: int) -> torch.Tensor:
     packed, inner = getattr(experts, name), experts.nf4_shapes[name][1]
     count, rows = packed.shape[0], stop - start
     first, last = start * inner // BLOCK, stop * inner // BLOCK
-    nested = stat["absmax2"].unsqueeze(-1).expand(-1, -1, NESTED).reshape(count, -1)[:, first:last]
+    low, high = first // NESTED, -(-last // NESTED)  # the run's absmax blocks lie in these nested blocks
+    nested = stat["absmax2"][:, low:high].unsqueeze(-1).expand(-1, -1, NESTED).reshape(count, -1)
+    nested = nested[:, first - low * NESTED:last - low * NESTED]
     scale = stat["code2"][stat["absmax"][:, first:last].int()] * nested + stat["offset"].unsqueeze(-1)
     if rows != experts.nf4_shapes[name][0]:  # a slice of each expert: its bytes gathered (E copies of a strided run)
         packed = packed[:, start * inner // 2:stop * inner // 2]
