@@ -55,9 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="allow a non-empty --out")
     p.set_defaults(handler=_merge)
 
-    p = sub.add_parser("prune", help="an MoE cut to the K experts per layer that your data routes to: a smaller standard checkpoint")
+    p = sub.add_parser("prune", help="a model cut to the experts (MoE) and/or decoder layers your data uses most: a smaller standard checkpoint")
     p.add_argument("source", metavar="RUN_OR_MODEL", help="a run's output dir (LoRA: merged first) or an ERNIE 4.5 MoE model dir or Hub id")
-    p.add_argument("--experts", type=int, required=True, metavar="K", help="experts kept per MoE layer: those carrying the most routing weight")
+    p.add_argument("--experts", type=int, metavar="K", help="experts kept per MoE layer: those carrying the most routing weight")
+    p.add_argument("--layers", type=int, metavar="L", help="decoder layers kept: those that change the hidden states most on the data (dense or MoE)")
     p.add_argument("--out", required=True, help="new directory for the pruned model")
     p.add_argument("--data", metavar="FILE", help="data to measure routing on (default for a run: its training data; a model needs it)")
     p.add_argument("--top-k", type=int, metavar="N", help="experts each token picks in the pruned model (default: the model's moe_k)")
@@ -250,7 +251,8 @@ def _prune(args) -> int:
     _quiet_libraries()
     from erniekit_lite.prune import prune
 
-    prune(args.source, args.experts, args.out, args.data, args.top_k, args.report, args.eval, args.overwrite, args.batch_size)
+    prune(args.source, args.experts, args.out, args.data, args.top_k, args.report, args.eval, args.overwrite, args.batch_size,
+          args.layers)
     return 0
 
 

@@ -1,6 +1,7 @@
-"""`erniekit-lite prune`: an ERNIE 4.5 MoE cut to the K experts per layer that a data set routes to.
+"""`erniekit-lite prune`: an ERNIE 4.5 MoE cut to the K experts per layer that a data set routes to, and/or any ERNIE
+4.5 cut to the L decoder layers that matter most on it (`--layers`: `LayerInfluence`, `depth_cut`; docs/prune.md).
 
-    erniekit-lite prune RUN_OR_MODEL --experts K --out DIR [--data FILE] [--top-k N] [--report K1,K2,...] [--eval FILE]
+    erniekit-lite prune RUN_OR_MODEL [--experts K] [--layers L] --out DIR [--data FILE] [--top-k N] [--report K1,...] [--eval FILE]
 
 1. Measure. The data goes through the pipeline training used (`data.prepare`: the run's recipe settings and the
    template its tokenizer carries; a model dir gets `eval --data`'s defaults) and is scored once by the model (a LoRA
@@ -47,6 +48,8 @@ from erniekit_lite.files import replace_dir
 
 MARKER = "erniekit_pruned.json"  # written last: a dir holding it is a complete prune
 ROUTING = "sum over tokens of the normalised top-k routing weight (the weight each expert's output is mixed with)"
+INFLUENCE = ("mean over tokens of 1 - cos(a decoder layer's input hidden state, its output): how much the layer turns the "
+             "residual stream (ShortGPT's block influence; one scoring pass for every layer)")
 
 
 @dataclass
@@ -71,19 +74,28 @@ class Result:
         return sum(la.changed for la in self.layers) / max(1, sum(la.tokens for la in self.layers))
 
 
-def prune(source: str, experts: int, out: str, data: str | None = None, top_k: int | None = None,
+def prune(source: str, experts: int | None, out: str, data: str | None = None, top_k: int | None = None,
           report: str | None = None, eval_data: str | None = None, overwrite: bool = False, batch_size: int = 8,
-          log=print) -> dict:
-    """Measure `source`'s routing over the data, keep `experts` experts per MoE layer, write the model to `out`;
-    returns what `erniekit_pruned.json` holds."""
+          layers: int | None = None, log=print) -> dict:
+    """Measure `source` over the data, keep `experts` experts per MoE layer and/or the `layers` decoder layers that
+    matter most, write the model to `out`; returns what `erniekit_pruned.json` holds."""
     if batch_size < 1:
         raise UserError(f"--batch-size must be at least 1 (got {batch_size})")
+    if experts is None and layers is None:
+        raise UserError("prune: give --experts K (routed experts kept per MoE layer), --layers L (decoder layers kept), or both")
+    if report and (experts is None or layers is not None):
+        raise UserError("--report: takes expert counts, with --experts and without --layers (a grid over depth is not offered yet)")
+    if top_k is not None and experts is None:
+        raise UserError("--top-k: goes with --experts")
     target = Path(out)
     report_files = [target.with_name(f"{target.name}.report{ext}") for ext in (".md", ".png")] if report else []
     check_out(source, target, report_files, overwrite)
-    config = moe_config(source)
+    config = model_config(source, need_moe=experts is not None)
     sizes = report_sizes(report, config, top_k)
-    check_experts(experts, top_k, config, "--experts")
+    if experts is not None:
+        check_experts(experts, top_k, config, "--experts")
+    if layers is not None:
+        check_layers(layers, config)
     measured, held_out = data_sections(source, data, eval_data, bool(report))
 
     from erniekit_lite.data.prepare import prepare
@@ -96,13 +108,13 @@ def prune(source: str, experts: int, out: str, data: str | None = None, top_k: i
         held_rows = prepare(held_out, tokenizer, log=log).train.rows if held_out is not None else prepared.eval.rows
         if not held_rows:
             raise UserError("--report: the held-out data holds no samples to score; give --eval FILE")
-    top_k = top_k or config.moe_k
+    top_k = top_k or getattr(config, "moe_k", None)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".{target.name}.pruning")
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        summary, table = _prune(source, experts, top_k, sizes, config, measured, prepared, held_rows, tokenizer, batch_size,
-                                staging, log)
+        summary, table = _prune(source, experts, top_k, layers, sizes, config, measured, prepared, held_rows, tokenizer,
+                                batch_size, staging, log)
         if table is not None:  # with the rest, before the model takes the target's place
             write_report(table, report_files, source, log)
     except BaseException:
@@ -113,24 +125,34 @@ def prune(source: str, experts: int, out: str, data: str | None = None, top_k: i
     return summary
 
 
-def _prune(source, experts, top_k, sizes, config, measured, prepared, held_rows, tokenizer, batch_size, staging, log):
+def _prune(source, experts, top_k, layers, sizes, config, measured, prepared, held_rows, tokenizer, batch_size, staging, log):
     """Measure, cut, check and write into `staging`; (the summary, the --report table or None)."""
     from erniekit_lite.evaluate import score_rows
 
     rows = prepared.train.rows
     with loaded(source, staging.parent, log) as model:
-        weights = RoutingWeight(model)
-        with weights:
+        weights = RoutingWeight(model) if experts is not None else None
+        influence = LayerInfluence(model) if layers is not None else None
+        with weights or contextlib.nullcontext(), influence or contextlib.nullcontext():
             nll, tokens = score_rows(model, rows, batch_size, measured.max_length)
-        before = Result(config.moe_num_experts, config.moe_k, [], parameters(model), nll / tokens)
-        result = Result(experts, top_k, weights.layers_for(experts), 0)
-        with ChoiceChanges(model, result), pruned(model, result):
+        before = Result(getattr(config, "moe_num_experts", 0), getattr(config, "moe_k", 0), [], parameters(model), nll / tokens)
+        result = Result(experts or before.experts, top_k or before.top_k, weights.layers_for(experts) if weights else [], 0)
+        kept_layers = influence.kept(layers) if influence else list(range(config.num_hidden_layers))
+        with contextlib.ExitStack() as cut:
+            if weights:
+                cut.enter_context(ChoiceChanges(model, result))
+                cut.enter_context(pruned(model, result))
+            if influence:
+                cut.enter_context(depth_cut(model, kept_layers))
             nll, _ = score_rows(model, rows, batch_size, measured.max_length)
             result.loss, result.parameters = nll / tokens, parameters(model)
             model.config.use_cache = True  # the loader turns the cache off for packed rows; inference wants it
             model.save_pretrained(staging, max_shard_size="5GB")
             model.config.use_cache = False
-        log_layers(result, weights.tokens, log)
+        if weights:
+            log_layers(result, weights.tokens, log)
+        if influence:
+            influence.log(kept_layers, log)
         log(f"prune: parameters {before.parameters:,} -> {result.parameters:,}; bf16 size {_size(2 * before.parameters)} -> "
             f"{_size(2 * result.parameters)}; loss on the measuring data {before.loss:.4f} -> {result.loss:.4f}")
         table = held_out_table(model, weights, sizes, top_k, held_rows, batch_size, measured.max_length, log) if sizes else None
@@ -144,10 +166,12 @@ def _prune(source, experts, top_k, sizes, config, measured, prepared, held_rows,
         "source": source,
         "data": [s.path for s in measured.train],
         "routing_weight": ROUTING,
-        "experts_before": before.experts, "experts": experts, "top_k_before": before.top_k, "top_k": top_k,
+        "experts_before": before.experts, "experts": result.experts, "top_k_before": before.top_k, "top_k": result.top_k,
+        "layers_before": config.num_hidden_layers, "layers_kept": kept_layers, "layer_influence": INFLUENCE,
+        "influence": influence.values() if influence else None,
         "parameters_before": before.parameters, "parameters": result.parameters,
         "bf16_bytes_before": 2 * before.parameters, "bf16_bytes": 2 * result.parameters,
-        "tokens": weights.tokens, "trained_tokens": tokens, "loss_before": before.loss, "loss": result.loss,
+        "tokens": (weights or influence).tokens, "trained_tokens": tokens, "loss_before": before.loss, "loss": result.loss,
         "layers": [vars(la) for la in result.layers],
         "report": table,
     }
@@ -172,8 +196,8 @@ def check_out(source: str, target: Path, report_files: list[Path], overwrite: bo
             raise UserError(f"{target}: not empty and not a previous prune; --overwrite only replaces a pruned model (nothing was written)")
 
 
-def moe_config(source: str):
-    """The source's model config (a LoRA run's base); a one-line error when it is no ERNIE 4.5 MoE."""
+def model_config(source: str, need_moe: bool):
+    """The source's model config (a LoRA run's base); a one-line error when it is no ERNIE 4.5 (MoE, for `need_moe`)."""
     from erniekit_lite.evaluate import check_model_path
     from erniekit_lite.model.load import adapter_base, check_source
     from erniekit_lite.model.reward import refuse_reward_run
@@ -188,9 +212,17 @@ def moe_config(source: str):
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: could not read the model config: {str(e).strip().splitlines()[0]}") from None
-    if config.model_type != "ernie4_5_moe":
+    if need_moe and config.model_type != "ernie4_5_moe":
         raise UserError(f"{source}: a {config.model_type} model has no routed experts to prune; prune takes an ERNIE 4.5 MoE (ernie4_5_moe)")
+    if config.model_type not in ("ernie4_5", "ernie4_5_moe"):
+        raise UserError(f"{source}: a {config.model_type} model; prune takes ERNIE 4.5 (ernie4_5, ernie4_5_moe)")
     return config
+
+
+def check_layers(layers: int, config) -> None:
+    total = config.num_hidden_layers
+    if not 1 <= layers < total:
+        raise UserError(f"--layers {layers}: must be from 1 to {total - 1} (the model has {total} decoder layers)")
 
 
 def check_experts(experts: int, top_k: int | None, config, flag: str) -> None:
@@ -399,6 +431,97 @@ class ChoiceChanges(_RouterHooks):
 
             self._hooks.append(block.gate.register_forward_hook(count))
         return self
+
+
+class LayerInfluence:
+    """Inside `with`: each decoder layer's influence (INFLUENCE) over every token the model sees. A layer that leaves
+    its input as it is scores 0 and is the first to go. One pass measures every layer; skipping each layer in turn
+    and scoring the loss would take a pass per layer."""
+
+    def __init__(self, model):
+        import torch
+
+        self.layers = list(model.model.layers)
+        self.sums = [torch.zeros((), dtype=torch.float64) for _ in self.layers]
+        self.tokens = 0
+        self._hooks = []
+
+    def __enter__(self):
+        import torch.nn.functional as F
+
+        for n, layer in enumerate(self.layers):
+            def add(module, args, kwargs, output, n=n):
+                before = args[0] if args else kwargs["hidden_states"]
+                after = output[0] if isinstance(output, tuple) else output
+                turned = 1 - F.cosine_similarity(before.float(), after.float(), dim=-1)
+                self.sums[n] += turned.double().sum().cpu()
+                if n == 0:
+                    self.tokens += turned.numel()
+
+            self._hooks.append(layer.register_forward_hook(add, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def values(self) -> list[float]:
+        return [float(s) / max(1, self.tokens) for s in self.sums]
+
+    def kept(self, layers: int) -> list[int]:
+        """The `layers` layers of most influence (ties: the lower index), in their order."""
+        values = self.values()
+        return sorted(sorted(range(len(values)), key=lambda i: (-values[i], i))[:layers])
+
+    def log(self, kept: list[int], log) -> None:
+        log(f"prune: kept {len(kept)} of {len(self.layers)} decoder layers; influence = {INFLUENCE}, over {self.tokens:,} tokens")
+        log("  layer  influence  kept")
+        for i, value in enumerate(self.values()):
+            log(f"  {i:>5}  {value:>9.4f}  {'yes' if i in kept else 'no'}")
+
+
+def moe_placement(config, kept: list[int]) -> tuple[int, int] | None:
+    """(moe_layer_start_index, moe_layer_end_index) that make exactly the kept MoE layers MoE after the cut, with
+    moe_layer_interval 1; None for a dense model. transformers places MoE layers by those three numbers only, so a
+    kept dense layer after a kept MoE layer cannot be expressed: a one-line error."""
+    if not hasattr(config, "moe_layer_start_index"):
+        return None
+    interval, start, end = config.moe_layer_interval, config.moe_layer_start_index, config.moe_layer_end_index
+    is_moe = [(i + 1) % interval == 0 and start <= i <= end for i in kept]
+    first = is_moe.index(True) if any(is_moe) else len(kept)
+    if not all(is_moe[first:]):
+        dense = next(kept[i] for i in range(first, len(kept)) if not is_moe[i])
+        raise UserError(f"--layers {len(kept)}: the layers kept ({', '.join(map(str, kept))}) put the dense layer {dense} after "
+                        "an MoE layer, which moe_layer_start_index / end_index / interval cannot say; keep more or fewer layers")
+    return first, len(kept) - 1
+
+
+@contextlib.contextmanager
+def depth_cut(model, kept: list[int]):
+    """The model cut to its decoder layers `kept`, renumbered, with the config to match; restored on leaving."""
+    import torch
+
+    config, decoder = model.config, model.model
+    placement = moe_placement(config, kept)
+    keys = ("num_hidden_layers", "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval")
+    saved_config = {k: getattr(config, k) for k in keys if hasattr(config, k)}
+    saved_layers = decoder.layers
+    decoder.layers = torch.nn.ModuleList([saved_layers[i] for i in kept])
+    for new, layer in enumerate(decoder.layers):
+        layer.self_attn.layer_idx = new  # its KV cache slot in generation
+    config.num_hidden_layers = len(kept)
+    if placement is not None:
+        config.moe_layer_start_index, config.moe_layer_end_index = placement
+        config.moe_layer_interval = 1
+    try:
+        yield model
+    finally:
+        decoder.layers = saved_layers
+        for old, layer in enumerate(saved_layers):
+            layer.self_attn.layer_idx = old
+        for key, value in saved_config.items():
+            setattr(config, key, value)
 
 
 def parameters(model) -> int:

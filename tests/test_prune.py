@@ -430,3 +430,89 @@ def test_export_gguf_of_the_pruned_model_answers_as_transformers(tmp_path, capsy
     stop = sorted(tokenizer.convert_tokens_to_ids(t) for t in STOP)
     assert in_child(ENGINE, "greedy", str(gguf), prompts, stop, 12) == expected
     assert sum(map(len, expected)) >= 3 * len(PROMPTS)
+
+
+# ---------------------------------------------------------------- --layers (elastic depth)
+
+def with_identity_layer(base: Path, out: Path, layer: int) -> Path:
+    """`base` with decoder layer `layer` an exact identity: the outputs it adds to the residual stream (attention's
+    o_proj, the MLP's down projections, shared and routed) are zero."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    block = model.model.layers[layer]
+    with torch.no_grad():
+        block.self_attn.o_proj.weight.zero_()
+        mlp = block.mlp
+        for name in ("down_proj", "experts.down_proj", "shared_experts.down_proj"):
+            target = mlp
+            for part in name.split("."):
+                target = getattr(target, part, None)
+            if isinstance(target, torch.nn.Linear):
+                target.weight.zero_()
+            elif isinstance(target, torch.Tensor):
+                target.zero_()
+    return save_with_tokenizer(model, base, out)
+
+
+@pytest.mark.parametrize("arch", ["dense", "moe"])
+def test_layers_drops_an_identity_layer_and_keeps_the_logits(tmp_path, capsys, ernie_tokenizer_dir, ids, arch):
+    """3 decoder layers, one an exact identity (dense: the middle one; MoE: the last, an MoE layer): `--layers 2` drops
+    it (influence 0, up to rounding), the logits of plain transformers equal the original's (fp32, 1e-5), greedy generation is the
+    same, the MoE config still places its MoE layer (moe_layer_start/end_index renumbered), and a LoRA run starts
+    from the cut model."""
+    from erniekit_lite.tiny import write_tiny
+
+    base = write_tiny(str(tmp_path / "base"), arch, str(ernie_tokenizer_dir), hidden_size=64, layers=3)
+    identity = 1 if arch == "dense" else 2
+    model_dir = with_identity_layer(base, tmp_path / "model", identity)
+    code, out, err = run_cli(capsys, "prune", model_dir, "--layers", "2", "--data", IDENTITY, "--out", tmp_path / "cut")
+    assert code == 0, err
+    marker = json.loads((tmp_path / "cut" / "erniekit_pruned.json").read_text())
+    assert marker["layers_kept"] == [i for i in range(3) if i != identity]
+    # 1 - cos of a vector with itself: 0 up to float rounding
+    assert marker["influence"][identity] < 1e-6 < min(marker["influence"][i] for i in marker["layers_kept"])
+    config = json.loads((tmp_path / "cut" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2
+    if arch == "moe":
+        assert (config["moe_layer_start_index"], config["moe_layer_end_index"]) == (1, 1)
+    for before, after in zip(logits_of(model_dir, ids[:3]), logits_of(tmp_path / "cut", ids[:3])):
+        torch.testing.assert_close(after, before, atol=1e-5, rtol=0)
+    from transformers import AutoModelForCausalLM
+
+    prompt = torch.tensor([ids[0][:12]])
+    generated = [AutoModelForCausalLM.from_pretrained(d).eval().generate(prompt, max_new_tokens=6, do_sample=False)
+                 for d in (model_dir, tmp_path / "cut")]
+    assert torch.equal(*generated)
+    recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "cut", lora={"r": 4}, out=tmp_path / "run",
+                          train={"max_steps": 1, "per_device_train_batch_size": 2, "activation_checkpointing": False})
+    assert run_cli(capsys, "train", recipe)[0] == 0 and (tmp_path / "run" / "adapter_model.safetensors").is_file()
+
+
+def test_a_cut_the_config_cannot_place_is_refused_in_one_line():
+    """transformers makes layer i MoE when (i + 1) % interval == 0 and start <= i <= end: kept layers whose kinds
+    that cannot say (a dense layer after an MoE one) are refused; those it can get their new start and end."""
+    from types import SimpleNamespace
+
+    from erniekit_lite.errors import UserError
+    from erniekit_lite.prune import moe_placement
+
+    every_other = SimpleNamespace(moe_layer_interval=2, moe_layer_start_index=1, moe_layer_end_index=3)  # 1 and 3 MoE
+    assert moe_placement(every_other, [0, 1]) == (1, 1) and moe_placement(every_other, [1, 3]) == (0, 1)
+    assert moe_placement(every_other, [0, 2]) == (2, 1)  # no MoE layer left: an empty range
+    with pytest.raises(UserError, match=r"^--layers 2: the layers kept \(1, 2\) put the dense layer 2 after an MoE layer"):
+        moe_placement(every_other, [1, 2])
+    assert moe_placement(SimpleNamespace(), [0, 1]) is None  # dense
+
+
+def test_layers_bad_arguments_are_one_line(tmp_path, capsys, dense_dir, zero_bias):
+    cases = [
+        ([dense_dir, "--layers", "2"], "--layers 2: must be from 1 to 1 (the model has 2 decoder layers)"),
+        ([dense_dir], "prune: give --experts K (routed experts kept per MoE layer), --layers L (decoder layers kept), or both"),
+        ([zero_bias, "--layers", "2", "--report", "4"], "--report: takes expert counts, with --experts and without --layers"),
+        ([zero_bias, "--layers", "2", "--experts", "4", "--report", "4"], "--report: takes expert counts, with --experts and without --layers"),
+    ]
+    for argv, says in cases:
+        code, _, err = run_cli(capsys, "prune", *argv, "--data", IDENTITY, "--out", tmp_path / "out")
+        assert code == 2 and err.count("\n") == 1 and says in err, err
+    assert not (tmp_path / "out").exists()
