@@ -59,7 +59,7 @@ def test_each_loss_and_its_gradient_equal_the_formula(tiny_moe_dir):
     for name, ours, direct in (
         ("z", lambda: z_loss_sum(model(input_ids=ids, attention_mask=mask, output_router_logits=True).router_logits, mask),
          lambda: direct_z(model(input_ids=ids, attention_mask=mask, output_router_logits=True).router_logits, mask)),
-        ("orthogonal", lambda: orthogonal_loss(model), lambda: direct_orthogonal(weights)),
+        ("orthogonal", lambda: orthogonal_loss(weights), lambda: direct_orthogonal(weights)),
     ):
         results = []
         for compute in (ours, direct):
@@ -95,9 +95,9 @@ def test_the_z_loss_weighs_every_real_token_of_the_step_equally():
     trainer._step_real = 40
     added = sum(trainer.router_terms(model, SimpleNamespace(router_logits=b), None, b[0].shape[0], 2, "train") for b in batches)
     z = [z_loss_sum(b) for b in batches]
-    want = 0.01 * (z[0] + z[1]) / 40 + 0.1 * orthogonal_loss(model)
+    want = 0.01 * (z[0] + z[1]) / 40 + 0.1 * orthogonal_loss(routers(model))
     assert_close(added, want, "step")
-    assert abs(added.item() - (0.01 * (z[0] / 10 + z[1] / 30) / 2 + 0.1 * orthogonal_loss(model)).item()) > 1e-3
+    assert abs(added.item() - (0.01 * (z[0] / 10 + z[1] / 30) / 2 + 0.1 * orthogonal_loss(routers(model))).item()) > 1e-3
     assert [len(trainer._metrics["train"][k]) for k in ("z_loss", "orthogonal_loss")] == [2, 2]
 
 

@@ -76,8 +76,9 @@ def plan_lm_head(trainer, recipe: Recipe, log=print) -> None:
 
 def watch_moe(trainer, recipe: Recipe, log=print):
     """MoE runs: say how the router is trained and start recording expert load (None for dense models)."""
-    coefs, line = router_losses(recipe, is_moe(trainer.model))
-    if not is_moe(trainer.model):
+    moe = is_moe(trainer.model)
+    coefs, line = router_losses(recipe, moe)
+    if not moe:
         return None
     aux = f"coefficient {trainer.router_aux_loss_coef:g}, logged as aux_loss" if trainer.aux_loss_enabled else "off"
     router = "trained" if any(p.requires_grad for n, p in trainer.model.named_parameters() if ".mlp.gate." in n) else "frozen"

@@ -1,7 +1,7 @@
 """A weight EMA instead of a decaying learning rate (`train.ema: {decay: D, start: S}`), as the ERNIE 4.5 report trains.
 
 After each optimizer step past step S the EMA of every trained parameter (LoRA: the adapters; full fine-tuning: the
-model, one fp32 copy) moves towards it, e ← e + (1 − D)·(p − e), on the device with one `torch._foreach_lerp_` and no
+model, one fp32 copy) moves towards it, e ← D·e + (1 − D)·p, on the device with `torch._foreach_mul_`/`_add_` and no
 host read; until step S it is the parameter itself. It is saved in every checkpoint (`ema.safetensors`, written in
 the checkpoint's staging dir, so a checkpoint holds it or does not exist) and restored exactly on resume. At the end
 `OUTPUT/ema/` is a run dir of the same format with the EMA weights in place of the trained ones (an adapter folder or
@@ -63,12 +63,14 @@ class WeightEma(TrainerCallback):
             self.load(self.resume)
 
     def on_step_end(self, args, state, control, **kwargs):
+        # d·e + (1 − d)·p, not `_foreach_lerp_`: lerp wants p in fp32 too, an fp32 copy of a bf16 model every step
+        current = [p.detach() for p in self.params]
         with torch.no_grad():
-            current = [p.detach() if p.dtype == torch.float32 else p.detach().float() for p in self.params]
             if state.global_step <= self.start:
                 torch._foreach_copy_(self.ema, current)
             else:
-                torch._foreach_lerp_(self.ema, current, 1.0 - self.decay)
+                torch._foreach_mul_(self.ema, self.decay)
+                torch._foreach_add_(self.ema, current, alpha=1.0 - self.decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: value.contiguous() for name, value in zip(self.names, self.ema)}

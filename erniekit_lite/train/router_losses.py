@@ -29,10 +29,10 @@ def z_loss_sum(router_logits, mask: torch.Tensor | None = None) -> torch.Tensor:
     return total
 
 
-def orthogonal_loss(model) -> torch.Tensor:
-    """Σ over the MoE routers of ||Ŵ·Ŵᵀ − I||² / E², Ŵ each router weight with its rows L2-normalised."""
+def orthogonal_loss(weights: list[torch.Tensor]) -> torch.Tensor:
+    """Σ over the MoE routers' weights (`routers`) of ||Ŵ·Ŵᵀ − I||² / E², Ŵ a weight with its rows L2-normalised."""
     total = None
-    for weight in routers(model):
+    for weight in weights:
         w = weight.float()
         w = w / w.norm(dim=1, keepdim=True).clamp_min(EPS)
         gram = w @ w.t() - torch.eye(w.shape[0], device=w.device, dtype=w.dtype)
@@ -53,6 +53,7 @@ class RouterLossMixin:
     router_z_coef = 0.0
     router_orthogonal_coef = 0.0
     _step_real = None  # real tokens of the optimizer step, over all processes (a device tensor across processes)
+    _routers = None  # the routers' weights, found once (not by walking the model's parameters every micro-batch)
 
     def _get_num_items_in_batch(self, batch_samples: list, device):
         # the collators count real tokens on the CPU (`collate.host_facts`): summed here, across processes on the device
@@ -76,7 +77,8 @@ class RouterLossMixin:
             else:
                 added = added + self.router_z_coef * z / max(1, real)
         if self.router_orthogonal_coef and mode == "train":
-            orthogonal = orthogonal_loss(model)
+            self._routers = self._routers or routers(model)
+            orthogonal = orthogonal_loss(self._routers)
             self._metrics[mode]["orthogonal_loss"].append(orthogonal.detach())
             added = added + self.router_orthogonal_coef * orthogonal / (steps or 1)
         return added
