@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="new directory for the pruned model")
     p.add_argument("--data", metavar="FILE", help="data to measure routing on (default for a run: its training data; a model needs it)")
     p.add_argument("--top-k", type=int, metavar="N", help="experts each token picks in the pruned model (default: the model's moe_k)")
-    p.add_argument("--report", metavar="K1,K2,...", help="held-out loss of the original and of each K: OUT.report.md and OUT.report.png")
+    p.add_argument("--report", metavar="GRID", help='held-out loss of the original and of each cut of a grid, e.g. "layers=24,20 experts=32,16 '
+                   'top-k=6,4" (K1,K2,... alone: experts): OUT.report.md and OUT.report.png')
     p.add_argument("--eval", metavar="FILE", help="held-out data for --report (default: the run's data.eval or data.eval_split)")
     p.add_argument("--batch-size", type=int, default=8, help="packed rows per scoring forward")
     p.add_argument("--overwrite", action="store_true", help="allow replacing a previous prune in --out")

@@ -1,7 +1,7 @@
 """`erniekit-lite prune`: an ERNIE 4.5 MoE cut to the K experts per layer that a data set routes to, and/or any ERNIE
 4.5 cut to the L decoder layers that matter most on it (`--layers`: `LayerInfluence`, `depth_cut`; docs/prune.md).
 
-    erniekit-lite prune RUN_OR_MODEL [--experts K] [--layers L] --out DIR [--data FILE] [--top-k N] [--report K1,...] [--eval FILE]
+    erniekit-lite prune RUN_OR_MODEL [--experts K] [--layers L] --out DIR [--data FILE] [--top-k N] [--report GRID] [--eval FILE]
 
 1. Measure. The data goes through the pipeline training used (`data.prepare`: the run's recipe settings and the
    template its tokenizer carries; a model dir gets `eval --data`'s defaults) and is scored once by the model (a LoRA
@@ -25,9 +25,11 @@
    `erniekit_pruned.json` (kept experts, shares and changes per layer) are written to a folder beside `--out` and
    renamed when complete.
 
-`--report K1,K2,...`: held-out loss (`eval --data`'s computation) of the original and of each K, as a Markdown table
-`OUT.report.md` and a plot of loss against bf16 size `OUT.report.png`, beside `--out`. Held out: `--eval FILE`, else
-the run's own `data.eval` / `data.eval_split`.
+`--report "layers=L1,.. experts=K1,.. top-k=N1,.."`: held-out loss (`eval --data`'s computation) of the original and
+of every point of the grid (the product of the axes; an axis left out stays at the cut written, and `K1,K2,...` alone
+means `experts=K1,K2,...`), one scoring pass per point, each cut as the written model would be (the same measured
+routing and influence), as a Markdown table `OUT.report.md` and a plot of loss against bf16 size `OUT.report.png`,
+beside `--out`. Held out: `--eval FILE`, else the run's own `data.eval` / `data.eval_split`.
 
 Tensors of the base checkpoint that the model class does not load (the released 21B-A3B's multi-token-prediction
 block, `model.mtp_*`, which `merge` carries over) are not written: they were not measured or cut.
@@ -40,6 +42,7 @@ import copy
 import json
 import shutil
 import tempfile
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +62,17 @@ class Layer:
     share: float  # of the layer's routing weight, on the measuring data
     changed: int = 0  # tokens whose choice changed (see `ChoiceChanges`)
     tokens: int = 0
+
+
+@dataclass(frozen=True, order=True)
+class Point:
+    """One model of the --report grid: decoder layers kept, experts per MoE layer, top-k (None: a dense model)."""
+    layers: int
+    experts: int | None
+    top_k: int | None
+
+    def __str__(self) -> str:
+        return f"{self.layers} layers" + (f", {self.experts} experts, top-{self.top_k}" if self.experts else "")
 
 
 @dataclass
@@ -83,19 +97,17 @@ def prune(source: str, experts: int | None, out: str, data: str | None = None, t
         raise UserError(f"--batch-size must be at least 1 (got {batch_size})")
     if experts is None and layers is None:
         raise UserError("prune: give --experts K (routed experts kept per MoE layer), --layers L (decoder layers kept), or both")
-    if report and (experts is None or layers is not None):
-        raise UserError("--report: takes expert counts, with --experts and without --layers (a grid over depth is not offered yet)")
     if top_k is not None and experts is None:
         raise UserError("--top-k: goes with --experts")
     target = Path(out)
     report_files = [target.with_name(f"{target.name}.report{ext}") for ext in (".md", ".png")] if report else []
     check_out(source, target, report_files, overwrite)
     config = model_config(source, need_moe=experts is not None)
-    sizes = report_sizes(report, config, top_k)
     if experts is not None:
         check_experts(experts, top_k, config, "--experts")
     if layers is not None:
         check_layers(layers, config)
+    points = report_points(report, config, layers, experts, top_k, log)
     measured, held_out = data_sections(source, data, eval_data, bool(report))
 
     from erniekit_lite.data.prepare import prepare
@@ -113,7 +125,7 @@ def prune(source: str, experts: int | None, out: str, data: str | None = None, t
     staging = target.with_name(f".{target.name}.pruning")
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        summary, table = _prune(source, experts, top_k, layers, sizes, config, measured, prepared, held_rows, tokenizer,
+        summary, table = _prune(source, experts, top_k, layers, points, config, measured, prepared, held_rows, tokenizer,
                                 batch_size, staging, log)
         if table is not None:  # with the rest, before the model takes the target's place
             write_report(table, report_files, source, log)
@@ -125,37 +137,40 @@ def prune(source: str, experts: int | None, out: str, data: str | None = None, t
     return summary
 
 
-def _prune(source, experts, top_k, layers, sizes, config, measured, prepared, held_rows, tokenizer, batch_size, staging, log):
+def _prune(source, experts, top_k, layers, points, config, measured, prepared, held_rows, tokenizer, batch_size, staging, log):
     """Measure, cut, check and write into `staging`; (the summary, the --report table or None)."""
     from erniekit_lite.evaluate import score_rows
 
     rows = prepared.train.rows
     with loaded(source, staging.parent, log) as model:
-        weights = RoutingWeight(model) if experts is not None else None
-        influence = LayerInfluence(model) if layers is not None else None
+        total = config.num_hidden_layers
+        moe = config.model_type == "ernie4_5_moe"
+        weights = RoutingWeight(model) if experts is not None or (moe and points) else None
+        influence = LayerInfluence(model) if layers is not None or any(p.layers < total for p in points) else None
         with weights or contextlib.nullcontext(), influence or contextlib.nullcontext():
             nll, tokens = score_rows(model, rows, batch_size, measured.max_length)
         before = Result(getattr(config, "moe_num_experts", 0), getattr(config, "moe_k", 0), [], parameters(model), nll / tokens)
-        result = Result(experts or before.experts, top_k or before.top_k, weights.layers_for(experts) if weights else [], 0)
-        kept_layers = influence.kept(layers) if influence else list(range(config.num_hidden_layers))
+        result = Result(experts or before.experts, top_k or before.top_k, weights.layers_for(experts) if experts else [], 0)
+        kept_layers = influence.kept(layers) if layers else list(range(total))
         with contextlib.ExitStack() as cut:
-            if weights:
+            if experts:
                 cut.enter_context(ChoiceChanges(model, result))
                 cut.enter_context(pruned(model, result))
-            if influence:
+            if layers:
                 cut.enter_context(depth_cut(model, kept_layers))
             nll, _ = score_rows(model, rows, batch_size, measured.max_length)
             result.loss, result.parameters = nll / tokens, parameters(model)
             model.config.use_cache = True  # the loader turns the cache off for packed rows; inference wants it
             model.save_pretrained(staging, max_shard_size="5GB")
             model.config.use_cache = False
-        if weights:
+        result.layers = [la for la in result.layers if la.index in kept_layers]  # the MoE layers the model still has
+        if experts:
             log_layers(result, weights.tokens, log)
-        if influence:
+        if layers:
             influence.log(kept_layers, log)
         log(f"prune: parameters {before.parameters:,} -> {result.parameters:,}; bf16 size {_size(2 * before.parameters)} -> "
             f"{_size(2 * result.parameters)}; loss on the measuring data {before.loss:.4f} -> {result.loss:.4f}")
-        table = held_out_table(model, weights, sizes, top_k, held_rows, batch_size, measured.max_length, log) if sizes else None
+        table = held_out_table(model, weights, influence, points, held_rows, batch_size, measured.max_length, log) if points else None
     tokenizer.save_pretrained(staging)
     spm = sentencepiece_model(source)
     if spm is not None and not (staging / "tokenizer.model").is_file():
@@ -168,10 +183,10 @@ def _prune(source, experts, top_k, layers, sizes, config, measured, prepared, he
         "routing_weight": ROUTING,
         "experts_before": before.experts, "experts": result.experts, "top_k_before": before.top_k, "top_k": result.top_k,
         "layers_before": config.num_hidden_layers, "layers_kept": kept_layers, "layer_influence": INFLUENCE,
-        "influence": influence.values() if influence else None,
+        "influence": influence.values() if layers else None,
         "parameters_before": before.parameters, "parameters": result.parameters,
         "bf16_bytes_before": 2 * before.parameters, "bf16_bytes": 2 * result.parameters,
-        "tokens": (weights or influence).tokens, "trained_tokens": tokens, "loss_before": before.loss, "loss": result.loss,
+        "tokens": (weights if experts else influence).tokens, "trained_tokens": tokens, "loss_before": before.loss, "loss": result.loss,
         "layers": [vars(la) for la in result.layers],
         "report": table,
     }
@@ -237,16 +252,57 @@ def check_experts(experts: int, top_k: int | None, config, flag: str) -> None:
                         f"{picks} experts; keep at least {picks}, or lower --top-k")
 
 
-def report_sizes(report: str | None, config, top_k: int | None) -> list[int]:
+AXES = ("layers", "experts", "top-k")
+GRID = 'e.g. "layers=24,20 experts=32,16 top-k=6,4"'
+
+
+def report_points(report: str | None, config, layers: int | None, experts: int | None, top_k: int | None, log) -> list[Point]:
+    """The --report grid: `axis=v1,v2,...` parts separated by spaces (`K1,K2,...` alone: the experts axis); an axis
+    left out stays at the cut written (--layers, --experts, --top-k; else the model's). Points whose top-k exceeds
+    their expert count are left out (logged); values outside the model are one-line errors."""
     if report is None:
         return []
-    try:
-        sizes = [int(part) for part in report.split(",")]
-    except ValueError:
-        raise UserError(f"--report {report}: expected expert counts separated by commas, e.g. 32,16,8") from None
-    for k in sizes:
-        check_experts(k, top_k, config, "--report")
-    return sorted(set(sizes), reverse=True)
+    text = report.strip()
+    if text and all(c.isdigit() or c == "," for c in text):
+        text = f"experts={text}"
+    moe = config.model_type == "ernie4_5_moe"
+    axes: dict[str, list[int]] = {}
+    for part in text.split():
+        name, _, values = part.partition("=")
+        if name not in AXES or name in axes:
+            why = f"{name} given twice" if name in axes else f"expected {', '.join(a + '=' for a in AXES)} followed by numbers"
+            raise UserError(f"--report {part}: {why}, {GRID} (K1,K2,... alone: experts)")
+        try:
+            axes[name] = sorted({int(v) for v in values.split(",")}, reverse=True)
+        except ValueError:
+            raise UserError(f"--report {part}: expected numbers separated by commas, {GRID}") from None
+        if name != "layers" and not moe:
+            raise UserError(f"--report {part}: a {config.model_type} model has no routed experts; its grid is layers=...")
+    if not axes:
+        raise UserError(f"--report: empty; give a grid, {GRID}")
+    total = config.num_hidden_layers
+    for n in axes.get("layers", []):
+        if not 1 <= n <= total:
+            raise UserError(f"--report layers={n}: must be from 1 to {total} (the model's decoder layers)")
+    if not moe:
+        return [Point(n, None, None) for n in axes.get("layers", [layers or total])]
+    all_experts = config.moe_num_experts
+    picks = axes.get("top-k", [top_k or config.moe_k])
+    for k in picks:
+        if not 1 <= k <= all_experts:
+            raise UserError(f"--report top-k={k}: must be from 1 to {all_experts} (moe_num_experts)")
+    for e in axes.get("experts", []):
+        if not 1 <= e <= all_experts:
+            raise UserError(f"--report experts={e}: must be from 1 to {all_experts} (moe_num_experts)")
+        if e < min(picks):
+            raise UserError(f"--report experts={e}: below top-k {min(picks)}: each token picks {min(picks)} experts; "
+                            f"keep at least {min(picks)}, or lower top-k")
+    grid = itertools.product(axes.get("layers", [layers or total]), axes.get("experts", [experts or all_experts]), picks)
+    points = [Point(*p) for p in grid]
+    left_out = [p for p in points if p.top_k > p.experts]
+    if left_out:
+        log(f"prune --report: left out (top-k above the experts kept): {'; '.join(map(str, left_out))}")
+    return sorted((p for p in points if p not in left_out), reverse=True)
 
 
 def data_sections(source: str, data: str | None, eval_data: str | None, report: bool):
@@ -537,39 +593,65 @@ def log_layers(result: Result, tokens: int, log) -> None:
         log(f"  {la.index:>5}  {la.share:>19.1%}  {la.changed:,} of {la.tokens:,} ({la.changed / max(1, la.tokens):.1%})")
 
 
-def held_out_table(model, weights: RoutingWeight, sizes: list[int], top_k: int, rows, batch_size: int, max_length: int, log) -> dict:
-    """The held-out loss of the original and of each size (kept by the same measured routing)."""
+def held_out_table(model, weights: RoutingWeight | None, influence: LayerInfluence | None, points: list[Point], rows,
+                   batch_size: int, max_length: int, log) -> dict:
+    """The held-out loss of the original and of each point, cut in place by the measured routing and influence as
+    the written model is; a depth the config cannot place (`moe_placement`) is listed without a loss."""
     from erniekit_lite.evaluate import score_rows
 
     config = model.config
+    moe = weights is not None
     nll, tokens = score_rows(model, rows, batch_size, max_length)
-    entries = [{"experts": config.moe_num_experts, "top_k": config.moe_k, "original": True, "parameters": parameters(model),
-                "loss": nll / tokens, "share_min": 1.0, "share_mean": 1.0, "changed": 0.0}]
-    for k in sizes:
-        result = Result(k, top_k, weights.layers_for(k), 0)
-        with ChoiceChanges(model, result), pruned(model, result):
+    entries = [{"layers": config.num_hidden_layers, "experts": config.moe_num_experts if moe else None,
+                "top_k": config.moe_k if moe else None, "original": True, "parameters": parameters(model), "loss": nll / tokens,
+                "share_min": 1.0 if moe else None, "share_mean": 1.0 if moe else None, "changed": 0.0 if moe else None}]
+    for point in points:
+        kept = influence.kept(point.layers) if point.layers < config.num_hidden_layers else list(range(config.num_hidden_layers))
+        entry = {**vars(point), "original": False, "kept_layers": kept, "parameters": None, "loss": None,
+                 "share_min": None, "share_mean": None, "changed": None}
+        entries.append(entry)
+        with contextlib.ExitStack() as cut:
+            if moe:
+                result = Result(point.experts, point.top_k, weights.layers_for(point.experts), 0)
+                cut.enter_context(ChoiceChanges(model, result))
+                cut.enter_context(pruned(model, result))
+            try:
+                cut.enter_context(depth_cut(model, kept))
+            except UserError as e:
+                entry["note"] = "not written: a dense layer after an MoE layer"
+                log(f"prune --report: {point}: left out: {e}")
+                continue
             nll, _ = score_rows(model, rows, batch_size, max_length)
-            result.parameters = parameters(model)
-        shares = [la.share for la in result.layers]
-        entries.append({"experts": k, "top_k": top_k, "original": False, "parameters": result.parameters, "loss": nll / tokens,
-                        "share_min": min(shares), "share_mean": sum(shares) / len(shares), "changed": result.changed})
-        log(f"prune --report: {k} experts: held-out loss {nll / tokens:.4f}")
+            entry.update(parameters=parameters(model), loss=nll / tokens)
+        if moe:
+            shares = [la.share for la in result.layers if la.index in kept]
+            entry.update(share_min=min(shares, default=None), share_mean=sum(shares) / len(shares) if shares else None,
+                         changed=result.changed)
+        log(f"prune --report: {point}: held-out loss {nll / tokens:.4f}")
     return {"tokens": tokens, "rows": entries}
 
 
 def report_markdown(table: dict, source: str) -> str:
-    base = table["rows"][0]
-    lines = [(f"Held-out loss of {source} and of it pruned (`eval --data`'s loss, over {table['tokens']:,} trained tokens); "
-              "routing weight kept: on the data the experts were chosen by; tokens picking a new expert: on the "
-              "held-out data, all MoE layers together."), "",
-             ("| experts per layer | top-k | parameters | bf16 size | routing weight kept (mean / min layer) | "
-              "tokens picking a new expert | held-out loss | vs original |"),
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in table["rows"]:
-        name = f"{r['experts']} (original)" if r["original"] else str(r["experts"])
-        lines.append(f"| {name} | {r['top_k']} | {r['parameters']:,} | {_size(2 * r['parameters'])} | "
-                     f"{r['share_mean']:.1%} / {r['share_min']:.1%} | {r['changed']:.1%} | {r['loss']:.4f} | "
-                     f"{_change(r['loss'] - base['loss'])} |")
+    rows = table["rows"]
+    base, moe = rows[0], rows[0]["experts"] is not None
+    head = ["layers", *(["experts per layer", "top-k"] if moe else []), "parameters", "bf16 size",
+            *(["routing weight kept (mean / min layer)", "tokens picking a new expert"] if moe else []), "held-out loss", "vs original"]
+    lines = [(f"Held-out loss of {source} and of it cut (`eval --data`'s loss, over {table['tokens']:,} trained tokens)"
+              + ("; routing weight kept: on the data the experts were chosen by, over the MoE layers kept; tokens picking "
+                 "a new expert: on the held-out data, all MoE layers kept together." if moe else ".")), "",
+             "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        cells = [f"{r['layers']} (original)" if r["original"] else str(r["layers"])]
+        cells += [str(r["experts"]), str(r["top_k"])] if moe else []
+        if r["loss"] is None:
+            cells += [r["note"]] + [""] * (len(head) - len(cells) - 1)
+        else:
+            cells += [f"{r['parameters']:,}", _size(2 * r["parameters"])]
+            if moe:
+                share = "—" if r["share_mean"] is None else f"{r['share_mean']:.1%} / {r['share_min']:.1%}"
+                cells += [share, f"{r['changed']:.1%}"]
+            cells += [f"{r['loss']:.4f}", _change(r["loss"] - base["loss"])]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -586,16 +668,30 @@ def write_report(table: dict, files: list[Path], source: str, log) -> None:
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    rows = table["rows"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([2 * r["parameters"] / 1e9 for r in rows], [r["loss"] for r in rows], marker="o")
-    for r in rows:
-        ax.annotate(f"{r['experts']}{' (original)' if r['original'] else ''}", (2 * r["parameters"] / 1e9, r["loss"]),
-                    textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set_xlabel("bf16 size (GB)")
+    rows = [r for r in table["rows"] if r["loss"] is not None]
+    scale, unit = (1e9, "GB") if 2 * rows[0]["parameters"] >= 1e9 else (1e6, "MB")
+    size = [2 * r["parameters"] / scale for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter(size[1:], [r["loss"] for r in rows[1:]], marker="o", label="cut")
+    ax.scatter(size[:1], [rows[0]["loss"]], marker="*", s=120, label="original")
+    front, best = [], float("inf")  # the cuts no smaller one beats: the choices worth making
+    for x, r in sorted(zip(size, rows), key=lambda pair: (pair[0], pair[1]["loss"])):
+        if r["loss"] < best:
+            front.append((x, r["loss"]))
+            best = r["loss"]
+    ax.plot(*zip(*front), linestyle="--", linewidth=1, color="grey", label="lowest loss at its size or smaller")
+    labels: dict[tuple, list[str]] = {}  # points that coincide (top-k does not change the size) share one label
+    for x, r in zip(size, rows):
+        name = f"L{r['layers']}" + (f" E{r['experts']} k{r['top_k']}" if r["experts"] is not None else "")
+        labels.setdefault((x, round(r["loss"], 4)), []).append(name + (" (original)" if r["original"] else ""))
+    for (x, y), names in labels.items():
+        ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.ticklabel_format(axis="both", useOffset=False)
+    ax.set_xlabel(f"bf16 size ({unit})")
     ax.set_ylabel("held-out loss")
-    ax.set_title("pruned to K experts per layer")
+    ax.set_title("cut by depth (L layers)" + (" × experts per layer (E) × top-k (k)" if rows[0]["experts"] is not None else ""))
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(plot, dpi=100)
     plt.close(fig)

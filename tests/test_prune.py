@@ -193,12 +193,12 @@ def test_report_tables_held_out_loss_by_size(zero_bias, zero_bias_pruned):
     out, printed = zero_bias_pruned
     report = (out.parent / "pruned.report.md").read_text()
     rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert [r[0] for r in rows] == ["| 8 (original)", "| 8", "| 5", "| 3"]
+    assert [(r[0], r[1]) for r in rows] == [("| 3 (original)", "8"), ("| 3", "8"), ("| 3", "5"), ("| 3", "3")]
     losses = [float(r[-2]) for r in rows]
     assert losses[0] == losses[1] == losses[2] != losses[3]
     assert [r[-1] for r in rows[:3]] == ["+0.0000 |"] * 3
-    assert rows[2][4] == "100.0% / 100.0%" and rows[2][5] == "0.0%"  # 5 kept: every routed expert
-    assert float(rows[3][4].split("%")[0]) < 100
+    assert rows[2][5] == "100.0% / 100.0%" and rows[2][6] == "0.0%"  # 5 kept: every routed expert
+    assert float(rows[3][5].split("%")[0]) < 100
     assert (out.parent / "pruned.report.png").stat().st_size > 0
     marker = json.loads((out / "erniekit_pruned.json").read_text())
     assert [r["experts"] for r in marker["report"]["rows"]] == [8, 8, 5, 3]
@@ -210,10 +210,10 @@ def test_report_says_no_change_as_plus_zero():
     another order; seen as -0.0000 on an AMD EPYC) reads +0.0000; a change shows its sign."""
     from erniekit_lite.prune import report_markdown
 
-    row = {"top_k": 2, "parameters": 1000, "share_min": 1.0, "share_mean": 1.0, "changed": 0.0}
+    row = {"layers": 3, "top_k": 2, "parameters": 1000, "share_min": 1.0, "share_mean": 1.0, "changed": 0.0}
     losses = [5.123456789, 5.123456789 - 1e-12, 5.123456789 + 1e-12, 5.123456789 - 0.25]
     table = {"tokens": 10, "rows": [{**row, "experts": 8, "original": i == 0, "loss": loss} for i, loss in enumerate(losses)]}
-    changes = [line.rsplit(" | ", 2)[-1] for line in report_markdown(table, "m").splitlines() if line.startswith("| 8")]
+    changes = [line.rsplit(" | ", 2)[-1] for line in report_markdown(table, "m").splitlines() if line.startswith("| 3")]
     assert changes == ["+0.0000 |", "+0.0000 |", "+0.0000 |", "-0.2500 |"]
 
 
@@ -327,8 +327,12 @@ def dense_dir(tmp_path_factory) -> Path:
     (["--experts", "1"], "--experts 1: below top-k 2 (moe_k)"),
     (["--experts", "2", "--top-k", "3"], "--experts 2: below top-k 3 (--top-k)"),
     (["--experts", "4", "--top-k", "0"], "--top-k 0: each token must pick at least 1 expert"),
-    (["--experts", "4", "--report", "4,x"], "--report 4,x: expected expert counts separated by commas"),
-    (["--experts", "4", "--report", "6,1"], "--report 1: below top-k 2"),
+    (["--experts", "4", "--report", "4,x"], "--report 4,x: expected layers=, experts=, top-k= followed by numbers"),
+    (["--experts", "4", "--report", "experts=4,x"], "--report experts=4,x: expected numbers separated by commas"),
+    (["--experts", "4", "--report", "6,1"], "--report experts=1: below top-k 2"),
+    (["--experts", "4", "--report", "experts=6 top-k=9"], "--report top-k=9: must be from 1 to 8"),
+    (["--experts", "4", "--report", "layers=3 depth=2"], "--report depth=2: expected layers=, experts=, top-k= followed by numbers"),
+    (["--experts", "4", "--report", "layers=0"], "--report layers=0: must be from 1 to 3"),
     (["--experts", "4", "--report", "6"], "--report: needs held-out data: --eval FILE"),
     (["--experts", "4", "--batch-size", "0"], "--batch-size must be at least 1"),
 ])
@@ -381,7 +385,7 @@ def test_lora_run_is_merged_and_measured_on_its_training_data(tmp_path, capsys, 
         torch.testing.assert_close(after, before, atol=1e-5, rtol=0)
     report = (tmp_path / "all.report.md").read_text()
     rows = [line for line in report.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert [r.split(" | ")[0] for r in rows] == ["| 8 (original)", "| 8", "| 4", "| 2"]
+    assert [r.split(" | ")[1] for r in rows] == ["8", "8", "4", "2"] and rows[0].startswith("| 3 (original) |")
     assert rows[0].split(" | ")[-2] == rows[1].split(" | ")[-2]  # all kept: the original's held-out loss
     assert (tmp_path / "all.report.png").stat().st_size > 0
     assert [r["experts"] for r in marker["report"]["rows"]] == [8, 8, 4, 2]
@@ -414,10 +418,14 @@ LLAMA_CPP = __import__("os").environ.get("LLAMA_CPP_DIR")
 @needs_engine(lambda: LLAMA_CPP and __import__("importlib").util.find_spec("llama_cpp") is not None,
               "llama-cpp-python and llama.cpp's converter (LLAMA_CPP_DIR)", "build llama-cpp-python from its sdist and set LLAMA_CPP_DIR")
 def test_export_gguf_of_the_pruned_model_answers_as_transformers(tmp_path, capsys, zero_bias_pruned):
+    assert_gguf_answers_as_transformers(tmp_path, capsys, zero_bias_pruned[0])
+
+
+def assert_gguf_answers_as_transformers(tmp_path: Path, capsys, out: Path) -> None:
+    """`export --to gguf` (f32) of `out` answers greedily in llama.cpp as transformers does."""
     from helpers import in_child
     from test_export_gguf import AGREEMENT, ENGINE, PROMPTS
 
-    out, _ = zero_bias_pruned
     code, _, err = run_cli(capsys, "export", out, "--outtype", "f32", "--out", tmp_path / "gguf", "--llama-cpp", LLAMA_CPP)
     assert code == 0, err
     gguf = tmp_path / "gguf" / json.loads((tmp_path / "gguf" / "erniekit_export.json").read_text())["gguf"]
@@ -455,38 +463,102 @@ def with_identity_layer(base: Path, out: Path, layer: int) -> Path:
     return save_with_tokenizer(model, base, out)
 
 
-@pytest.mark.parametrize("arch", ["dense", "moe"])
-def test_layers_drops_an_identity_layer_and_keeps_the_logits(tmp_path, capsys, ernie_tokenizer_dir, ids, arch):
-    """3 decoder layers, one an exact identity (dense: the middle one; MoE: the last, an MoE layer): `--layers 2` drops
-    it (influence 0, up to rounding), the logits of plain transformers equal the original's (fp32, 1e-5), greedy generation is the
-    same, the MoE config still places its MoE layer (moe_layer_start/end_index renumbered), and a LoRA run starts
-    from the cut model."""
+def loud_experts(base: Path, out: Path, layer: int) -> Path:
+    """`base` with layer `layer`'s routed experts' outputs 100x: a random tiny model's experts move its loss by about
+    1e-6, too little to tell a cut that drops routed experts from one that does not."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        model.model.layers[layer].mlp.experts.down_proj.mul_(100)
+    return save_with_tokenizer(model, base, out)
+
+
+GRID = {"dense": "layers=3,2,1", "moe": "layers=3,2 experts=5,3 top-k=2,1"}
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def depth_cut(request, tmp_path_factory, ernie_tokenizer_dir, zero_bias) -> tuple[str, Path, Path, int]:
+    """(arch, the model, its cut, the identity layer): 3 decoder layers, one an exact identity (dense: the middle one
+    of a random tiny model; MoE: the last, an MoE layer, of the constructed zero-bias model, so `--experts 5` drops
+    only experts no token picks), cut with `--layers 2` (MoE: and `--experts 5`) and a `--report` grid."""
+    from erniekit_lite.cli import main
     from erniekit_lite.tiny import write_tiny
 
-    base = write_tiny(str(tmp_path / "base"), arch, str(ernie_tokenizer_dir), hidden_size=64, layers=3)
-    identity = 1 if arch == "dense" else 2
-    model_dir = with_identity_layer(base, tmp_path / "model", identity)
-    code, out, err = run_cli(capsys, "prune", model_dir, "--layers", "2", "--data", IDENTITY, "--out", tmp_path / "cut")
-    assert code == 0, err
-    marker = json.loads((tmp_path / "cut" / "erniekit_pruned.json").read_text())
+    arch, tmp = request.param, tmp_path_factory.mktemp(f"prune-depth-{request.param}")
+    if arch == "dense":
+        base, identity, experts = Path(write_tiny(str(tmp / "base"), arch, str(ernie_tokenizer_dir), hidden_size=64, layers=3)), 1, []
+    else:
+        base, identity, experts = loud_experts(zero_bias, tmp / "loud", 1), 2, ["--experts", "5"]
+    model_dir = with_identity_layer(base, tmp / "model", identity)
+    assert main(["prune", str(model_dir), "--layers", "2", *experts, "--data", str(IDENTITY), "--out", str(tmp / "cut"),
+                 "--report", GRID[arch], "--eval", str(EVAL)]) == 0
+    return arch, model_dir, tmp / "cut", identity
+
+
+def test_layers_drops_an_identity_layer_and_keeps_the_logits(tmp_path, capsys, depth_cut, ids):
+    """`--layers 2` drops the identity layer (influence 0, up to rounding), the logits of plain transformers equal the
+    original's (fp32, 1e-5), greedy generation is the same, the MoE config still places its MoE layer
+    (moe_layer_start/end_index renumbered; 5 experts), and a LoRA run starts from the cut model."""
+    arch, model_dir, cut, identity = depth_cut
+    marker = json.loads((cut / "erniekit_pruned.json").read_text())
     assert marker["layers_kept"] == [i for i in range(3) if i != identity]
     # 1 - cos of a vector with itself: 0 up to float rounding
     assert marker["influence"][identity] < 1e-6 < min(marker["influence"][i] for i in marker["layers_kept"])
-    config = json.loads((tmp_path / "cut" / "config.json").read_text())
+    config = json.loads((cut / "config.json").read_text())
     assert config["num_hidden_layers"] == 2
     if arch == "moe":
-        assert (config["moe_layer_start_index"], config["moe_layer_end_index"]) == (1, 1)
-    for before, after in zip(logits_of(model_dir, ids[:3]), logits_of(tmp_path / "cut", ids[:3])):
+        assert (config["moe_layer_start_index"], config["moe_layer_end_index"], config["moe_num_experts"]) == (1, 1, 5)
+        assert [la["index"] for la in marker["layers"]] == [1] and marker["layers"][0]["kept"] == KEPT[1]  # the MoE layer kept
+    for before, after in zip(logits_of(model_dir, ids[:3]), logits_of(cut, ids[:3])):
         torch.testing.assert_close(after, before, atol=1e-5, rtol=0)
     from transformers import AutoModelForCausalLM
 
     prompt = torch.tensor([ids[0][:12]])
     generated = [AutoModelForCausalLM.from_pretrained(d).eval().generate(prompt, max_new_tokens=6, do_sample=False)
-                 for d in (model_dir, tmp_path / "cut")]
+                 for d in (model_dir, cut)]
     assert torch.equal(*generated)
-    recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "cut", lora={"r": 4}, out=tmp_path / "run",
+    recipe = write_recipe(tmp_path / "r.yaml", cut, lora={"r": 4}, out=tmp_path / "run",
                           train={"max_steps": 1, "per_device_train_batch_size": 2, "activation_checkpointing": False})
     assert run_cli(capsys, "train", recipe)[0] == 0 and (tmp_path / "run" / "adapter_model.safetensors").is_file()
+
+
+def test_report_grid_over_depth_experts_and_top_k(tmp_path, capsys, depth_cut):
+    """The grid's points, largest first, after the original: the cuts that drop only the identity layer and experts
+    no token picks score the original's held-out loss (1e-6), the others another (by more than 5e-5); the point the written model is
+    has its parameter count and the held-out loss `eval` gives it (1e-5); the table and the plot are written."""
+    arch, model_dir, cut, _ = depth_cut
+    rows = json.loads((cut / "erniekit_pruned.json").read_text())["report"]["rows"]
+    points = [(r["layers"], r["experts"], r["top_k"]) for r in rows]
+    loss = {p: r["loss"] for p, r in zip(points, rows)}
+    if arch == "dense":
+        assert points == [(3, None, None), (3, None, None), (2, None, None), (1, None, None)]
+        same, written = [(3, None, None), (2, None, None)], (2, None, None)
+    else:
+        assert points == [(3, 8, 2), *[(n, e, k) for n in (3, 2) for e in (5, 3) for k in (2, 1)]]
+        same, written = [(3, 5, 2), (2, 5, 2)], (2, 5, 2)
+    original = rows[0]["loss"]
+    assert all(r["loss"] == pytest.approx(original, abs=1e-6) for r in rows[1:] if (r["layers"], r["experts"], r["top_k"]) in same)
+    # measured: MoE 2e-4 (top-1) and 6e-4 (3 experts); dense 5e-3 (1 layer)
+    assert all(abs(r["loss"] - original) > 5e-5 for r in rows[1:] if (r["layers"], r["experts"], r["top_k"]) not in same)
+    marker = json.loads((cut / "erniekit_pruned.json").read_text())
+    assert rows[1 + points[1:].index(written)]["parameters"] == marker["parameters"] < rows[0]["parameters"]
+    assert run_cli(capsys, "eval", cut, "--data", EVAL, "--out", tmp_path / "eval.json")[0] == 0
+    assert json.loads((tmp_path / "eval.json").read_text())["eval_loss"] == pytest.approx(loss[written], abs=1e-5)
+    table = (cut.parent / "cut.report.md").read_text().splitlines()
+    assert table[2].startswith("| layers | " + ("experts per layer | top-k | " if arch == "moe" else "parameters"))
+    assert [line.split(" | ")[0] for line in table[4:]] == ["| 3 (original)"] + [f"| {p[0]}" for p in points[1:]]
+    assert (cut.parent / "cut.report.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@needs_engine(lambda: LLAMA_CPP and __import__("importlib").util.find_spec("llama_cpp") is not None,
+              "llama-cpp-python and llama.cpp's converter (LLAMA_CPP_DIR)", "build llama-cpp-python from its sdist and set LLAMA_CPP_DIR")
+def test_export_gguf_of_the_depth_cut_model_answers_as_transformers(tmp_path, capsys, depth_cut):
+    """llama.cpp places MoE layers by the leading dense block count (moe_layer_start_index) and the step
+    (moe_layer_interval): the renumbered cut says both."""
+    _, _, cut, _ = depth_cut
+    assert_gguf_answers_as_transformers(tmp_path, capsys, cut)
 
 
 def test_a_cut_the_config_cannot_place_is_refused_in_one_line():
@@ -509,8 +581,9 @@ def test_layers_bad_arguments_are_one_line(tmp_path, capsys, dense_dir, zero_bia
     cases = [
         ([dense_dir, "--layers", "2"], "--layers 2: must be from 1 to 1 (the model has 2 decoder layers)"),
         ([dense_dir], "prune: give --experts K (routed experts kept per MoE layer), --layers L (decoder layers kept), or both"),
-        ([zero_bias, "--layers", "2", "--report", "4"], "--report: takes expert counts, with --experts and without --layers"),
-        ([zero_bias, "--layers", "2", "--experts", "4", "--report", "4"], "--report: takes expert counts, with --experts and without --layers"),
+        ([dense_dir, "--layers", "1", "--report", "layers=2 experts=4"], "--report experts=4: a ernie4_5 model has no routed experts; its grid is layers=..."),
+        ([dense_dir, "--layers", "1", "--report", "4"], "--report experts=4: a ernie4_5 model has no routed experts"),
+        ([zero_bias, "--layers", "2", "--report", "layers=2 layers=1"], "--report layers=1: layers given twice"),
     ]
     for argv, says in cases:
         code, _, err = run_cli(capsys, "prune", *argv, "--data", IDENTITY, "--out", tmp_path / "out")
