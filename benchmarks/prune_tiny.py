@@ -1,6 +1,7 @@
 """The tables in docs/prune.md: a tiny ERNIE 4.5 MoE fine-tuned on one domain, pruned to K experts per layer by
-`erniekit-lite prune`, its held-out loss in that domain and in another; and the parameter count and bf16 size of the
-released ERNIE-4.5-21B-A3B shape at each K (computed from its config, no weights).
+`erniekit-lite prune`, and over a grid of depth × experts (`--report "layers=4,3,2 experts=8,6,4,3,2"`): its held-out
+loss in that domain and in another; and the parameter count and bf16 size of the released ERNIE-4.5-21B-A3B shape at
+each K (computed from its config, no weights).
 
     python benchmarks/prune_tiny.py [--out benchmarks/results-prune_tiny.txt] [--steps 200] [--samples 400]
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("ERNIEKIT_SHARED", str(ROOT.parent / "shared")))
-SIZES = "8,6,4,3,2"
+GRID = "layers=4,3,2 experts=8,6,4,3,2"
 
 
 def main() -> int:
@@ -63,12 +64,13 @@ def main() -> int:
         tables = []
         for i, (name, extra) in enumerate(domains):
             out = tmp / f"pruned-{i}"
-            assert cli(["prune", str(tmp / "run"), "--experts", "4", "--out", str(out), "--report", SIZES, *extra]) == 0
+            assert cli(["prune", str(tmp / "run"), "--experts", "4", "--out", str(out), "--report", GRID, *extra]) == 0
             tables.append((name, out.with_name(f"{out.name}.report.md").read_text().split("\n", 2)[2]))
         released = released_sizes(torch)
 
-    lines = [(f"# erniekit-lite prune on a tiny ERNIE 4.5 MoE (hidden 128, 3 MoE layers of 8 experts, top-2, real tokenizer), "
-              f"LoRA-tuned {args.steps} steps on {args.samples} alpaca demo records; routing measured on its training data"),
+    lines = [(f"# erniekit-lite prune on a tiny ERNIE 4.5 MoE (hidden 128, 4 layers: 1 dense, 3 MoE of 8 experts, top-2, "
+              f"real tokenizer), LoRA-tuned {args.steps} steps on {args.samples} alpaca demo records; routing and layer "
+              f"influence measured on its training data; --report \"{GRID}\""),
              "# held-out loss = `eval --data`'s loss; deterministic (seeded fp32 CPU), one run", ""]
     for name, table in tables:
         lines += [f"## held out: {name}", "", table.strip(), ""]
