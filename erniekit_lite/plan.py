@@ -40,6 +40,10 @@ def plan(recipe: Recipe, log=print) -> dict:
     router_line = router_losses(recipe, arch["shape"].experts > 0)[1]
     if router_line:
         log(router_line)
+    if recipe.distributed.sync != "every_step":
+        from erniekit_lite.train.sync import describe
+
+        log(f"{describe(recipe.distributed)}; applies when training runs in more than one process (DDP)")
     for line in data_lines:
         log(line)
     est, run = memory_estimate(recipe, args, arch, cuda)

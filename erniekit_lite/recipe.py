@@ -213,6 +213,32 @@ class HubSection(_Section):
         return value
 
 
+SYNC_MODES = ("every_step", "bf16", "powersgd", "local_sgd")
+
+
+class DistributedSection(_Section):
+    sync: Literal[SYNC_MODES] = Field(
+        "every_step", description="How the processes of a multi-process DDP run agree on the update: every_step (all-reduce "
+        "every gradient every step), bf16 (the same in bfloat16: half the bytes), powersgd (rank-R factors of each "
+        "gradient matrix, with error feedback) or local_sgd (each process steps alone; the trained parameters are "
+        "averaged every sync_every steps). For machines on a slow link (docs/distributed.md)."
+    )
+    sync_every: int | None = Field(None, description="sync: local_sgd only: optimizer steps between averagings (H; default 8).")
+    powersgd_rank: int | None = Field(None, description="sync: powersgd only: the rank R of each gradient matrix's factors (default 4).")
+
+    @model_validator(mode="after")
+    def _knobs_fit_the_mode(self) -> DistributedSection:
+        for key, mode, default in (("sync_every", "local_sgd", 8), ("powersgd_rank", "powersgd", 4)):
+            value = getattr(self, key)
+            if value is not None and self.sync != mode:
+                raise ValueError(f"{key} is for sync: {mode} (this recipe has sync: {self.sync})")
+            if value is not None and value < 1:
+                raise ValueError(f"{key}: expected a whole number >= 1 (got {value})")
+            if value is None and self.sync == mode:
+                object.__setattr__(self, key, default)
+        return self
+
+
 REWARD_NAMES = ("exact_answer", "think_format", "length")  # built-in GRPO rewards (erniekit_lite/rewards.py)
 
 
@@ -258,6 +284,7 @@ class Recipe(_Section):
     train: dict[str, Any] = Field(default_factory=dict, description="TRL SFTConfig (sft), DPOConfig (dpo), KTOConfig (kto), RewardConfig (rm) or GRPOConfig (grpo) fields, checked by name.")
     output: OutputSection
     hub: HubSection | None = Field(None, description="Push the result to the Hugging Face Hub when training ends (token: HF_TOKEN or `hf auth login`).")
+    distributed: DistributedSection = Field(default_factory=DistributedSection, description="How processes synchronise in a multi-process run.")
 
     @field_validator("lora", mode="before")
     @classmethod
@@ -295,6 +322,21 @@ class Recipe(_Section):
             raise ValueError(f"lora.init: {self.lora.init} moves part of each base weight into the adapter, and "
                              f"{self.method.upper()}'s reference is the base with the adapter disabled, which would then be "
                              f"the changed base; use lora.init true, gaussian, orthogonal or mica for {self.method}")
+        return self
+
+    @model_validator(mode="after")
+    def _local_sgd_saves_on_sync_points(self) -> Recipe:
+        # a checkpoint between two averagings would hold rank 0's parameters only, and resume could not be exact
+        every = self.distributed.sync_every
+        if self.distributed.sync == "local_sgd":
+            strategy = str(self.train.get("save_strategy", "steps")).lower()
+            if strategy not in ("steps", "no", "false"):
+                raise ValueError(f"distributed.sync: local_sgd saves on sync points, which save_strategy {strategy} does not fall "
+                                 f"on; use train.save_strategy: steps with save_steps a multiple of sync_every ({every})")
+            steps = self.train.get("save_steps", 500)
+            if strategy == "steps" and (not isinstance(steps, int) or steps % every):
+                raise ValueError(f"distributed.sync_every {every}: train.save_steps ({steps}) must be a multiple of it, so "
+                                 "every checkpoint falls on a sync point (all processes hold the same parameters)")
         return self
 
     @model_validator(mode="after")

@@ -40,6 +40,11 @@ def training_args(recipe: Recipe, out: Path):
         "remove_unused_columns": False,
         "prediction_loss_only": True,
     }
+    if recipe.distributed.sync == "powersgd":
+        if "ddp_bucket_cap_mb" in recipe.train:
+            raise UserError("train.ddp_bucket_cap_mb: distributed.sync powersgd runs DDP with one gradient bucket (several "
+                            "buckets' chained all-reduces interleave differently on each process over gloo); leave it out")
+        settings["ddp_bucket_cap_mb"] = 1 << 20  # MiB: every gradient in one bucket
     if recipe.model.compile_layers and settings.get("torch_compile"):
         raise UserError("model.compile_layers: train.torch_compile compiles the whole model as well; choose one")
     for key in ("save_strategy", "eval_strategy", "logging_strategy"):

@@ -179,8 +179,9 @@ def train(trainer, out: Path, resume_from_checkpoint=None):
     if trainer.args.should_save:
         checkpoints.remove_partial(Path(out), say)
     resume = checkpoints.resume_point(resume_from_checkpoint, Path(out), say)
-    if getattr(trainer, "ema", None) is not None:
-        trainer.ema.resume = Path(resume) if resume else None
+    for extra in ("ema", "sync"):  # what they saved in the checkpoint (ema.py, sync.py)
+        if getattr(trainer, extra, None) is not None:
+            getattr(trainer, extra).resume = Path(resume) if resume else None
     trainer.add_callback(ProgressLog(out))
     show_progress(trainer)
     stop = StopOnSignal()

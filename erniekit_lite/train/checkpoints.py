@@ -107,6 +107,8 @@ class CheckpointMixin:
             self._staging = None
         if getattr(self, "ema", None) is not None and self.args.should_save:  # train.ema, inside the checkpoint (ema.py)
             self.ema.save(staging / name)
+        if getattr(self, "sync", None) is not None:  # distributed.sync: each process's own state (sync.py)
+            self.sync.save(staging / name)
         if self.state.best_model_checkpoint == str(staging / name):  # the best is this one: name it as it will be
             self.state.best_model_checkpoint = str(final)
             if self.args.should_save:

@@ -1,0 +1,241 @@
+"""`distributed.sync`: how the processes of a multi-process (DDP) run agree on the update, for machines joined by a
+slow link (docs/distributed.md).
+
+- `every_step`: DDP as it is, every gradient all-reduced every optimizer step.
+- `bf16`: the same all-reduce of the gradients cast to bfloat16 and back (half the bytes). torch's
+  `bf16_compress_hook` refuses gloo; `bf16_hook` is its arithmetic (cast, divide, all-reduce, cast back) on any backend.
+- `powersgd`: torch's PowerSGD hook, each gradient matrix sent as rank-R factors with error feedback and warm start,
+  compressing from the third optimizer step (torch's least `start_powerSGD_iter`, 2: DDP regroups its buckets after
+  the first step, which PowerSGD's per-bucket state must not span) and every matrix whose factors are smaller than
+  it (torch's defaults send plain all-reduce for 1,000 steps and every matrix the factors would not shrink 2×). DDP
+  runs one gradient bucket (`trainer_args`): with several, the hook's chained all-reduces of different buckets
+  started in a different order on the two processes over gloo ("collective mismatch", seen at the fifth step).
+- `local_sgd`: no gradient all-reduce; each process steps on its own gradients and every H optimizer steps (and at
+  the end) the trained parameters are averaged, one all-reduce per dtype. accelerate's `LocalSGD` averages every
+  parameter (a LoRA run's whole frozen base) one tensor at a time and wants the loop under its `no_sync`; here the
+  loop is the Trainer's, so DDP's gradient sync is switched off instead. Optimizer states are each process's own.
+
+Resume is exact: each process writes what only it holds into the checkpoint (`sync-rank<R>.pt`): PowerSGD's error
+feedback, warm-start factors and random state, by parameter name (DDP's buckets after a resume differ from those
+before it for one step, so torch's per-bucket state would not fit), and local_sgd's optimizer state. local_sgd
+checkpoints fall on sync points (the recipe check: save_steps a multiple of H).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from erniekit_lite.errors import UserError
+
+FILE = "sync-rank{}.pt"
+
+
+def describe(section) -> str:
+    """The line `validate` and `train` print."""
+    return {
+        "every_step": "sync: every_step (every gradient all-reduced every optimizer step; distributed.sync)",
+        "bf16": "sync: bf16 (every gradient all-reduced every step in bfloat16: half the bytes of every_step)",
+        "powersgd": (f"sync: powersgd rank {section.powersgd_rank} (each gradient matrix sent as rank-{section.powersgd_rank} "
+                     "factors with error feedback, from the third step; vectors and matrices the factors would not "
+                     "shrink are all-reduced as they are)"),
+        "local_sgd": (f"sync: local_sgd every {section.sync_every} steps (no gradient all-reduce; the trained parameters "
+                      f"averaged every {section.sync_every} optimizer steps and at the end; each process keeps its own "
+                      "optimizer state and clips its own gradients)"),
+    }[section.sync]
+
+
+def setup(trainer, recipe, log=print):
+    """`distributed.sync` on the trainer (`trainer.sync`, which checkpoints and resume read); None for every_step."""
+    from accelerate.utils import DistributedType
+
+    section = recipe.distributed
+    if section.sync == "every_step":
+        return None
+    kind = trainer.accelerator.distributed_type
+    if kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise UserError(f"distributed.sync: {section.sync} changes how DDP synchronises, and this run shards with "
+                        f"{kind.value}; use sync: every_step, or DDP (no --accelerate-config sharding)")
+    if kind == DistributedType.NO:
+        log(f"{describe(section)}: one process, nothing to synchronise")
+        return None
+    sync = Synchronised(trainer, section)
+    trainer.sync = sync
+    trainer.add_callback(sync)
+    log(describe(section))
+    return sync
+
+
+class Synchronised(TrainerCallback):
+    """Registers the mode on the DDP model when training begins (accelerate wraps it inside `train()`), saves and
+    restores each process's state."""
+
+    def __init__(self, trainer, section):
+        self.trainer, self.section = trainer, section
+        self.resume: Path | None = None  # the checkpoint training resumes from (callbacks.train sets it)
+        self.powersgd: PowerSgd | None = None
+        self.params: list[torch.Tensor] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        ddp = self.trainer.model_wrapped
+        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            raise UserError(f"distributed.sync: {self.section.sync} needs DDP; this run's model is a {type(ddp).__name__}")
+        if self.section.sync == "bf16":
+            ddp.register_comm_hook(None, bf16_hook)
+        elif self.section.sync == "powersgd":
+            self.powersgd = PowerSgd(ddp, self.section.powersgd_rank)
+        else:
+            ddp.require_backward_grad_sync = False  # stays off: accelerate's no_sync restores what it found
+            self.params = [p for p in ddp.module.parameters() if p.requires_grad]
+        if self.resume is not None:
+            self.load(self.resume)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.params and state.global_step % self.section.sync_every == 0:
+            average(self.params)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.params and state.global_step % self.section.sync_every:
+            average(self.params)  # the model saved at the end is every process's
+
+    def save(self, checkpoint: Path) -> None:
+        if self.powersgd is not None:
+            saved = self.powersgd.state_dict()
+        else:
+            saved = {"optimizer": self.trainer.optimizer.state_dict()} if self.params else {}
+        if saved:
+            Path(checkpoint).mkdir(parents=True, exist_ok=True)
+            torch.save(saved, Path(checkpoint) / FILE.format(dist.get_rank()))
+
+    def load(self, checkpoint: Path) -> None:
+        if self.section.sync == "bf16":
+            return  # nothing of its own
+        file = Path(checkpoint) / FILE.format(dist.get_rank())
+        if not file.is_file():
+            raise UserError(f"{checkpoint}: no {file.name}; it was saved without distributed.sync: {self.section.sync} "
+                            f"or with fewer processes")
+        saved = torch.load(file, map_location="cpu", weights_only=False)  # the run's own file: a numpy random state in it
+        if self.powersgd is not None:
+            self.powersgd.load_state_dict(saved)
+        else:
+            self.trainer.optimizer.load_state_dict(saved["optimizer"])
+
+
+def bf16_hook(process_group, bucket):
+    """torch's `bf16_compress_hook` on any backend: the bucket in bfloat16, divided by the world size, summed."""
+    buffer = bucket.buffer()
+    group = process_group or dist.group.WORLD
+    half = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
+    future = dist.all_reduce(half, group=group, async_op=True).get_future()
+
+    def back(done):
+        buffer.copy_(done.value()[0])
+        return buffer
+
+    return future.then(back)
+
+
+def average(params: list[torch.Tensor]) -> None:
+    """Every process's `params` replaced by their mean over the processes: one all-reduce per dtype."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    world = dist.get_world_size()
+    with torch.no_grad():
+        for dtype in sorted({p.dtype for p in params}, key=str):
+            group = [p for p in params if p.dtype == dtype]
+            flat = _flatten_dense_tensors([p.data for p in group])
+            dist.all_reduce(flat)
+            flat.div_(world)
+            for p, mean in zip(group, _unflatten_dense_tensors(flat, group)):
+                p.data.copy_(mean)
+
+
+class PowerSgd:
+    """torch's PowerSGD hook, its per-bucket state kept by parameter across DDP's regroupings (module docstring).
+
+    The hook keeps, per bucket index, the error feedback (the bucket's flat gradient layout) and the warm-start Qs
+    (each compressed matrix's [m, r] factor, matrices grouped by shape in first-seen order). When a bucket holds
+    other parameters than last time, every bucket's state is split by parameter and rebuilt for the new buckets as
+    they come; a checkpoint holds it by parameter."""
+
+    def __init__(self, ddp, rank: int):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        self.psgd = psgd
+        self.state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+                                        min_compression_rate=1, use_error_feedback=True, warm_start=True, random_seed=0)
+        self.names = {id(p): n for n, p in ddp.module.named_parameters() if p.requires_grad}
+        self.layouts: dict[int, list[tuple[str, torch.Size]]] = {}  # bucket index -> (name, shape) in bucket order
+        self.carried: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}  # name -> (error, Q) between layouts
+        ddp.register_comm_hook(self.state, self.hook)
+
+    def hook(self, state, bucket):
+        index = bucket.index()
+        layout = [(self.names[id(p)], p.shape) for p in bucket.parameters()]
+        if self.layouts.get(index) != layout:
+            owned = {name for entries in self.layouts.values() for name, _ in entries}
+            if index in self.layouts or any(name in owned for name, _ in layout):
+                self.carry()  # DDP regrouped its buckets
+            self.layouts[index] = layout
+            self.place(index, layout, bucket.buffer())
+        return self.psgd.powerSGD_hook(state, bucket)
+
+    def _matrices(self, layout):
+        """(name, rows, cols, rank) of the bucket's compressed matrices in the order of its Q memory."""
+        by_shape: dict[tuple[int, int], list] = {}
+        for name, shape in layout:
+            n = shape[0]
+            m = shape.numel() // n if n else 0
+            r = min(n, m, self.state.matrix_approximation_rank)
+            if self.psgd._should_compress(n, m, r, self.state.min_compression_rate)[0]:
+                by_shape.setdefault((n, m), []).append((name, n, m, r))
+        return [entry for group in by_shape.values() for entry in group]
+
+    def by_parameter(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        out = dict(self.carried)
+        for index, layout in self.layouts.items():
+            if index not in self.state.error_dict:
+                continue
+            errors = self.state.error_dict[index].split([shape.numel() for _, shape in layout])
+            qs = {}
+            if index in self.state.q_memory_dict:
+                matrices = self._matrices(layout)
+                for (name, _, m, r), q in zip(matrices, self.state.q_memory_dict[index].split([m * r for _, _, m, r in matrices])):
+                    qs[name] = q.clone()
+            for (name, _), error in zip(layout, errors):
+                out[name] = (error.clone(), qs.get(name))
+        return out
+
+    def carry(self) -> None:
+        self.carried = self.by_parameter()
+        self.layouts.clear()
+        for memory in (self.state.error_dict, self.state.p_memory_dict, self.state.q_memory_dict):
+            memory.clear()
+
+    def place(self, index: int, layout, buffer: torch.Tensor) -> None:
+        """The bucket's state from the carried one, when it holds all its parameters; else the hook starts it fresh."""
+        if not layout or any(name not in self.carried for name, _ in layout):
+            return
+        device, dtype = buffer.device, buffer.dtype
+        self.state.error_dict[index] = torch.cat([self.carried[name][0] for name, _ in layout]).to(device, dtype)
+        matrices = self._matrices(layout)
+        if all(self.carried[name][1] is not None for name, *_ in matrices):
+            self.state.p_memory_dict[index] = torch.empty(sum(n * r for _, n, _, r in matrices), device=device, dtype=dtype)
+            self.state.q_memory_dict[index] = (torch.cat([self.carried[name][1] for name, *_ in matrices]).to(device, dtype)
+                                               if matrices else torch.empty(0, device=device, dtype=dtype))
+        for name, _ in layout:
+            del self.carried[name]
+
+    def state_dict(self) -> dict:
+        kept = ("iter", "rng", "total_numel_before_compression", "total_numel_after_compression")
+        return {"state": {k: getattr(self.state, k) for k in kept},
+                "by_parameter": {name: (e.cpu(), None if q is None else q.cpu()) for name, (e, q) in self.by_parameter().items()}}
+
+    def load_state_dict(self, saved: dict) -> None:
+        for key, value in saved["state"].items():
+            setattr(self.state, key, value)
+        self.carried = saved["by_parameter"]
+        self.layouts.clear()
