@@ -81,6 +81,7 @@ BENCHES = [
           ("prune_tiny.py", "--steps", "5", "--samples", "60"), 55, writes_own=True),
     Bench("ema_vs_cosine", "results-ema_vs_cosine.txt", ("ema_vs_cosine.py",), ("ema_vs_cosine.py", "--steps", "5", "--seeds", "0"),
           15, writes_own=True),
+    Bench("slow_link", "results-slow_link-cpu.txt", ("slow_link.py",), ("slow_link.py", "--steps", "16", "--seeds", "0"), 15),
     Bench("sft-peers", "results-sft-peers-cpu-tiny.txt", ("sft.py", "--steps", "6", "--rounds", "3"),
           ("sft.py", "--steps", "1", "--samples", "64", "--modes", "erniekit-padded,erniekit-packed,trl-padded"), 75, peers=True),
     Bench("dpo-peers", "results-dpo-peers-cpu-tiny.txt", ("dpo.py", "--steps", "4", "--rounds", "3"),

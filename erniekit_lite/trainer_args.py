@@ -41,10 +41,15 @@ def training_args(recipe: Recipe, out: Path):
         "prediction_loss_only": True,
     }
     if recipe.distributed.sync == "powersgd":
-        if "ddp_bucket_cap_mb" in recipe.train:
-            raise UserError("train.ddp_bucket_cap_mb: distributed.sync powersgd runs DDP with one gradient bucket (several "
-                            "buckets' chained all-reduces interleave differently on each process over gloo); leave it out")
+        # PowerSGD's all-reduces after the first are started from the communication thread as the previous one ends;
+        # any other collective during backward (DDP's unused-parameter map, another bucket's) then starts in a
+        # different order on each process, and gloo fails ("collective mismatch", seen within 5 steps)
+        for key in ("ddp_bucket_cap_mb", "ddp_find_unused_parameters"):
+            if key in recipe.train:
+                raise UserError(f"train.{key}: distributed.sync powersgd runs DDP with one gradient bucket and no search "
+                                "for unused parameters (train/sync.py); leave it out")
         settings["ddp_bucket_cap_mb"] = 1 << 20  # MiB: every gradient in one bucket
+        settings["ddp_find_unused_parameters"] = False
     if recipe.model.compile_layers and settings.get("torch_compile"):
         raise UserError("model.compile_layers: train.torch_compile compiles the whole model as well; choose one")
     for key in ("save_strategy", "eval_strategy", "logging_strategy"):

@@ -118,6 +118,7 @@ def test_validate_shows_the_choice_and_bad_settings_are_one_line(tmp_path, capsy
         (["distributed.sync=local_sgd", "distributed.sync_every=2"], "distributed.sync_every 2: train.save_steps (3) must be a multiple of it"),
         (["distributed.sync=local_sgd", "distributed.sync_every=3", "train.save_strategy=epoch"], "local_sgd saves on sync points, which save_strategy epoch"),
         (["distributed.sync=powersgd", "train.ddp_bucket_cap_mb=25"], "train.ddp_bucket_cap_mb: distributed.sync powersgd runs DDP with one gradient bucket"),
+        (["distributed.sync=powersgd", "train.ddp_find_unused_parameters=true"], "train.ddp_find_unused_parameters: distributed.sync powersgd"),
     ]:
         code, _, err = run_cli(capsys, "validate", recipe, *overrides)
         assert code == 2 and err.count("\n") == 1 and says in err, err

@@ -8,8 +8,9 @@ slow link (docs/distributed.md).
   compressing from the third optimizer step (torch's least `start_powerSGD_iter`, 2: DDP regroups its buckets after
   the first step, which PowerSGD's per-bucket state must not span) and every matrix whose factors are smaller than
   it (torch's defaults send plain all-reduce for 1,000 steps and every matrix the factors would not shrink 2×). DDP
-  runs one gradient bucket (`trainer_args`): with several, the hook's chained all-reduces of different buckets
-  started in a different order on the two processes over gloo ("collective mismatch", seen at the fifth step).
+  runs one gradient bucket and no search for unused parameters (`trainer_args`): the hook starts its later
+  all-reduces from the communication thread, and DDP's unused-parameter map or another bucket's all-reduce then
+  started in a different order on the two processes over gloo ("collective mismatch", seen within five steps).
 - `local_sgd`: no gradient all-reduce; each process steps on its own gradients and every H optimizer steps (and at
   the end) the trained parameters are averaged, one all-reduce per dtype. accelerate's `LocalSGD` averages every
   parameter (a LoRA run's whole frozen base) one tensor at a time and wants the loop under its `no_sync`; here the
