@@ -346,7 +346,10 @@ class Recipe(_Section):
         return self
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json", exclude_none=False), sort_keys=False, allow_unicode=True)
+        data = self.model_dump(mode="json", exclude_none=False)
+        if self.distributed == DistributedSection():
+            del data["distributed"]  # the default, which most recipes never name
+        return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
 
 
 # Keys of SFTConfig that the recipe sets from its own sections; setting them in `train:` would be two ways to do one thing.

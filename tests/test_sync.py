@@ -101,6 +101,42 @@ def test_each_mode_resumes_exactly(runs, recipe, tmp_path, mode):
     assert {s: resumed[s] for s in (4, 5, 6)} == {s: whole[s] for s in (4, 5, 6)}  # exactly: the same floats
 
 
+@pytest.mark.slow  # three launches, ~45 s
+def test_local_sgd_stopped_between_averagings_resumes_exactly(recipe, tmp_path):
+    """SIGTERM while the processes hold different parameters (no averaging until step 40): the stop's checkpoint
+    holds each process's own trained parameters beside its optimizer state, and `--resume` continues as the run that
+    was never stopped."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_distributed import ROOT, events
+
+    overrides = ["distributed.sync=local_sgd", "distributed.sync_every=40", "train.max_steps=40", "train.save_steps=40"]
+    whole = tmp_path / "whole"
+    done = train_cli(tmp_path, str(recipe), f"output.dir={whole}", *overrides, "--num-processes", "2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = tmp_path / "stopped"
+    command = [sys.executable, "-m", "erniekit_lite", "train", str(recipe), f"output.dir={out}", *overrides, "--num-processes", "2"]
+    env = {**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "", "HF_HOME": str(tmp_path / "hf")}
+    launcher = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(e["event"] == "log" and e["step"] >= 2 for e in events(out)):
+        assert time.time() < deadline and launcher.poll() is None, "no step 2 in time"
+        time.sleep(0.02)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 143, err[-3000:]
+    stop = events(out)[-1]["step"]
+    assert 2 <= stop < 40
+    assert "parameters" in __import__("torch").load(out / f"checkpoint-{stop}" / "sync-rank1.pt", weights_only=False)
+    done = train_cli(tmp_path, str(recipe), f"output.dir={out}", *overrides, "--resume", "--num-processes", "2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    resumed, expected = losses_and_norms(out), losses_and_norms(whole)
+    assert {s: resumed[s] for s in range(stop + 1, 41)} == {s: expected[s] for s in range(stop + 1, 41)}
+
+
 def test_validate_shows_the_choice_and_bad_settings_are_one_line(tmp_path, capsys, recipe):
     from helpers import run_cli
 

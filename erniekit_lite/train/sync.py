@@ -19,7 +19,8 @@ slow link (docs/distributed.md).
 Resume is exact: each process writes what only it holds into the checkpoint (`sync-rank<R>.pt`): PowerSGD's error
 feedback, warm-start factors and random state, by parameter name (DDP's buckets after a resume differ from those
 before it for one step, so torch's per-bucket state would not fit), and local_sgd's optimizer state. local_sgd
-checkpoints fall on sync points (the recipe check: save_steps a multiple of H).
+checkpoints fall on sync points (the recipe check: save_steps a multiple of H), except a stop's, which then holds each
+process's own trained parameters too.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class Synchronised(TrainerCallback):
         self.trainer, self.section = trainer, section
         self.resume: Path | None = None  # the checkpoint training resumes from (callbacks.train sets it)
         self.powersgd: PowerSgd | None = None
+        self.named: list[tuple[str, torch.Tensor]] = []  # local_sgd: the trained parameters, averaged every H steps
         self.params: list[torch.Tensor] = []
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -90,7 +92,8 @@ class Synchronised(TrainerCallback):
             self.powersgd = PowerSgd(ddp, self.section.powersgd_rank)
         else:
             ddp.require_backward_grad_sync = False  # stays off: accelerate's no_sync restores what it found
-            self.params = [p for p in ddp.module.parameters() if p.requires_grad]
+            self.named = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
+            self.params = [p for _, p in self.named]
         if self.resume is not None:
             self.load(self.resume)
 
@@ -107,6 +110,9 @@ class Synchronised(TrainerCallback):
             saved = self.powersgd.state_dict()
         else:
             saved = {"optimizer": self.trainer.optimizer.state_dict()} if self.params else {}
+            if self.params and self.trainer.state.global_step % self.section.sync_every:
+                # a stop's checkpoint between averagings: the processes' parameters differ, and the model file is rank 0's
+                saved["parameters"] = {n: p.detach().cpu() for n, p in self.named}
         if saved:
             Path(checkpoint).mkdir(parents=True, exist_ok=True)
             torch.save(saved, Path(checkpoint) / FILE.format(dist.get_rank()))
@@ -123,6 +129,9 @@ class Synchronised(TrainerCallback):
             self.powersgd.load_state_dict(saved)
         else:
             self.trainer.optimizer.load_state_dict(saved["optimizer"])
+            with torch.no_grad():
+                for name, p in self.named if "parameters" in saved else ():
+                    p.copy_(saved["parameters"][name])
 
 
 def bf16_hook(process_group, bucket):
