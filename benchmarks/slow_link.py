@@ -62,7 +62,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="slow-link-") as tmp:
         tmp = Path(tmp)
         sys.path.insert(0, str(ROOT))
+        from transformers.utils import logging as transformers_logging
+
         from erniekit_lite.tiny import write_tiny
+
+        transformers_logging.disable_progress_bar()  # its save's bar would land in the results file
 
         model = write_tiny(str(tmp / "tiny"), "dense", None, hidden_size=128, layers=4)
         rows = []
