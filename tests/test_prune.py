@@ -525,8 +525,9 @@ def test_layers_drops_an_identity_layer_and_keeps_the_logits(tmp_path, capsys, d
 
 def test_report_grid_over_depth_experts_and_top_k(tmp_path, capsys, depth_cut):
     """The grid's points, largest first, after the original: the cuts that drop only the identity layer and experts
-    no token picks score the original's held-out loss (1e-6), the others another (by more than 5e-5); the point the written model is
-    has its parameter count and the held-out loss `eval` gives it (1e-5); the table and the plot are written."""
+    no token picks score the original's held-out loss (1e-5: fp32 logits, a loss of 11.5), the others another (by more
+    than 5e-5); the point the written model is has its parameter count and the held-out loss `eval` gives it (1e-5);
+    the table and the plot are written."""
     arch, model_dir, cut, _ = depth_cut
     rows = json.loads((cut / "erniekit_pruned.json").read_text())["report"]["rows"]
     points = [(r["layers"], r["experts"], r["top_k"]) for r in rows]
@@ -538,7 +539,7 @@ def test_report_grid_over_depth_experts_and_top_k(tmp_path, capsys, depth_cut):
         assert points == [(3, 8, 2), *[(n, e, k) for n in (3, 2) for e in (5, 3) for k in (2, 1)]]
         same, written = [(3, 5, 2), (2, 5, 2)], (2, 5, 2)
     original = rows[0]["loss"]
-    assert all(r["loss"] == pytest.approx(original, abs=1e-6) for r in rows[1:] if (r["layers"], r["experts"], r["top_k"]) in same)
+    assert all(r["loss"] == pytest.approx(original, abs=1e-5) for r in rows[1:] if (r["layers"], r["experts"], r["top_k"]) in same)
     # measured: MoE 2e-4 (top-1) and 6e-4 (3 experts); dense 5e-3 (1 layer)
     assert all(abs(r["loss"] - original) > 5e-5 for r in rows[1:] if (r["layers"], r["experts"], r["top_k"]) not in same)
     marker = json.loads((cut / "erniekit_pruned.json").read_text())
