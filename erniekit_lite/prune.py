@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import shutil
 import tempfile
-import itertools
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -235,7 +235,7 @@ class DistributedSection(_Section):
             if value is not None and value < 1:
                 raise ValueError(f"{key}: expected a whole number >= 1 (got {value})")
             if value is None and self.sync == mode:
-                object.__setattr__(self, key, default)
+                object.__setattr__(self, key, default)  # not setattr: validate_assignment would run this again
         return self
 
 
