@@ -41,9 +41,7 @@ def plan(recipe: Recipe, log=print) -> dict:
     if router_line:
         log(router_line)
     if recipe.distributed.sync != "every_step":
-        from erniekit_lite.train.sync import describe
-
-        log(f"{describe(recipe.distributed)}; applies when training runs in more than one process (DDP)")
+        log(f"{recipe.distributed.describe()}; applies when training runs in more than one process (DDP)")
     for line in data_lines:
         log(line)
     est, run = memory_estimate(recipe, args, arch, cuda)

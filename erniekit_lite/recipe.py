@@ -238,6 +238,19 @@ class DistributedSection(_Section):
                 object.__setattr__(self, key, default)  # not setattr: validate_assignment would run this again
         return self
 
+    def describe(self) -> str:
+        """The line `validate` and `train` print (train/sync.py does what it says)."""
+        return {
+            "every_step": "sync: every_step (every gradient all-reduced every optimizer step; distributed.sync)",
+            "bf16": "sync: bf16 (every gradient all-reduced every step in bfloat16: half the bytes of every_step)",
+            "powersgd": (f"sync: powersgd rank {self.powersgd_rank} (each gradient matrix sent as rank-{self.powersgd_rank} "
+                         "factors with error feedback, from the third step; vectors and matrices the factors would not "
+                         "shrink are all-reduced as they are)"),
+            "local_sgd": (f"sync: local_sgd every {self.sync_every} steps (no gradient all-reduce; the trained parameters "
+                          f"averaged every {self.sync_every} optimizer steps and at the end; each process keeps its own "
+                          "optimizer state and clips its own gradients)"),
+        }[self.sync]
+
 
 REWARD_NAMES = ("exact_answer", "think_format", "length")  # built-in GRPO rewards (erniekit_lite/rewards.py)
 

@@ -36,20 +36,6 @@ from erniekit_lite.errors import UserError
 FILE = "sync-rank{}.pt"
 
 
-def describe(section) -> str:
-    """The line `validate` and `train` print."""
-    return {
-        "every_step": "sync: every_step (every gradient all-reduced every optimizer step; distributed.sync)",
-        "bf16": "sync: bf16 (every gradient all-reduced every step in bfloat16: half the bytes of every_step)",
-        "powersgd": (f"sync: powersgd rank {section.powersgd_rank} (each gradient matrix sent as rank-{section.powersgd_rank} "
-                     "factors with error feedback, from the third step; vectors and matrices the factors would not "
-                     "shrink are all-reduced as they are)"),
-        "local_sgd": (f"sync: local_sgd every {section.sync_every} steps (no gradient all-reduce; the trained parameters "
-                      f"averaged every {section.sync_every} optimizer steps and at the end; each process keeps its own "
-                      "optimizer state and clips its own gradients)"),
-    }[section.sync]
-
-
 def setup(trainer, recipe, log=print):
     """`distributed.sync` on the trainer (`trainer.sync`, which checkpoints and resume read); None for every_step."""
     from accelerate.utils import DistributedType
@@ -62,12 +48,12 @@ def setup(trainer, recipe, log=print):
         raise UserError(f"distributed.sync: {section.sync} changes how DDP synchronises, and this run shards with "
                         f"{kind.value}; use sync: every_step, or DDP (no --accelerate-config sharding)")
     if kind == DistributedType.NO:
-        log(f"{describe(section)}: one process, nothing to synchronise")
+        log(f"{section.describe()}: one process, nothing to synchronise")
         return None
     sync = Synchronised(trainer, section)
     trainer.sync = sync
     trainer.add_callback(sync)
-    log(describe(section))
+    log(section.describe())
     return sync
 
 
