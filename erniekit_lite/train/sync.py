@@ -18,7 +18,8 @@ slow link (docs/distributed.md).
 
 Resume is exact: each process writes what only it holds into the checkpoint (`sync-rank<R>.pt`): PowerSGD's error
 feedback, warm-start factors and random state, by parameter name (DDP's buckets after a resume differ from those
-before it for one step, so torch's per-bucket state would not fit), and local_sgd's optimizer state. local_sgd
+before it for one step, so torch's per-bucket state would not fit), and local_sgd's optimizer state (but rank 0's,
+which is the checkpoint's optimizer.pt). local_sgd
 checkpoints fall on sync points (the recipe check: save_steps a multiple of H), except a stop's, which then holds each
 process's own trained parameters too.
 """
@@ -66,7 +67,6 @@ class Synchronised(TrainerCallback):
         self.resume: Path | None = None  # the checkpoint training resumes from (callbacks.train sets it)
         self.powersgd: PowerSgd | None = None
         self.named: list[tuple[str, torch.Tensor]] = []  # local_sgd: the trained parameters, averaged every H steps
-        self.params: list[torch.Tensor] = []
 
     def on_train_begin(self, args, state, control, **kwargs):
         ddp = self.trainer.model_wrapped
@@ -79,29 +79,30 @@ class Synchronised(TrainerCallback):
         else:
             ddp.require_backward_grad_sync = False  # stays off: accelerate's no_sync restores what it found
             self.named = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
-            self.params = [p for _, p in self.named]
         if self.resume is not None:
             self.load(self.resume)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.params and state.global_step % self.section.sync_every == 0:
-            average(self.params)
+        if self.named and state.global_step % self.section.sync_every == 0:
+            average([p for _, p in self.named])
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.params and state.global_step % self.section.sync_every:
-            average(self.params)  # the model saved at the end is every process's
+        if self.named and state.global_step % self.section.sync_every:
+            average([p for _, p in self.named])  # the model saved at the end is every process's
 
     def save(self, checkpoint: Path) -> None:
+        if self.section.sync == "bf16":
+            return  # nothing of its own
         if self.powersgd is not None:
             saved = self.powersgd.state_dict()
         else:
-            saved = {"optimizer": self.trainer.optimizer.state_dict()} if self.params else {}
-            if self.params and self.trainer.state.global_step % self.section.sync_every:
+            # rank 0's optimizer state is the checkpoint's optimizer.pt (the Trainer's), which every process loads first
+            saved = {"optimizer": self.trainer.optimizer.state_dict()} if dist.get_rank() else {}
+            if self.trainer.state.global_step % self.section.sync_every:
                 # a stop's checkpoint between averagings: the processes' parameters differ, and the model file is rank 0's
                 saved["parameters"] = {n: p.detach().cpu() for n, p in self.named}
-        if saved:
-            Path(checkpoint).mkdir(parents=True, exist_ok=True)
-            torch.save(saved, Path(checkpoint) / FILE.format(dist.get_rank()))
+        Path(checkpoint).mkdir(parents=True, exist_ok=True)
+        torch.save(saved, Path(checkpoint) / FILE.format(dist.get_rank()))
 
     def load(self, checkpoint: Path) -> None:
         if self.section.sync == "bf16":
@@ -114,7 +115,8 @@ class Synchronised(TrainerCallback):
         if self.powersgd is not None:
             self.powersgd.load_state_dict(saved)
         else:
-            self.trainer.optimizer.load_state_dict(saved["optimizer"])
+            if "optimizer" in saved:
+                self.trainer.optimizer.load_state_dict(saved["optimizer"])
             with torch.no_grad():
                 for name, p in self.named if "parameters" in saved else ():
                     p.copy_(saved["parameters"][name])
