@@ -152,12 +152,7 @@ def _prune(source, experts, top_k, layers, points, config, measured, prepared, h
         before = Result(getattr(config, "moe_num_experts", 0), getattr(config, "moe_k", 0), [], parameters(model), nll / tokens)
         result = Result(experts or before.experts, top_k or before.top_k, weights.layers_for(experts) if experts else [], 0)
         kept_layers = influence.kept(layers) if layers else list(range(total))
-        with contextlib.ExitStack() as cut:
-            if experts:
-                cut.enter_context(ChoiceChanges(model, result))
-                cut.enter_context(pruned(model, result))
-            if layers:
-                cut.enter_context(depth_cut(model, kept_layers))
+        with cut(model, result if experts else None, kept_layers if layers else None):
             nll, _ = score_rows(model, rows, batch_size, measured.max_length)
             result.loss, result.parameters = nll / tokens, parameters(model)
             model.config.use_cache = True  # the loader turns the cache off for packed rows; inference wants it
@@ -554,6 +549,19 @@ def moe_placement(config, kept: list[int]) -> tuple[int, int] | None:
 
 
 @contextlib.contextmanager
+def cut(model, result: Result | None, kept: list[int] | None):
+    """The model cut in place to `result`'s experts and top-k (choices counted against the original router) and/or
+    to its decoder layers `kept`, as the written model is; restored on leaving."""
+    with contextlib.ExitStack() as stack:
+        if result is not None:
+            stack.enter_context(ChoiceChanges(model, result))
+            stack.enter_context(pruned(model, result))
+        if kept is not None:
+            stack.enter_context(depth_cut(model, kept))
+        yield model
+
+
+@contextlib.contextmanager
 def depth_cut(model, kept: list[int]):
     """The model cut to its decoder layers `kept`, renumbered, with the config to match; restored on leaving."""
     import torch
@@ -610,17 +618,14 @@ def held_out_table(model, weights: RoutingWeight | None, influence: LayerInfluen
         entry = {**vars(point), "original": False, "kept_layers": kept, "parameters": None, "loss": None,
                  "share_min": None, "share_mean": None, "changed": None}
         entries.append(entry)
-        with contextlib.ExitStack() as cut:
-            if moe:
-                result = Result(point.experts, point.top_k, weights.layers_for(point.experts), 0)
-                cut.enter_context(ChoiceChanges(model, result))
-                cut.enter_context(pruned(model, result))
-            try:
-                cut.enter_context(depth_cut(model, kept))
-            except UserError as e:
-                entry["note"] = "not written: a dense layer after an MoE layer"
-                log(f"prune --report: {point}: left out: {e}")
-                continue
+        try:
+            moe_placement(config, kept)
+        except UserError as e:
+            entry["note"] = "not written: a dense layer after an MoE layer"
+            log(f"prune --report: {point}: left out: {e}")
+            continue
+        result = Result(point.experts, point.top_k, weights.layers_for(point.experts), 0) if moe else None
+        with cut(model, result, kept):
             nll, _ = score_rows(model, rows, batch_size, max_length)
             entry.update(parameters=parameters(model), loss=nll / tokens)
         if moe:
