@@ -194,12 +194,14 @@ def _train(args) -> int:
     from erniekit_lite.launch import Machines
 
     machines = Machines(args.num_machines, args.machine_rank, args.main_process_ip, args.main_process_port, args.join_timeout)
-    if args.num_processes is not None or args.accelerate_config is not None or machines.given():
+    # FSDP2's CPU offload runs launched, one process or more; a launched worker (LOCAL_RANK set) trains
+    parameters = recipes.own_train(r, "offload") == "parameters" and "LOCAL_RANK" not in os.environ
+    if args.num_processes is not None or args.accelerate_config is not None or machines.given() or parameters:
         from erniekit_lite.launch import launch
         from erniekit_lite.train import rundir
 
         rundir.check(r)  # said once, before any process starts (each would say it, then torch its traceback)
-        return launch(args.recipe, overrides, args.num_processes, args.accelerate_config, machines)
+        return launch(args.recipe, overrides, args.num_processes, args.accelerate_config, machines, parameters)
     _quiet_libraries()
     from erniekit_lite.launch import begin_process_group, end_process_group, print_on_main
     from erniekit_lite.train import method_runner

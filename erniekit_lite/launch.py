@@ -45,9 +45,9 @@ class Machines:
 
 
 def launch(recipe: str, overrides: list[str], num_processes: int | None, config_file: str | None,
-           machines: Machines = Machines()) -> int:
+           machines: Machines = Machines(), offload_parameters: bool = False) -> int:
     """Run the training command under `accelerate launch`; returns its exit status (128 + signal after a stop)."""
-    command, env = launch_command(recipe, overrides, num_processes, config_file, machines)
+    command, env = launch_command(recipe, overrides, num_processes, config_file, machines, offload_parameters)
     return run_forwarding_signals(command, env)
 
 
@@ -108,22 +108,37 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
+# train.offload: parameters without an accelerate config: FSDP2 as recipes/accelerate/fsdp2.yaml has it (one unit per
+# decoder layer, sharded checkpoints), the mixed precision left to the recipe's train.bf16
+FSDP2_FLAGS = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_reshard_after_forward", "true", "--fsdp_auto_wrap_policy",
+               "TRANSFORMER_BASED_WRAP", "--fsdp_state_dict_type", "SHARDED_STATE_DICT"]
+
+
 def launch_command(recipe: str, overrides: list[str], num_processes: int | None, config_file: str | None,
-                   machines: Machines = Machines()) -> tuple[list[str], dict]:
+                   machines: Machines = Machines(), offload_parameters: bool = False) -> tuple[list[str], dict]:
     import torch  # ~2 s: whether the processes train on CUDA sets their environment
 
     if num_processes is not None and num_processes < 1:
         raise UserError(f"--num-processes: expected 1 or more (got {num_processes})")
     config = _read_config(config_file) if config_file is not None else {}
     _check_deepspeed_precision(config, config_file, recipe, overrides, torch.cuda.is_available())
+    if offload_parameters and config.get("distributed_type") == "DEEPSPEED":
+        raise UserError(f"train.offload: parameters runs under FSDP2, and {config_file} is a DeepSpeed config: set "
+                        "offload_param_device and offload_optimizer_device there and leave train.offload at none")
     # accelerate's launcher, run by launcher.py, which says a rendezvous timeout or a stop in one line
     command = [sys.executable, "-m", "erniekit_lite.launcher"]
+    if offload_parameters and num_processes is None and config_file is None:
+        num_processes = 1  # one GPU, its model's state on the host
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]  # overrides the config file's
     if config_file is not None:
         command += ["--config_file", config_file]
+    elif offload_parameters:
+        command += FSDP2_FLAGS
     elif (num_processes or 1) > 1:
         command += ["--multi_gpu"]  # plain data parallelism (DDP): one process per device
+    if offload_parameters:  # beats the config file's key; also gives the process group its CPU backend on CUDA
+        command += ["--fsdp_offload_params", "true"]
     several = _several_machines(machines, config, num_processes)
     if several is not None:
         command += several.arguments

@@ -74,6 +74,14 @@ b = bytes of matmul outputs (2 under bf16/fp16 autocast, else r).
 - overhead: 0.5 GiB (CUDA context, cuBLAS workspace: outside PyTorch's allocator) + 10% of the rest (caching-
   allocator fragmentation). An assumption, not measured on a GPU yet.
 
+train.offload (train/offload.py) moves state to host memory, counted as `host` per process: `optimizer` keeps on the
+host an fp32 master, an fp32 gradient copy and the optimizer's fp32 states per trainable parameter (8 + 4 x states
+bytes; the device drops its optimizer states); `parameters` (FSDP2's CPU offload over N processes) keeps there every
+weight, gradient and state, (trainable x t x (2 + states) + frozen weights) / N with t = 4 under autocast (accelerate
+makes the trainable parameters fp32) else the trained dtype, and the device holds only three decoder layers and the
+root unit (embedding, tied head) in the compute dtype, with no gradients or states. Checked against the bytes the
+runs hold in tests/test_offload.py.
+
 Gradients are counted as fully allocated while all activations are alive: exact with gradient_accumulation_steps
 > 1 (the shipped recipes), an upper bound with 1. Sharded runs (FSDP / ZeRO-3): `sharded_total`, rough.
 """
@@ -191,6 +199,8 @@ class Run:
     ema: bool = False  # train.ema: an fp32 copy of the trained parameters (train/ema.py)
     generate_sequences: int = 0  # GRPO: sequences transformers' generate runs at once on this device (0: none here)
     generate_length: int = 0  # GRPO: their longest prompt + completion
+    host_offload: str = "none"  # train.offload as applied: none | optimizer | parameters (`offload` above is checkpointing's)
+    processes: int = 1  # over which FSDP2 shards what `parameters` offloads
 
 
 @dataclass
@@ -207,6 +217,7 @@ class Estimate:
     four_bit: str = ""  # which parts are 4-bit, when load_in_4bit
     reference_copy: int = 0  # the frozen reference model of full-FT DPO (part of `reference`)
     generation: int = 0  # GRPO: KV cache and sampling logits of a generation batch (not alive with the activations)
+    host: int = 0  # train.offload: what the offloaded state takes in host memory, per process
 
     @property
     def static(self) -> int:
@@ -221,6 +232,17 @@ class Estimate:
     @property
     def total(self) -> int:
         return self.static + max(self.training, self.generation) + self.overhead
+
+
+HOST_HELD = {  # what `train.offload` keeps in host memory (format_lines)
+    "optimizer": "the fp32 master weights, their gradients and the optimizer states (the CPU runs the optimizer step)",
+    "parameters": "the weights, gradients and optimizer states, sharded over the processes (FSDP2 CPU offload)",
+}
+
+
+def size(n: int) -> str:
+    """Bytes as GiB, or MiB below a tenth of one (a tiny model's host state)."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB // 10 else f"{n / 2**20:.1f} MiB"
 
 
 def smallest_gpu(total: int) -> int | None:
@@ -471,6 +493,22 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
 
     generation = generation_bytes(shape, run, b)
     training = activations + logits + transient + reference - reference_copy
+    host = 0
+    if run.host_offload == "optimizer":
+        # train/offload.py's HostStep: per trainable parameter an fp32 master, an fp32 gradient staging buffer and the
+        # optimizer's fp32 states on the host; the device keeps the weights, their gradients and the EMA
+        host = params.trainable * (8 + 4 * states)
+        optimizer -= params.trainable * states * state_bytes
+    elif run.host_offload == "parameters":
+        # FSDP2's CPUOffloadPolicy: every sharded weight, gradient and state on the host (accelerate makes trainable
+        # parameters fp32 under FSDP2 mixed precision), 1/N each per process; the device holds the units in flight:
+        # three decoder layers (the one running, the next prefetched, a gradient unsharded) and the root unit
+        # (embedding and tied head) in the compute dtype
+        t = 4 if run.autocast else train_bytes
+        frozen = weights - params.trainable * train_bytes
+        host = (params.trainable * t * (2 + states) + frozen + (4 * params.trainable if run.ema else 0)) // max(1, run.processes)
+        weights = 3 * params.layer_params_max * b + vocab * shape.hidden * b
+        gradients = optimizer = 0
     allocated = weights + gradients + optimizer + reference_copy + max(training, generation)
     overhead = CONTEXT_BYTES + int(FRAGMENTATION * allocated)
     four_bit = ""
@@ -483,7 +521,7 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
             + (f"; fp32: {params.fp32:,} (router)" if params.fp32 else "")
         )
     return Estimate(weights, gradients, optimizer, activations, logits, transient, reference, overhead, notes, four_bit, reference_copy,
-                    generation)
+                    generation, host)
 
 
 def generation_bytes(shape: Shape, run: Run, b: int) -> int:
@@ -653,7 +691,7 @@ def format_lines(est: Estimate, run: Run, gpu: int | None) -> list[str]:
         ckpt += ", inputs offloaded"
     fits = f"fits a {gpu} GB GPU" if gpu else f"does not fit one {GPUS_GB[-1]} GB GPU"
     parts = [
-        f"weights {g(est.weights)}",
+        f"{'weights in flight' if run.host_offload == 'parameters' else 'weights'} {g(est.weights)}",
         f"gradients {g(est.gradients)}",
         f"optimizer {g(est.optimizer)}",
         f"activations {g(est.activations + est.logits)}",
@@ -669,6 +707,8 @@ def format_lines(est: Estimate, run: Run, gpu: int | None) -> list[str]:
         f"on {'a CUDA GPU' if run.device == 'cuda' else run.device} ({precision}, {ckpt}); {fits}",
         f"  = {' + '.join(parts)} GiB",
     ]
+    if run.host_offload != "none":
+        lines.append(f"  host memory (train.offload: {run.host_offload}): {g(est.host)} GiB per process, {HOST_HELD[run.host_offload]}")
     if est.four_bit:
         lines.append(f"  {est.four_bit}")
     if est.generation:

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from erniekit_lite import memory
-from erniekit_lite.recipe import Recipe
+from erniekit_lite.recipe import Recipe, own_train
 
 
 def plan(recipe: Recipe, log=print) -> dict:
@@ -44,12 +44,25 @@ def plan(recipe: Recipe, log=print) -> dict:
         log(f"{recipe.distributed.describe()}; applies when training runs in more than one process (DDP)")
     for line in data_lines:
         log(line)
-    est, run = memory_estimate(recipe, args, arch, cuda)
+    offload = own_train(recipe, "offload")
+    device = gpu_free() if cuda else memory.GPUS_GB[0] * memory.GIB  # this GPU, or the smallest GPU validate names
+    if offload == "auto":  # as `train` decides it (a plain run: none or optimizer), against this GPU or the smallest
+        offload, est, run = choose_offload(recipe, args, arch, device, host_available(), ("none", "optimizer"), cuda=cuda)
+        log(f"train.offload: auto: {offload} ({'fits' if fits(est, device) else 'the most'} against "
+            f"{device_name(device, cuda)}; `train` decides against the GPU it runs on)")
+    else:
+        est, run = memory_estimate(recipe, args, arch, cuda, offload=offload)
     gpu = memory.smallest_gpu(est.total)
     info["memory_gb"] = round(est.total / memory.GIB, 2)
     info["fits_gpu_gb"] = gpu
+    info["offload"] = offload
     for line in memory.format_lines(est, run, gpu):
         log(line)
+    if offload != "none":
+        info["host_memory_gb"] = round(est.host / memory.GIB, 2)
+        log(f"  {host_line(est.host)}")
+    elif not fits(est, device):
+        info["offload_proposed"] = propose_offload(recipe, args, arch, est, device, cuda, log)
     if recipe.method in ("orpo", "simpo"):
         info["memory_gb_as_dpo"] = round(log_saved_vs_dpo(recipe, args, arch, run, est, log) / memory.GIB, 2)
     if recipe.lora is None and recipe.method != "rm":  # a trained LM head (a reward model has none): `train` keeps its chunks instead of recomputing them when there is room
@@ -238,10 +251,12 @@ def without_gpu_settings(recipe: Recipe) -> Recipe:
     return changed
 
 
-def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: bool = False):
+def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: bool = False, offload: str = "none",
+                    processes: int = 1):
     """Peak accelerator memory per device (memory.py) for the run this recipe makes, on a CUDA GPU.
 
     `head_keep`: a trained LM head keeps its chunks' buffers instead of recomputing them (`head_keep_positions`).
+    `offload`: train.offload as applied (none, optimizer, parameters), `processes` the FSDP2 processes sharing it.
     """
     from erniekit_lite.model.load import resolve_attention
     from erniekit_lite.trainer_args import PAIR_METHODS
@@ -289,6 +304,8 @@ def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: boo
         chunk_elements=memory.MAX_CHUNK_ELEMENTS,
         head_keep=head_keep,
         ema=bool(recipe.train.get("ema")),
+        host_offload=offload,
+        processes=processes,
     )
     return memory.estimate(arch["shape"], arch["memory"], run), run
 
@@ -339,6 +356,68 @@ def architecture(path: str, recipe: Recipe) -> dict:
         "shape": memory.Shape.from_config(config),
         "memory": memory.params_of(model, recipe.lora.dropout if recipe.lora is not None else 0.0),
     }
+
+
+OFFLOAD_HEADROOM = 0.85  # of the device memory a plan must fit in, as for activation checkpointing below
+OFFLOAD_APPLIED = "erniekit_offload"  # the Trainer arguments' attribute holding train.offload as applied (train/offload.py)
+
+
+def fits(est, device_bytes: int) -> bool:
+    return est.total <= OFFLOAD_HEADROOM * device_bytes
+
+
+def device_name(device_bytes: int, cuda: bool) -> str:
+    return f"this GPU's {device_bytes / memory.GIB:.0f} GiB free" if cuda else f"a {device_bytes // memory.GIB} GB GPU"
+
+
+def gpu_free() -> int:
+    import torch
+
+    return torch.cuda.mem_get_info()[0]
+
+
+def host_available() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def host_line(need: int, processes: int = 1) -> str:
+    """What the offloaded state needs in host memory, and whether this machine has it (validate never refuses)."""
+    have = host_available()
+    total = need * processes
+    verdict = "fits" if total <= have else "does not fit: `train` would refuse here"
+    each = f" x {processes} processes on this machine" if processes > 1 else " per process"
+    return f"host memory: {memory.size(need)}{each}; this machine has {memory.size(have)} available ({verdict})"
+
+
+def choose_offload(recipe: Recipe, args, arch: dict, device_bytes: int, host_bytes: int, modes: tuple[str, ...],
+                   processes: int = 1, cuda: bool = True):
+    """`train.offload: auto`: the first of `modes` whose plan fits the device (`OFFLOAD_HEADROOM` of `device_bytes`)
+    and the host (`host_bytes` for the `processes` on this machine); the last when none does. (mode, estimate, run)."""
+    for mode in modes:
+        est, run = memory_estimate(recipe, args, arch, cuda, offload=mode, processes=processes)
+        if fits(est, device_bytes) and est.host * processes <= host_bytes:
+            break
+    return mode, est, run
+
+
+def propose_offload(recipe: Recipe, args, arch: dict, est, device_bytes: int, cuda: bool, log=print) -> str | None:
+    """The plan does not fit `where`: what each offload would need on the device and the host, and the plan with the
+    first that fits (None when neither does)."""
+    proposed = None
+    for mode in ("optimizer", "parameters"):
+        with_it, run = memory_estimate(recipe, args, arch, cuda, offload=mode)
+        how = "" if mode == "optimizer" else " (one FSDP2 process, launched by `train`; N processes divide the host memory)"
+        log(f"note: the plan ({est.total / memory.GIB:.1f} GiB) does not fit {device_name(device_bytes, cuda)}; with train.offload: {mode}{how}: "
+            f"{with_it.total / memory.GIB:.1f} GiB on the device ({'fits' if fits(with_it, device_bytes) else 'does not fit either'}), "
+            f"{host_line(with_it.host)}")
+        if proposed is None and fits(with_it, device_bytes):
+            proposed = mode
+            log(f"with train.offload: {mode}:")
+            for line in memory.format_lines(with_it, run, memory.smallest_gpu(with_it.total)):
+                log(f"  {line}")
+    return proposed
 
 
 CHECKPOINTING_HEADROOM = 0.85  # of the GPU's memory: the estimate's fragmentation allowance is itself a guess

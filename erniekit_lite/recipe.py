@@ -353,6 +353,19 @@ class Recipe(_Section):
         return self
 
     @model_validator(mode="after")
+    def _offload_fits_the_run(self) -> Recipe:
+        offload = self.train.get("offload", "none")
+        if offload == "none" or offload not in OFFLOAD_MODES:  # a wrong value is said by the train: key check
+            return self
+        if self.model.load_in_4bit:
+            raise ValueError(f"train.offload: {offload} with model.load_in_4bit: a 4-bit base is already the small plan, and "
+                             "neither offload path moves bitsandbytes' 4-bit weights; use one or the other")
+        if offload in ("optimizer", "auto") and self.distributed.sync == "local_sgd":
+            raise ValueError(f"train.offload: {offload} steps the optimizer on host copies of the weights, which "
+                             "distributed.sync: local_sgd averages on the device; use another sync, or offload: none or parameters")
+        return self
+
+    @model_validator(mode="after")
     def _qlora_needs_lora(self) -> Recipe:
         if self.model.load_in_4bit and self.lora is None:
             raise ValueError("model.load_in_4bit (QLoRA) trains adapters on a frozen 4-bit base; add a lora: section")
@@ -404,6 +417,15 @@ def _check_ema(value: Any, where: str) -> dict | None:
     return {"decay": float(decay), "start": int(start)}
 
 
+OFFLOAD_MODES = ("none", "optimizer", "parameters", "auto")
+
+
+def _check_offload(value: Any, where: str) -> str:
+    if value not in OFFLOAD_MODES:
+        raise RecipeError(where, f"train.offload: expected one of {', '.join(OFFLOAD_MODES)} (got {value!r})")
+    return value
+
+
 @dataclass(frozen=True)
 class OwnTrainKey:
     """A `train:` key of erniekit-lite's own (not a TRL config field): checked like TRL's, removed before TRL's config
@@ -429,6 +451,12 @@ OWN_TRAIN_KEYS = {
         "and kept in every checkpoint: {decay: 0.999, start: 0} (the EMA follows the parameters until step `start`). "
         "With a constant learning rate, what the ERNIE 4.5 report uses instead of a decaying one.",
         ("sft", "pt", "dpo", "orpo", "simpo", "kto", "rm", "grpo"), check=_check_ema),
+    "offload": OwnTrainKey(
+        "none", "Move training state to host memory when the GPU is smaller than the plan (docs/offload.md): optimizer "
+        "(fp32 master weights and AdamW states on the CPU, which steps them), parameters (FSDP2's CPU offload: weights, "
+        "gradients and optimizer state on the host, each layer copied in as it runs), auto (the first of none and "
+        "optimizer, or none and parameters under FSDP2, that fits this GPU), or none.",
+        ("sft", "pt", "dpo", "orpo", "simpo", "kto", "rm", "grpo"), check=_check_offload),
 }
 def own_train(recipe: Recipe, key: str) -> Any:
     """An own `train:` key's value, its default when the recipe leaves it out."""

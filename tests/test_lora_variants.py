@@ -378,13 +378,13 @@ def test_lora_plus_refuses_optimizers_that_group_parameters_themselves():
     """GaLore/LOMO-style optimizers hand the Trainer their own parameter groups; a DeepSpeed optimizer block replaces
     the Trainer's optimizer: both would drop LoRA+ silently."""
     from erniekit_lite.model.lora import SETTINGS
-    from erniekit_lite.train.optimizer import LoraPlusMixin
+    from erniekit_lite.train.optimizer import OptimizerMixin
 
     class Base:
         def train(self, *args, **kwargs):
             return "trained"
 
-    class Stub(LoraPlusMixin, Base):
+    class Stub(OptimizerMixin, Base):
         optimizer = None
         optimizer_cls_and_kwargs = (torch.optim.AdamW, {"lr": 1e-3, "params": []})
         args = SimpleNamespace(optim="galore_adamw", learning_rate=1e-3, weight_decay=0.0)

@@ -13,17 +13,19 @@ from erniekit_lite.trainer_args import router_losses, training_args
 
 
 def run_arguments(recipe: Recipe, out: Path, log=print):
-    """The recipe's Trainer arguments for this run: sharding kept on a multi-process CPU run, and on a GPU activation
-    checkpointing chosen by what the plan needs against the memory free now."""
+    """The recipe's Trainer arguments for this run: sharding kept on a multi-process CPU run, on a GPU activation
+    checkpointing chosen by what the plan needs against the memory free now, and train.offload resolved and checked
+    against the host's memory (train/offload.py)."""
     import torch
 
-    from erniekit_lite.train import distribution
+    from erniekit_lite.train import distribution, offload
 
     if distribution.enabled():
         distribution.sharding_on_cpu()  # before the arguments make accelerate's state
     args = training_args(recipe, out)
     if torch.cuda.is_available():
         choose_checkpointing(recipe, args, free_memory(), log)
+    offload.resolve(recipe, args, free_memory(), log)  # with checkpointing decided: it comes before any offload
     return args
 
 

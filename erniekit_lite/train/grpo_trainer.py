@@ -41,7 +41,7 @@ from erniekit_lite.model.attention import PACKED
 from erniekit_lite.model.lora import unwrap
 from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.grpo_scoring import MARK, add_packed_scoring, packed_inputs, to_layout
-from erniekit_lite.train.optimizer import LoraPlusMixin
+from erniekit_lite.train.optimizer import OptimizerMixin
 from erniekit_lite.train.trainer import ThroughputMixin
 
 GENERATION_STATE = "grpo_generation_state_{}.pt"  # in a checkpoint, per process index
@@ -53,7 +53,7 @@ def _inner(model):
     return unwrap(model)
 
 
-class ErnieGRPOTrainer(CheckpointMixin, ThroughputMixin, LoraPlusMixin, GRPOTrainer):
+class ErnieGRPOTrainer(CheckpointMixin, ThroughputMixin, OptimizerMixin, GRPOTrainer):
     packed_scoring = True  # False (data.packing: false): TRL's own padded scoring (the parity tests compare the two)
 
     def __init__(self, *args, **kwargs):

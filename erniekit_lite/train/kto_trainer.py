@@ -33,7 +33,7 @@ from trl.trainer.utils import use_adapter
 
 from erniekit_lite.model.lora import unwrap
 from erniekit_lite.train.checkpoints import CheckpointMixin
-from erniekit_lite.train.optimizer import LoraPlusMixin
+from erniekit_lite.train.optimizer import OptimizerMixin
 from erniekit_lite.train.pair_scoring import add_packed_forward
 from erniekit_lite.train.step_weights import StepWeightsMixin
 from erniekit_lite.train.trainer import HostBoundsMixin, ThroughputMixin, real_tokens
@@ -48,7 +48,7 @@ def side(batch: dict, kl: bool) -> dict:
     return {k: v for k, v in batch.items() if not k.startswith("KL_") and k not in NOT_MODEL_INPUTS}
 
 
-class ErnieKTOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, StepWeightsMixin, KTOTrainer):
+class ErnieKTOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, OptimizerMixin, StepWeightsMixin, KTOTrainer):
     def __init__(self, *positional, args, reference_cache: bool = True, **kwargs):
         self.reference_cache = reference_cache  # read by the reference precompute, which runs inside TRL's __init__
         requested = args.per_device_train_batch_size, args.train_sampling_strategy

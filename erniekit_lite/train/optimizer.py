@@ -1,4 +1,7 @@
-"""LoRA+ for every trainer (SFT, pt, DPO): the optimizer is peft's `create_loraplus_optimizer`, built with the
+"""The optimizer of every trainer (SFT, pt, DPO, ...): LoRA+ when the adapter asks for it, stepped on the host with
+train.offload: optimizer (train/offload.py's HostStep, around whichever optimizer the Trainer or LoRA+ built).
+
+LoRA+: the optimizer is peft's `create_loraplus_optimizer`, built with the
 Trainer's own optimizer class and arguments (train.optim, learning_rate, weight_decay, adam betas and epsilon).
 
 peft groups the trainable parameters: every `lora_B` and every 1-D parameter (DoRA's magnitudes) learns at
@@ -10,8 +13,11 @@ is made there, DPO's by TRL and tagged by `train/dpo.py`.
 
 from __future__ import annotations
 
+from unittest import mock
+
 from erniekit_lite.errors import UserError
 from erniekit_lite.model.lora import SETTINGS
+from erniekit_lite.train import offload
 
 
 def lora_plus_ratio(model) -> float | None:
@@ -19,11 +25,31 @@ def lora_plus_ratio(model) -> float | None:
     return getattr(lora, "plus_lr_ratio", None)
 
 
-class LoraPlusMixin:
+class OptimizerMixin:
     def create_optimizer(self, model=None):
-        ratio = lora_plus_ratio(self.model)
-        if self.optimizer is not None or ratio is None:
+        if self.optimizer is not None:
             return super().create_optimizer(model)
+        if lora_plus_ratio(self.model) is None:
+            super().create_optimizer(model)
+        else:
+            self.optimizer = self._lora_plus(model)
+        if offload.applied(self.args).mode == "optimizer":
+            self.optimizer = offload.HostStep(self.optimizer)
+        return self.optimizer
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None or offload.host_step(self.optimizer) is None or self.args.world_size == 1:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        # transformers loads a multi-process run's optimizer state onto the GPU first (trainer.py), a full copy the
+        # host step exists to keep off it: loaded onto the host instead
+        import torch
+
+        load = torch.load
+        with mock.patch.object(torch, "load", lambda *a, **k: load(*a, **{**k, "map_location": "cpu"})):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _lora_plus(self, model):
+        ratio = lora_plus_ratio(self.model)
         from peft.optimizers import create_loraplus_optimizer
         from transformers.trainer_optimizer import is_optimizer_factory
 
@@ -38,10 +64,9 @@ class LoraPlusMixin:
             raise UserError(f"lora.plus_lr_ratio: train.optim {optim} builds its own parameter groups; LoRA+ needs a "
                             "plain optimizer (adamw_torch, adamw_torch_fused, adamw_8bit, sgd, ...)")
         lr = kwargs.pop("lr", self.args.learning_rate)
-        self.optimizer = create_loraplus_optimizer(
+        return create_loraplus_optimizer(
             opt_model, optimizer_cls, lr=lr, loraplus_lr_ratio=ratio, loraplus_weight_decay=self.args.weight_decay, **kwargs
         )
-        return self.optimizer
 
     def train(self, *args, **kwargs):
         # A DeepSpeed config with its own `optimizer` block makes DeepSpeed build the optimizer: create_optimizer

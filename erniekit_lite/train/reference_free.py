@@ -38,7 +38,7 @@ from erniekit_lite.train import dpo
 from erniekit_lite.train import run as runner
 from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.common import trainer_inputs
-from erniekit_lite.train.optimizer import LoraPlusMixin
+from erniekit_lite.train.optimizer import OptimizerMixin
 from erniekit_lite.train.pair_scoring import PairRowsMixin, add_packed_forward
 from erniekit_lite.train.step_weights import StepWeightsMixin
 from erniekit_lite.train.trainer import HostBoundsMixin, ThroughputMixin
@@ -119,13 +119,13 @@ class ReferenceFreeMixin(StepWeightsMixin, PairRowsMixin):
         return result + (out.aux_loss,)
 
 
-class ErnieORPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, ReferenceFreeMixin, ORPOTrainer):
+class ErnieORPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, OptimizerMixin, ReferenceFreeMixin, ORPOTrainer):
     average_log_prob = True  # the odds ratio of average log-probs
     with_nll = True
     nll_coef = 1.0
 
 
-class ErnieCPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, ReferenceFreeMixin, CPOTrainer):
+class ErnieCPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, OptimizerMixin, ReferenceFreeMixin, CPOTrainer):
     """`method: simpo` (loss_type simpo, trainer_args.py); the other CPO losses work alike."""
 
     @property

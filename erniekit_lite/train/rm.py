@@ -29,7 +29,7 @@ from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import run as runner
 from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.common import trainer_inputs
-from erniekit_lite.train.optimizer import LoraPlusMixin
+from erniekit_lite.train.optimizer import OptimizerMixin
 from erniekit_lite.train.pair_scoring import PairRowsMixin
 from erniekit_lite.train.step_weights import StepWeightsMixin
 from erniekit_lite.train.trainer import HostBoundsMixin, PlainLoraSaveMixin, ThroughputMixin
@@ -43,7 +43,7 @@ def run(recipe: Recipe, log=print) -> Path:
     return runner.run(recipe, METHOD, log)
 
 
-class ErnieRewardTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, PlainLoraSaveMixin, StepWeightsMixin,
+class ErnieRewardTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, OptimizerMixin, PlainLoraSaveMixin, StepWeightsMixin,
                          PairRowsMixin, RewardTrainer):
     aux_loss_enabled = False  # TRL's RewardTrainer adds no MoE router aux loss (read by train/common.watch_moe)
     router_aux_loss_coef = 0.0

@@ -15,7 +15,7 @@ from erniekit_lite.model.load import load_tokenizer, tokenizer_path
 from erniekit_lite.model import compile_layers, fused_lora
 from erniekit_lite.model.lora import skip_input_casts
 from erniekit_lite.recipe import Recipe
-from erniekit_lite.train import callbacks, distribution, ema, rundir, sync
+from erniekit_lite.train import callbacks, distribution, ema, offload, rundir, sync
 from erniekit_lite.train.common import describe_model, load_for_training, plan_lm_head, run_arguments, watch_moe
 
 
@@ -68,6 +68,7 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
         expert_load = watch_moe(trainer, recipe, log)
         ema.setup(trainer, recipe, log)
         sync.setup(trainer, recipe, log)
+        offload.setup(trainer, log)
         if method.adapter_by_trainer and recipe.lora is not None:
             log(describe_model(trainer.model))  # the adapter exists only now
         result = callbacks.train(trainer, out, args.resume_from_checkpoint)

@@ -5,7 +5,7 @@ Two departures from `SFTTrainer.compute_loss`, both because ERNIE's 103k-entry L
   prompt tokens never pay for it; token accuracy comes from the same pass;
 - real-token accounting (tokens/s without padding, packing efficiency) per logged step and in `train_results.json`.
 Checkpoints are atomic and a diverged run stops before its bad step (`checkpoints.CheckpointMixin`); LoRA+ builds
-the optimizer through peft (`optimizer.LoraPlusMixin`); a PiSSA/OLoRA adapter is saved as a plain LoRA at the end
+the optimizer through peft (`optimizer.OptimizerMixin`); a PiSSA/OLoRA adapter is saved as a plain LoRA at the end
 (`PlainLoraSaveMixin`); a first step out of memory turns activation checkpointing on when the plan had turned it off
 (`OutOfMemoryRetryMixin`); everything else (optimizer, schedule, logging, accumulation) is TRL and transformers.
 """
@@ -24,7 +24,7 @@ from erniekit_lite.model.attention import take_batch_lengths
 from erniekit_lite.model.lora import INITIAL, save_as_plain_lora, unwrap
 from erniekit_lite.plan import CHECKPOINTING_OFF_BY_PLAN
 from erniekit_lite.train.checkpoints import CheckpointMixin
-from erniekit_lite.train.optimizer import LoraPlusMixin
+from erniekit_lite.train.optimizer import OptimizerMixin
 from erniekit_lite.train.scoring import add_scoring_forward
 from erniekit_lite.train.router_losses import RouterLossMixin
 
@@ -222,7 +222,7 @@ class PlainLoraSaveMixin:
             save_as_plain_lora(output_dir if output_dir is not None else self.args.output_dir, initial)
 
 
-class ErnieSFTTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, LoraPlusMixin, PlainLoraSaveMixin, RouterLossMixin, SFTTrainer):
+class ErnieSFTTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, OptimizerMixin, PlainLoraSaveMixin, RouterLossMixin, SFTTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         add_scoring_forward(unwrap(self.model))

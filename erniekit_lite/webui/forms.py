@@ -85,6 +85,8 @@ FIELDS = (
     Field("train.per_device_train_batch_size", "batch size (rows per device)", "int"),
     Field("train.logging_steps", "log every N steps", "int"),
     Field("train.ema", "weight EMA decay (blank: off; OUTPUT/ema)", "number"),  # train.ema.decay; start stays as the YAML has it
+    Field("train.offload", "offload to host memory, for a GPU smaller than the plan (blank: none)", "choice",
+          recipes.OFFLOAD_MODES[1:]),
     Field("output.dir", "output dir", "text"),
     # Each method's own train: keys (TRL's config field names; help from the method's config class)
     Field("train.beta", "beta", "number", methods=("dpo", "orpo", "simpo", "kto", "grpo")),

@@ -30,7 +30,7 @@ LAYOUT = (
     ("lora", "lora.r", "lora.alpha"),
     ("lora.use_rslora", "lora.use_dora", "lora.init", "lora.plus_lr_ratio"),
     ("train.learning_rate", "train.max_steps", "train.num_train_epochs"),
-    ("train.per_device_train_batch_size", "train.logging_steps", "train.ema", "output.dir"),
+    ("train.per_device_train_batch_size", "train.logging_steps", "train.ema", "train.offload", "output.dir"),
     # each method's own: one row shows
     ("train.beta", "train.loss_type", "train.loss_weights", "train.simpo_gamma", "train.cpo_alpha"),
     ("train.desirable_weight", "train.undesirable_weight", "train.center_rewards_coefficient"),

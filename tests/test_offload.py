@@ -1,0 +1,177 @@
+"""`train.offload` (docs/offload.md): the plan proposes it, the run applies it.
+
+On CPU over gloo, 2 processes: `optimizer` (the host step under DDP) trains exactly as DDP without it, `parameters`
+(FSDP2's CPU offload, launched by `train` itself) as DDP within FSDP2's tolerance, and each resumes exactly: a run of
+2 steps, extended by `--resume train.max_steps=4`, logs DDP's 4 steps. Here the host is the device, so what is
+measured is what the offloaded state holds (the storage of the host step's tensors, of FSDP2's local shards), against
+the plan's `host memory`; the GPU side (a memory cap below the plan) needs a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from erniekit_lite import memory, plan
+from erniekit_lite.errors import UserError
+from erniekit_lite.recipe import RecipeError, load
+from conftest import SHARED, SHARED_HOW, needs
+from helpers import write_recipe
+from test_distributed import train_cli, write_data
+
+
+def recipe(tmp_path: Path, model_dir: Path, offload: str, **train) -> Path:
+    train = {"learning_rate": 2e-3, "max_steps": 4, "per_device_train_batch_size": 1, "logging_steps": 1, "save_steps": 2,
+             "activation_checkpointing": False, "seed": 0, "lr_scheduler_type": "constant", "offload": offload, **train}
+    return write_recipe(tmp_path / f"{offload}.yaml", model_dir, data={"train": [str(write_data(tmp_path / "data.jsonl"))], "max_length": 64},
+                        out=tmp_path / offload, output={"sample_prompts": []}, train=train)
+
+
+def history(out: Path) -> tuple[list[int], list[float]]:
+    """The logged steps, and each step's loss and gradient norm in one list."""
+    logs = [h for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+    return [h["step"] for h in logs], [v for h in logs for v in (h["loss"], h["grad_norm"])]
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory, tiny_own_dir):
+    """The reference: 2-process DDP, full fine-tuning in fp32, 4 steps at a constant learning rate."""
+    where = tmp_path_factory.mktemp("ddp")
+    done = train_cli(where, str(recipe(where, tiny_own_dir, "none")), "--num-processes", "2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    return history(where / "none")
+
+
+@pytest.mark.slow  # two launches of 2 processes per mode (~25 s on 2 idle cores), one DDP launch shared
+@pytest.mark.parametrize("mode", ["optimizer", "parameters"])
+def test_two_processes_train_with_offload_and_resume_exactly(tmp_path, tiny_own_dir, ddp, mode):
+    """2 steps, then `--resume train.max_steps=4`: the 4 steps equal DDP's without offload (the host step's fp32
+    arithmetic is the same AdamW's: exactly; FSDP2's reduce-scatter sums in another order: within 1e-5). The run says
+    what it offloads, FSDP2's model state holds the CPU offload policy, and the bytes the offloaded state holds in
+    each process are the plan's host memory (the host step's exactly; FSDP2's shards padded to even sizes: within 1%)."""
+    path, out = recipe(tmp_path, tiny_own_dir, mode, max_steps=2), tmp_path / mode
+    launch = ["--num-processes", "2"]  # parameters: no accelerate config, `train` launches FSDP2 itself
+    first = train_cli(tmp_path, str(path), *launch)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert first.stdout.count(f"train.offload: {mode}: in host memory {memory.HOST_HELD[mode]}") == 1
+    resumed = train_cli(tmp_path, str(path), "train.max_steps=4", "--resume", *launch)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resuming from {out / 'checkpoint-2'}" in resumed.stdout
+
+    (steps, got), (ddp_steps, ref) = history(out), ddp
+    assert steps == ddp_steps == [1, 2, 3, 4]
+    assert got == pytest.approx(ref, rel=1e-6) if mode == "optimizer" else got == pytest.approx(ref, abs=1e-5)
+    report = json.loads((out / "train_results.json").read_text())["distributed"]
+    assert report["offload"] == mode and report["world_size"] == 2
+    assert report["strategy"] == ("DDP" if mode == "optimizer" else "FSDP2")
+    held, planned = report["offload_host_bytes"], report["offload_host_bytes_planned"]
+    if mode == "optimizer":  # per trainable parameter: fp32 master, gradient copy and AdamW's two states
+        assert held == planned == 16 * report["parameters"]
+    else:
+        assert report["offload_policy"] == "CPUOffloadPolicy" and report["sharded_parameters"] == report["parameters"]
+        assert planned == pytest.approx(held, rel=0.01) and held < 16 * report["parameters"]  # half of it, padded
+
+
+def test_host_step_keeps_the_groups_and_resumes_bf16_weights_from_fp32_masters():
+    """The host step around torch's AdamW with two groups at different rates (as LoRA+ builds them) updates fp32
+    parameters exactly as AdamW itself; bf16 parameters are their fp32 masters rounded, and a host step built afresh
+    from its state dict (the masters in it) continues exactly."""
+    import copy
+
+    import torch
+
+    from erniekit_lite.train.offload import HostStep
+
+    torch.manual_seed(0)
+    shapes = [(4, 3), (5,)]
+    start = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(4)]
+    groups = lambda ps: [{"params": [ps[0]], "lr": 1e-2}, {"params": [ps[1]], "lr": 1e-1}]  # noqa: E731
+
+    def run(optimizer, params, steps):
+        for g in steps:
+            for p, gi in zip(params, g):
+                p.grad = gi.to(p.dtype)
+            optimizer.step()
+
+    plain, hosted = ([torch.nn.Parameter(t.clone()) for t in start] for _ in range(2))
+    run(torch.optim.AdamW(groups(plain)), plain, grads)
+    run(HostStep(torch.optim.AdamW(groups(hosted))), hosted, grads)
+    assert all(torch.equal(a, b) for a, b in zip(plain, hosted))
+
+    bf16 = [torch.nn.Parameter(t.to(torch.bfloat16)) for t in start]
+    step = HostStep(torch.optim.AdamW(groups(bf16)))
+    run(step, bf16, grads[:2])
+    masters = [m for _, m, _ in step.pairs]
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(bf16, masters)) and not torch.equal(masters[0].to(torch.bfloat16).float(), masters[0])
+    state = copy.deepcopy(step.state_dict())  # as saved: the live state tensors are not shared
+    again = [torch.nn.Parameter(p.detach().clone()) for p in bf16]  # what a checkpoint holds: the bf16 weights
+    resumed = HostStep(torch.optim.AdamW(groups(again)))
+    resumed.load_state_dict(state)
+    run(step, bf16, grads[2:])
+    run(resumed, again, grads[2:])
+    assert all(torch.equal(a, b) for a, b in zip(bf16, again))
+
+
+def test_offload_refused_in_one_line_where_it_cannot_apply(tmp_path, tiny_own_dir, monkeypatch, capsys):
+    """A 4-bit base, local SGD and an unknown mode are refused by the recipe check, naming the key; a run whose
+    offloaded state would not fit the host by `train`, before the model loads; optimizer offload under FSDP and any
+    under DeepSpeed by the worker; a DeepSpeed config with parameters by the launcher."""
+    from erniekit_lite.cli import main
+    from erniekit_lite.launch import launch_command
+    from erniekit_lite.train import offload
+
+    path = recipe(tmp_path, tiny_own_dir, "optimizer")
+    with pytest.raises(RecipeError, match=r"optimizer.yaml:\d+: train.offload: optimizer with model.load_in_4bit"):
+        load(path, ["model.load_in_4bit=true", "lora.r=4"])
+    with pytest.raises(RecipeError, match="train.offload: optimizer steps the optimizer on host copies"):
+        load(path, ["distributed.sync=local_sgd", "train.save_steps=8"])
+    with pytest.raises(RecipeError, match=r"train.offload: expected one of none, optimizer, parameters, auto \(got 'cpu'\)"):
+        load(path, ["train.offload=cpu"])
+
+    monkeypatch.setattr(plan, "host_available", lambda: 10**6)  # 1 MB free: the host step's 2.2 MB does not fit
+    monkeypatch.setattr(offload, "host_available", lambda: 10**6)
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "train.offload: optimizer needs about 2.1 MiB of host memory per process (1 on this machine), and 1.0 MiB is available" in err
+    assert err.count("\n") == 1 and not (tmp_path / "optimizer").exists()  # nothing claimed
+
+    args = type("Args", (), {"world_size": 2})()
+    for env, mode, said in ((("ACCELERATE_USE_FSDP", "true"), "optimizer", "use train.offload: parameters"),
+                            (("ACCELERATE_USE_DEEPSPEED", "true"), "parameters", "DeepSpeed offloads through its own config"),
+                            (("ACCELERATE_USE_FSDP", "false"), "parameters", "runs under FSDP2, which `erniekit-lite train` launches")):
+        monkeypatch.setenv(*env)
+        with pytest.raises(UserError, match=said):
+            offload.resolve(load(path, [f"train.offload={mode}"]), args, 0)
+        monkeypatch.delenv(env[0])
+    config = tmp_path / "zero.yaml"
+    config.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n")
+    with pytest.raises(UserError, match="train.offload: parameters runs under FSDP2, and .*zero.yaml is a DeepSpeed config"):
+        launch_command(str(path), ["train.offload=parameters"], 2, str(config), offload_parameters=True)
+
+
+@needs((SHARED / "ernie45" / "ernie-4.5-21b-a3b-pt").is_dir(), "the shared 21B-A3B config", SHARED_HOW)
+def test_validate_proposes_the_offload_that_fits_with_its_host_memory(tmp_path):
+    """ERNIE-4.5-21B-A3B LoRA in bf16 (43 GB of weights) does not fit a 24 GB GPU (what validate plans for without a
+    GPU): optimizer offload does not help (LoRA's states are small), parameter offload does; validate says both, with
+    the host memory each needs and whether this machine has it, and prints the plan with parameters."""
+    from erniekit_lite.plan import plan as validate
+
+    config = tmp_path / "21b"
+    config.mkdir()
+    (config / "config.json").write_text((SHARED / "ernie45" / "ernie-4.5-21b-a3b-pt" / "config.json").read_text())
+    path = write_recipe(tmp_path / "r.yaml", config, lora={"r": 8, "alpha": 16}, model={"dtype": "bfloat16"},
+                        data={"max_length": 2048}, train={"per_device_train_batch_size": 1})
+    lines = []
+    info = validate(load(path), log=lines.append)
+    text = "\n".join(lines)
+    assert info["offload"] == "none" and info["memory_gb"] > 24 * 0.85
+    assert info["offload_proposed"] == "parameters"
+    notes = [line for line in lines if line.startswith("note: the plan (")]
+    assert len(notes) == 2 and "train.offload: optimizer:" in notes[0] and "(does not fit either)" in notes[0]
+    assert "train.offload: parameters (one FSDP2 process" in notes[1] and "on the device (fits)" in notes[1]
+    assert "host memory: " in notes[1] and "this machine has" in notes[1]
+    assert "with train.offload: parameters:\n  memory per device (estimate):" in text
+    assert "  host memory (train.offload: parameters): " in text
