@@ -34,6 +34,8 @@ real tokenizer), and writes `benchmarks/results-gpu-<device>.txt` (with --smoke:
 7. profile: where a 0.3B step's time goes, full SFT and LoRA as in 2a/2b, under torch.profiler (the first H200 run
    found 15% MFU, and LoRA slower than full SFT): wall and kernel time per step, the GPU's busy share, kernels
    launched, aten ops, the kernels taking the most time.
+8. offload: train.offload: parameters on the 21B-A3B LoRA recipe cut to the larger --moe-layers cut, the worker
+   capped halfway between its plans with and without offload (issue 52): peak vs cap, tokens/s, host bytes.
 
 MFU, one definition: model FLOPs per real token as erniekit-lite computes them (matmuls of the weights a token
 passes through: 6 per weight when it trains, 4 when frozen (forward and input gradient), 6 per adapter weight; for
@@ -860,8 +862,74 @@ def fsdp2_section(results: Results, assets: Path, tmp: Path, args) -> None:
     results.section("6. FSDP2, 1 process", f"exit {done.returncode}; {report}; saved model loads with plain transformers: {loaded}")
 
 
+# Imported first by every Python process of `offload_section`'s launch (PYTHONPATH): in a training worker on CUDA, the
+# memory cap, and the peak written at exit. The launcher itself never touches CUDA
+CAP_HOOK = """import atexit, json, os
+if "LOCAL_RANK" in os.environ:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(float(os.environ["ERNIEKIT_CHECK_CAP"]))
+        atexit.register(lambda: open(os.environ["ERNIEKIT_CHECK_PEAK"], "w").write(json.dumps(
+            {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()})))
+"""
+
+
+def offload_section(results: Results, assets: Path, tmp: Path, args) -> None:
+    """8. train.offload on a GPU smaller than the plan: the 21B-A3B LoRA recipe (bf16 base) cut to the larger
+    --moe-layers cut, its worker capped (torch.cuda.set_per_process_memory_fraction) halfway between the plan with
+    parameters offloaded and the plan without, trained with train.offload: parameters (one FSDP2 process, launched
+    by `train`): exit, peak allocated against the cap, real tokens/s, host bytes held against the plan's."""
+    import torch
+
+    from erniekit_lite import memory
+    from erniekit_lite.plan import architecture, memory_estimate
+    from erniekit_lite.trainer_args import training_args
+
+    layers = max(int(x) for x in args.moe_layers.split(","))
+    model_dir = write_model(assets, "21b-a3b", tmp, layers=layers, smoke=args.smoke)
+    out = tmp / "offload"
+    recipe = recipe_from("ernie-4.5-21b-a3b/sft-lora.yaml", model_dir, assets / "data" / "sft.json", out, args,
+                         **{"train.offload": "parameters", "train.max_steps": 4 if args.smoke else 8})
+    targs, arch = training_args(recipe, out), architecture(str(model_dir), recipe)
+    plain, _ = memory_estimate(recipe, targs, arch, cuda=True)
+    offloaded, _ = memory_estimate(recipe, targs, arch, cuda=True, offload="parameters")
+    cap = (plain.total + offloaded.total) // 2
+    total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+    hook = tmp / "cap-hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(CAP_HOOK)
+    peak_file = tmp / "offload-peak.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "ERNIEKIT_CHECK_CAP": f"{min(1.0, cap / total) if total else 1.0:.4f}", "ERNIEKIT_CHECK_PEAK": str(peak_file)}
+    command = [sys.executable, "-m", "erniekit_lite", "train", str(out.parent / f"{out.name}.yaml")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=540, cwd=ROOT, env=env)
+    g = lambda n: f"{n / memory.GIB:.1f} GiB"  # noqa: E731
+    planned_line = f"plan {g(plain.total)} without offload, {g(offloaded.total)} with parameters offloaded; cap {g(cap)}"
+    if done.returncode != 0:
+        detail = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        results.check("offload under a cap", False, detail)
+        results.section(f"8. train.offload: parameters, 21B-A3B LoRA cut to {layers} layers", planned_line, f"exit {done.returncode}: {detail}")
+        return
+    metrics = json.loads((out / "train_results.json").read_text())
+    report = metrics["distributed"]
+    peak = json.loads(peak_file.read_text()) if peak_file.is_file() else None
+    within = peak is not None and peak["allocated"] <= cap
+    results.check("offload under a cap", (within or peak is None) and report.get("offload") == "parameters",
+                  f"peak {g(peak['allocated']) if peak else 'not measured (no CUDA)'} vs cap {g(cap)}")
+    results.data["offload"] = {"layers": layers, "cap_bytes": cap, "plan_bytes": plain.total, "plan_offloaded_bytes": offloaded.total,
+                               "peak": peak, "tokens_per_second": metrics["train_tokens_per_second"],
+                               "host_bytes": report.get("offload_host_bytes"), "host_bytes_planned": report.get("offload_host_bytes_planned")}
+    results.section(f"8. train.offload: parameters, 21B-A3B LoRA cut to {layers} layers, capped below its plan", planned_line,
+                    f"trained {metrics.get('train_steps', recipe.train['max_steps'])} steps: "
+                    f"{metrics['train_tokens_per_second']:.0f} real tokens/s; peak allocated "
+                    f"{g(peak['allocated']) + (' (within the cap)' if within else ' (OVER the cap)') if peak else 'not measured (no CUDA)'}; "
+                    f"host {memory.size(report.get('offload_host_bytes', 0))} held, {memory.size(report.get('offload_host_bytes_planned', 0))} planned "
+                    f"({report.get('offload_policy')})")
+    shutil.rmtree(model_dir, ignore_errors=True)
+
+
 # each section's share of --time-limit (first rounds always run; more rounds while the section is within its share)
-SHARES = {"attention": 0.10, "sft": 0.25, "dpo": 0.12, "qlora": 0.12, "moe": 0.28, "fsdp2": 0.13, "profile": 0.08}
+SHARES = {"attention": 0.10, "sft": 0.25, "dpo": 0.12, "qlora": 0.12, "moe": 0.28, "fsdp2": 0.13, "profile": 0.08, "offload": 0.10}
 PACKAGES = ("transformers", "peft", "trl", "datasets", "accelerate", "bitsandbytes", "pydantic", "pyarrow", "huggingface_hub", "tokenizers")
 
 
@@ -936,7 +1004,8 @@ def main(argv=None) -> int:
                  ("sft,dpo,qlora", lambda: sft_sections(results, assets, tmp, args, tokenizer, only)),
                  ("moe", lambda: moe_section(results, assets, tmp, args, tokenizer)),
                  ("fsdp2", lambda: fsdp2_section(results, assets, tmp, args)),
-                 ("profile", lambda: profile_section(results, assets, tmp, args))]
+                 ("profile", lambda: profile_section(results, assets, tmp, args)),
+                 ("offload", lambda: offload_section(results, assets, tmp, args))]
         for names, step in steps:
             if not only & set(names.split(",")):
                 continue

@@ -33,14 +33,15 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     for heading in ("## 1. Packed attention vs each sample alone (bf16)", "## 2a. 0.3B full SFT", "## 2b. 0.3B LoRA SFT",
                     "## 3. 0.3B DPO LoRA", "## 4. 0.3B QLoRA", "## 5.2. 21B-A3B LoRA SFT (r 32) cut to 2 layers",
                     "## 5. 21B-A3B extrapolated to 28 layers", "## 5x. Routed-expert adapters at the 21B-A3B shape, 2 layers",
-                    "## 6. FSDP2, 1 process", "## 7. Where a step's time goes (torch.profiler)"):
+                    "## 6. FSDP2, 1 process", "## 7. Where a step's time goes (torch.profiler)",
+                    "## 8. train.offload: parameters, 21B-A3B LoRA cut to 4 layers, capped below its plan"):
         assert heading in text, heading
     assert "Not available here: packed_varlen (CUDA only)" in text
     assert "torch.compile of a packed LoRA step with `packed_sdpa`" in text
     result = json.loads(text.strip().splitlines()[-1])
     names = {c["name"] for c in result["checks"]}
     assert {"attention 0.3b packed_sdpa", "attention 21b-a3b packed_sdpa", "attention 0.3b control",
-            "attention 21b-a3b control", "fsdp2 1 process"} <= names
+            "attention 21b-a3b control", "fsdp2 1 process", "offload under a cap"} <= names
     assert all(c["ok"] for c in result["checks"]), [c for c in result["checks"] if not c["ok"]]
     packed = [a for a in result["attention"] if a["implementation"] == "packed_sdpa"]
     control = [a for a in result["attention"] if a["implementation"].startswith("control")]
@@ -51,10 +52,13 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     assert len(result["training"]) == 8 and all(t["loss"] > 0 for t in result["training"])
     assert set(result["moe_expert_compute"]) == {"split", "merged", "split, 4-bit experts"}
     assert result["moe_extrapolated"]["layers"] == 28 and result["moe_extrapolated"]["plan_total_gib"] > 0
-    assert len(result["seconds"]) == 5 and result["targets"] == []  # no GPU: no MFU or memory target measured
+    assert len(result["seconds"]) == 6 and result["targets"] == []  # no GPU: no MFU or memory target measured
     (profiled,) = result["profile"]  # smoke: the LoRA run alone, one step recorded, aten ops but no kernels on CPU
     assert profiled["run"] == "0.3B LoRA SFT (r 32)" and profiled["aten_ops"] > 1000 and profiled["kernels"] == 0
     assert profiled["busy"] is None and profiled["wall_ms"] > 0
+    offload = result["offload"]  # no CUDA: no cap or peak, the host bytes FSDP2's shards hold are the plan's
+    assert offload["peak"] is None and offload["tokens_per_second"] > 0
+    assert offload["host_bytes"] == pytest.approx(offload["host_bytes_planned"], rel=0.01)
 
 
 def test_the_plan_compared_is_the_one_for_what_the_run_chose(tiny_dense_dir, tmp_path):
