@@ -382,13 +382,12 @@ def host_available() -> int:
     return psutil.virtual_memory().available
 
 
-def host_line(need: int, processes: int = 1) -> str:
-    """What the offloaded state needs in host memory, and whether this machine has it (validate never refuses)."""
+def host_line(need: int) -> str:
+    """What the offloaded state needs in host memory per process, and whether this machine has it (validate never
+    refuses for it)."""
     have = host_available()
-    total = need * processes
-    verdict = "fits" if total <= have else "does not fit: `train` would refuse here"
-    each = f" x {processes} processes on this machine" if processes > 1 else " per process"
-    return f"host memory: {memory.size(need)}{each}; this machine has {memory.size(have)} available ({verdict})"
+    verdict = "fits" if need <= have else "does not fit: `train` would refuse here"
+    return f"host memory: {memory.size(need)} per process; this machine has {memory.size(have)} available ({verdict})"
 
 
 def choose_offload(recipe: Recipe, args, arch: dict, device_bytes: int, host_bytes: int, modes: tuple[str, ...],
