@@ -10,6 +10,7 @@ the plan's `host memory`; the GPU side (a memory cap below the plan) needs a GPU
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,30 @@ def test_offload_refused_in_one_line_where_it_cannot_apply(tmp_path, tiny_own_di
         launch_command(str(path), ["train.offload=parameters"], 2, str(config), offload_parameters=True)
 
 
+def test_auto_takes_the_first_mode_that_fits_the_device_and_the_host(tmp_path, tiny_own_dir):
+    """`auto`'s choice (plan.choose_offload, what `train` runs on its GPU's free memory): none when the plan fits 85%
+    of the device, optimizer when only it does, and the last one tried when the host cannot hold the one that fits;
+    on a machine without a GPU `train` resolves auto to none and says so."""
+    from erniekit_lite.plan import architecture, memory_estimate
+    from erniekit_lite.train import offload
+    from erniekit_lite.trainer_args import training_args
+
+    r = load(recipe(tmp_path, tiny_own_dir, "auto"))
+    args, arch = training_args(r, tmp_path / "auto"), architecture(str(tiny_own_dir), r)
+    none, _ = memory_estimate(r, args, arch, cuda=True)
+    opt, _ = memory_estimate(r, args, arch, cuda=True, offload="optimizer")
+    assert opt.total < none.total and opt.host == 16 * arch["trainable"] and none.host == 0
+    choose = lambda device, host: plan.choose_offload(r, args, arch, device, host, ("none", "optimizer"))[0]  # noqa: E731
+    assert choose(int(none.total / 0.85) + 1, 0) == "none"
+    squeezed = int(opt.total / 0.85) + 1  # fits with the optimizer state on the host, not without
+    assert squeezed < none.total / 0.85
+    assert choose(squeezed, opt.host) == "optimizer"
+    assert choose(squeezed, opt.host - 1) == "optimizer"  # the last tried: train's host check then refuses it
+    said = []
+    assert offload.resolve(r, args, squeezed, said.append) == "none" and offload.applied(args).mode == "none"
+    assert said == ["train.offload: auto: none (no GPU: everything is in host memory already)"]
+
+
 @needs((SHARED / "ernie45" / "ernie-4.5-21b-a3b-pt").is_dir(), "the shared 21B-A3B config", SHARED_HOW)
 def test_validate_proposes_the_offload_that_fits_with_its_host_memory(tmp_path):
     """ERNIE-4.5-21B-A3B LoRA in bf16 (43 GB of weights) does not fit a 24 GB GPU (what validate plans for without a
@@ -175,3 +200,11 @@ def test_validate_proposes_the_offload_that_fits_with_its_host_memory(tmp_path):
     assert "host memory: " in notes[1] and "this machine has" in notes[1]
     assert "with train.offload: parameters:\n  memory per device (estimate):" in text
     assert "  host memory (train.offload: parameters): " in text
+
+    lines.clear()  # offload set: the plan with it, its host memory and whether this machine has it, no proposal
+    info = validate(load(path, ["train.offload=parameters"]), log=lines.append)
+    assert info["offload"] == "parameters" and "offload_proposed" not in info and info["memory_gb"] < 24 * 0.85
+    (host,) = [line for line in lines if line.startswith("  host memory: ")]
+    said = re.fullmatch(r"  host memory: ([\d.]+) GiB per process; this machine has [\d.]+ [GM]iB available "
+                        r"\((fits|does not fit: `train` would refuse here)\)", host)
+    assert said and float(said.group(1)) == pytest.approx(info["host_memory_gb"], abs=0.05) and info["host_memory_gb"] > 24
