@@ -118,11 +118,12 @@ def test_host_step_keeps_the_groups_and_resumes_bf16_weights_from_fp32_masters()
 
 def test_offload_refused_in_one_line_where_it_cannot_apply(tmp_path, tiny_own_dir, monkeypatch, capsys):
     """A 4-bit base, local SGD and an unknown mode are refused by the recipe check, naming the key; a run whose
-    offloaded state would not fit the host by `train`, before the model loads; optimizer offload under FSDP and any
-    under DeepSpeed by the worker; a DeepSpeed config with parameters by the launcher."""
+    offloaded state would not fit the host by `train`, before the model loads; a bitsandbytes optimizer, optimizer
+    offload under FSDP and any under DeepSpeed by the worker; a DeepSpeed config with parameters by the launcher."""
     from erniekit_lite.cli import main
     from erniekit_lite.launch import launch_command
     from erniekit_lite.train import offload
+    from erniekit_lite.trainer_args import training_args
 
     path = recipe(tmp_path, tiny_own_dir, "optimizer")
     with pytest.raises(RecipeError, match=r"optimizer.yaml:\d+: train.offload: optimizer with model.load_in_4bit"):
@@ -139,6 +140,8 @@ def test_offload_refused_in_one_line_where_it_cannot_apply(tmp_path, tiny_own_di
     assert "train.offload: optimizer needs about 2.1 MiB of host memory per process (1 on this machine), and 1.0 MiB is available" in err
     assert err.count("\n") == 1 and not (tmp_path / "optimizer").exists()  # nothing claimed
 
+    with pytest.raises(UserError, match="train.optim adamw_bnb_8bit is not one: use adamw_torch_fused"):
+        offload.resolve(load(path, ["train.optim=adamw_bnb_8bit"]), training_args(load(path, ["train.optim=adamw_bnb_8bit"]), tmp_path), 0)
     args = type("Args", (), {"world_size": 2})()
     for env, mode, said in ((("ACCELERATE_USE_FSDP", "true"), "optimizer", "use train.offload: parameters"),
                             (("ACCELERATE_USE_DEEPSPEED", "true"), "parameters", "DeepSpeed offloads through its own config"),

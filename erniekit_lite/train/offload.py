@@ -61,6 +61,8 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print) -> str:
         raise UserError("train.offload: parameters runs under FSDP2, which `erniekit-lite train` launches itself; this "
                         "process was started another way: use `accelerate launch --use_fsdp --fsdp_version 2 "
                         "--fsdp_offload_params true ...` or `erniekit-lite train`")
+    if mode == "optimizer":
+        check_optimizer(args)
     from erniekit_lite.model.load import adapter_base
 
     arch = architecture(adapter_base(recipe.model.path) or recipe.model.path, recipe)
@@ -88,6 +90,17 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print) -> str:
                         "processes per machine, or shard over more (`erniekit-lite validate` shows the plan)")
     setattr(args, OFFLOAD_APPLIED, Applied(mode, est.host))
     return mode
+
+
+def check_optimizer(args) -> None:
+    """The host step runs torch's own optimizers (their state made lazily, on the masters): said before the model loads."""
+    from transformers import Trainer
+
+    cls, _ = Trainer.get_optimizer_cls_and_kwargs(args)
+    if not getattr(cls, "__module__", "").startswith("torch.optim"):
+        raise UserError(f"train.offload: optimizer steps torch's own optimizers on the CPU; train.optim "
+                        f"{getattr(args.optim, 'value', args.optim)} is not one: use adamw_torch_fused (the default), "
+                        "adamw_torch or sgd")
 
 
 def applied(args) -> Applied:
@@ -173,7 +186,7 @@ class HostStep(torch.optim.Optimizer):
     MASTERS = "erniekit_host_masters"
 
     def __init__(self, inner: torch.optim.Optimizer):
-        if not type(inner).__module__.startswith("torch.optim") or inner.state:
+        if not type(inner).__module__.startswith("torch.optim") or inner.state:  # `check_optimizer` said it for train.optim
             raise UserError(f"train.offload: optimizer steps torch's own optimizers on the CPU; {type(inner).__name__} "
                             "is not one: use train.optim adamw_torch_fused (the default), adamw_torch or sgd")
         self.inner = inner
