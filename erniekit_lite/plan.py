@@ -393,10 +393,11 @@ def host_line(need: int) -> str:
 def choose_offload(recipe: Recipe, args, arch: dict, device_bytes: int, host_bytes: int, modes: tuple[str, ...],
                    processes: int = 1, cuda: bool = True):
     """`train.offload: auto`: the first of `modes` whose plan fits the device (`OFFLOAD_HEADROOM` of `device_bytes`)
-    and the host (`host_bytes` for the `processes` on this machine); the last when none does. (mode, estimate, run)."""
+    and the host (`host_bytes`: what one process may take there); the last when none does. `processes`: the FSDP2
+    processes the state is sharded over. (mode, estimate, run)."""
     for mode in modes:
         est, run = memory_estimate(recipe, args, arch, cuda, offload=mode, processes=processes)
-        if fits(est, device_bytes) and est.host * processes <= host_bytes:
+        if fits(est, device_bytes) and est.host <= host_bytes:
             break
     return mode, est, run
 

@@ -129,18 +129,18 @@ def setup(trainer, log=print) -> None:
         "the plan")
 
     class Held(TrainerCallback):
-        """The bytes the offloaded state holds in host memory once the optimizer has stepped (its state exists):
-        sizes only, nothing read from the device."""
+        """The bytes the offloaded state holds in host memory once the optimizer has first stepped (its state exists;
+        nothing is added later): sizes only, nothing read from the device."""
 
         def on_optimizer_step(self, args, state, control, **kwargs):
-            held = host_bytes(trainer)
             report = getattr(trainer, "distribution", None)
-            if report is not None:
-                report["offload"] = mode
-                if mode == "parameters":  # the policy fully_shard was given, read back from the model's FSDP state
-                    report["offload_policy"] = fsdp_policy(trainer.model)
-                report["offload_host_bytes"] = max(held, report.get("offload_host_bytes", 0))
-                report["offload_host_bytes_planned"] = applied(args).host_bytes
+            if report is None or "offload_host_bytes" in report:
+                return
+            report["offload"] = mode
+            if mode == "parameters":  # the policy fully_shard was given, read back from the model's FSDP state
+                report["offload_policy"] = fsdp_policy(trainer.model)
+            report["offload_host_bytes"] = host_bytes(trainer)
+            report["offload_host_bytes_planned"] = planned
 
     trainer.add_callback(Held())
 
