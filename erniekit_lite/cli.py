@@ -207,9 +207,17 @@ def _train(args) -> int:
     from erniekit_lite.train import method_runner
 
     begin_process_group()
-    method_runner(r.method)(r, log=print_on_main)
-    end_process_group()
-    return 0
+    try:
+        method_runner(r.method)(r, log=print_on_main)
+    except Stopped as e:
+        code, message = e.code, str(e)
+    else:
+        end_process_group()
+        return 0
+    # A stop's workers exit too, and gloo's threads left to exit sometimes aborted one. Freed out of the handler: its
+    # traceback held the run's frames, the trainer and its DDP wrapper among them, which hold the group
+    end_process_group(wait=False)
+    raise Stopped(code, message)
 
 
 def _validate(args) -> int:

@@ -189,17 +189,25 @@ def begin_process_group() -> None:
                 pass
 
 
-def end_process_group() -> None:
-    """A launched worker that finished: every rank waits for the others, then the process group is torn down, its
-    threads joined (see `begin_process_group`), before the interpreter exits."""
+def end_process_group(wait: bool = True) -> None:
+    """A launched worker that is done: the process group torn down and its threads joined (see `begin_process_group`)
+    before the interpreter exits. `wait`: every rank meets first (a finished run); a stopped run's ranks are each past
+    the stop checkpoint's last barrier, and one whose stop came late (after the final save) meets no one, so each
+    frees its own at once."""
     import gc
 
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         gc.collect()  # the finished trainer's reference cycles, its DDP wrapper among them, which holds the group
-        dist.barrier()
+        if wait:
+            dist.barrier()
         dist.destroy_process_group()
+        # FSDP2's sharded parameters keep their DeviceMesh alive (torch's DTensor metadata caches hold their specs), and
+        # the mesh holds the group in `_pg_registry`: emptied, the group and its gloo threads go now, not at exit
+        for mesh in [o for o in gc.get_objects() if type(o).__name__ == "DeviceMesh"]:
+            getattr(mesh, "_pg_registry", {}).clear()
+        gc.collect()
 
 
 @dataclass(frozen=True)
