@@ -403,8 +403,8 @@ def choose_offload(recipe: Recipe, args, arch: dict, device_bytes: int, host_byt
 
 
 def propose_offload(recipe: Recipe, args, arch: dict, est, device_bytes: int, cuda: bool, log=print) -> str | None:
-    """The plan does not fit `where`: what each offload would need on the device and the host, and the plan with the
-    first that fits (None when neither does)."""
+    """The plan does not fit the device (`device_bytes`): what each offload would need on the device and the host,
+    and the plan with the first that fits; returns that mode (None when neither does)."""
     proposed = None
     for mode in ("optimizer", "parameters"):
         with_it, run = memory_estimate(recipe, args, arch, cuda, offload=mode)

@@ -7,7 +7,7 @@ from pathlib import Path
 from erniekit_lite.errors import UserError
 from erniekit_lite.model.load import load_model, resolve_attention
 from erniekit_lite.model.lora import groups_line, is_moe, unwrap
-from erniekit_lite.plan import choose_checkpointing, head_keep_positions
+from erniekit_lite.plan import choose_checkpointing, gpu_free, head_keep_positions, host_available
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.trainer_args import router_losses, training_args
 
@@ -34,11 +34,7 @@ def free_memory() -> int:
     any other sharing the card), not its total; on CPU the memory available to new allocations."""
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.mem_get_info()[0]
-    import psutil
-
-    return psutil.virtual_memory().available
+    return gpu_free() if torch.cuda.is_available() else host_available()
 
 
 def load_for_training(recipe: Recipe, log=print, apply_lora: bool = True):
