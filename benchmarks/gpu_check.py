@@ -36,6 +36,13 @@ real tokenizer), and writes `benchmarks/results-gpu-<device>.txt` (with --smoke:
    launched, aten ops, the kernels taking the most time.
 8. offload: train.offload: parameters on the 21B-A3B LoRA recipe cut to the larger --moe-layers cut, the worker
    capped halfway between its plans with and without offload (issue 52): peak vs cap, tokens/s, host bytes.
+9. compiled: the recipes of 2a, 2b, 3, 5.N and 5.Nq again with `model.compile_layers: true`, each in its own child
+   process capped at its part of the section's share (a compile that hangs cannot take the rest): real tokens/s
+   compiled next to the eager figure of the same call.
+10. trl: plain TRL on the same card (`benchmarks/runners/trl_sft.py`, SFTTrainer as a user writes it): 0.3B full
+   SFT in bf16 mixed precision with TRL's own packing into 8,192-token rows, in a child process; real tokens/s next
+   to 2a's (ours / TRL is a target: >= 1.0x).
+The full-depth 21B-A3B runs (all 28 layers, the 24 GB recipe) are `benchmarks/gpu_full_depth.py`, a call of their own.
 
 MFU, one definition: model FLOPs per real token as erniekit-lite computes them (matmuls of the weights a token
 passes through: 6 per weight when it trains, 4 when frozen (forward and input gradient), 6 per adapter weight; for
@@ -61,6 +68,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -93,13 +101,14 @@ def parse_args(argv=None):
     p.add_argument("--shared", default=os.environ.get("ERNIEKIT_SHARED", str(ROOT.parent / "shared")))
     p.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for results-gpu-<device>.txt")
     p.add_argument("--smoke", action="store_true", help="tiny models on CPU: the same code paths, no meaningful numbers")
-    p.add_argument("--only", help="comma-separated sections: attention,sft,dpo,qlora,moe,fsdp2,profile (default: all)")
+    p.add_argument("--only", help="comma-separated sections: attention,sft,dpo,qlora,moe,fsdp2,profile,offload,compiled,trl (default: all)")
     p.add_argument("--rounds", type=int, default=None, help="runs per timed case (default 3; 1 with --smoke)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 15; 2 with --smoke)")
     p.add_argument("--warmup", type=int, default=None, help="steps left out of the timing (default 5; 1 with --smoke)")
     p.add_argument("--qlora-steps", type=int, default=20)
     p.add_argument("--moe-layers", default="2,4", help="two layer counts the 21B-A3B shape is cut to")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the device (default: by name)")
+    p.add_argument("--child", nargs=2, metavar=("RECIPE", "RESULT"), help=argparse.SUPPRESS)  # child_run, in this process
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds for the whole check (default 510 on a GPU, none with --smoke): each section gets a share "
                         "(SHARES); a timed case runs rounds after its first only within it, and no section starts after it")
@@ -129,13 +138,14 @@ def revision() -> str | None:
     return done.stdout.strip() or None
 
 
-def source_digest() -> str:
-    """sha256 (12 hex digits) of the code a run measures: erniekit_lite's .py files, the recipes and this script.
-    `python benchmarks/gpu_check.py --digest` here prints it for the checked-out tree, to match a results file."""
+def source_digest(*scripts: Path) -> str:
+    """sha256 (12 hex digits) of the code a run measures: erniekit_lite's .py files, the recipes, this script and
+    `scripts` (another check built on this one). `python benchmarks/gpu_check.py --digest` here prints it for the
+    checked-out tree, to match a results file."""
     import hashlib
 
     h = hashlib.sha256()
-    for path in sorted([*ROOT.glob("erniekit_lite/**/*.py"), *ROOT.glob("recipes/**/*.yaml"), Path(__file__).resolve()]):
+    for path in sorted([*ROOT.glob("erniekit_lite/**/*.py"), *ROOT.glob("recipes/**/*.yaml"), Path(__file__).resolve(), *scripts]):
         h.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:12]
 
@@ -413,6 +423,87 @@ def model_flops(recipe, model_dir: Path, tokenizer) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# A run in its own process: stopped at a time cap without losing what it measured, its GPU memory its own
+
+
+def child_run(recipe_path: Path, result_path: Path, warmup: int) -> None:
+    """One recipe through the product path; `result_path` is rewritten when loading ends, after each optimizer step
+    and at the end, so a child stopped at its cap or by an out-of-memory still says how far it got."""
+    import torch
+    from transformers import TrainerCallback
+
+    from erniekit_lite import recipe as recipes
+    from erniekit_lite.train import callbacks, common
+
+    cuda = torch.cuda.is_available()
+    state: dict = {"stage": "loading"}
+
+    def save(**update):
+        state.update(update, peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                     peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None)
+        result_path.write_text(json.dumps(state))
+
+    original_load = common.load_model
+
+    def load_model(*a, **k):  # the model read (and quantized) from the checkpoint: timed, with the host's peak
+        started = time.perf_counter()
+        model = original_load(*a, **k)
+        save(stage="loaded", load_s=time.perf_counter() - started, host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+             allocated_after_load_gib=torch.cuda.memory_allocated() / 2**30 if cuda else None)
+        return model
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, args, state_, control, **kwargs):
+            save(stage="training", steps=state_.global_step)
+
+    original_train = callbacks.train
+
+    def train(trainer, out, resume):
+        trainer.add_callback(Steps())
+        return original_train(trainer, out, resume)
+
+    common.load_model, callbacks.train = load_model, train
+    recipe = recipes.load(str(recipe_path), [])
+    try:
+        measured = run_once(recipe, warmup)
+    except torch.OutOfMemoryError as e:
+        save(stage="out of memory", error=str(e).splitlines()[0][:300])
+        raise
+    save(stage="done", **{k: v for k, v in measured.items() if k not in ("peak_allocated_gib", "peak_reserved_gib")})
+
+
+def recipe_in_child(recipe_path: Path, result_path: Path, warmup: int, cap: float | None, smoke: bool) -> tuple[int | str, str, dict]:
+    """`child_run` of a recipe file in a child process: (exit code or 'stopped at its cap', the end of its stderr, what it
+    wrote: `stage` (loading, loaded, training, done, out of memory), `steps`, the load's seconds and host peak, peaks)."""
+    code, stderr = in_child(Path(__file__).resolve(), ["--child", str(recipe_path), str(result_path), "--warmup", str(warmup)]
+                            + (["--smoke"] if smoke else []), cap)
+    got = json.loads(result_path.read_text()) if result_path.is_file() else {"stage": "not started"}
+    if got["stage"] != "done" and "OutOfMemoryError" in stderr:
+        got["stage"] = "out of memory"
+    return code, stderr, got
+
+
+def in_child(script: Path, arguments: list[str], cap: float | None) -> tuple[int | str, str]:
+    """`script` with `arguments` in a Python child process, to its end or `cap` seconds: (its exit code or 'stopped at
+    its cap', the end of its stderr)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run([sys.executable, str(script), *arguments], capture_output=True, text=True,
+                              cwd=ROOT, env=env, timeout=cap)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return f"stopped at its cap ({cap:.0f} s)", err[-2000:]
+    sys.stderr.write(done.stderr[-4000:] if done.returncode else "")
+    return done.returncode, done.stderr[-2000:]
+
+
+def last_error(stderr: str) -> str:
+    """The exception line a child's stderr ends with (else its last line)."""
+    lines = [x for x in stderr.strip().splitlines() if x.strip()]
+    return next((x for x in reversed(lines) if re.match(r"^[\w.]*(Error|Exception)\b", x)), lines[-1] if lines else "no output")[:300]
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Sections
 
 
@@ -599,7 +690,7 @@ def training_section(results: Results, number: str, title: str, recipe, model_di
     measured = timed(recipe, args)
     plan = planned(recipe, *run_choices(measured["lines"]))  # the plan for what ran, not for the recipe's defaults
     rate = measured["tokens_per_second"]
-    row = {"title": title, **measured, **plan}
+    row = {"title": title, "section": number, **measured, **plan}
     lines = [f"recipe: {title}; activation checkpointing {'on' if plan['checkpointing'] else 'off'} (the plan's choice "
              f"unless the recipe sets it); {measured['rounds']} rounds of {args.steps} steps"
              f"{' (fewer than --rounds: past the section share of --time-limit)' if measured['rounds'] < args.rounds else ''}, first {args.warmup} untimed",
@@ -928,8 +1019,86 @@ def offload_section(results: Results, assets: Path, tmp: Path, args) -> None:
     shutil.rmtree(model_dir, ignore_errors=True)
 
 
+# The step eager and with compiled decoder layers (model.compile_layers): (the eager section, shipped recipe, shape,
+# data); the 21B-A3B ones at the smaller --moe-layers cut, as 5.N (split experts) and 5.Nq (4-bit experts) ran
+COMPILED = [("2a", "ernie-4.5-0.3b/sft.yaml", "0.3b", "sft.json"),
+            ("2b", "ernie-4.5-0.3b/sft-lora.yaml", "0.3b", "sft.json"),
+            ("3", "ernie-4.5-0.3b/dpo-lora.yaml", "0.3b", "dpo.json"),
+            ("5.N", "ernie-4.5-21b-a3b/sft-lora.yaml", "21b-a3b", "sft.json"),
+            ("5.Nq", "ernie-4.5-21b-a3b/sft-qlora.yaml", "21b-a3b", "sft.json")]
+
+
+def compiled_section(results: Results, assets: Path, tmp: Path, args) -> None:
+    """9. Each recipe of COMPILED with `model.compile_layers: true`, in its own child process (a compile that hangs
+    or fails cannot take the rest) capped at an equal part of the section's share: real tokens/s next to the eager
+    figure this call measured (the section named; n/a when it did not run), compile time inside the warm-up steps.
+    Smoke: the 0.3B LoRA recipe alone."""
+    eager = {row["section"]: row for row in results.data.get("training", [])}
+    cut = int(args.moe_layers.split(",")[0])
+    cases = [c for c in COMPILED if c[0] == "2b"] if args.smoke else COMPILED
+    end = args.until("compiled")
+    lines = ["| section | recipe | eager real tokens/s | compiled real tokens/s | compiled / eager | child |",
+             "| --- | --- | ---: | ---: | ---: | --- |"]
+    rows = []
+    for i, (section, shipped, shape, data) in enumerate(cases):
+        section = section.replace("N", str(cut))
+        model_dir = write_model(assets, shape, tmp, layers=cut if shape == "21b-a3b" else None, smoke=args.smoke)
+        out = tmp / f"compiled-{i}"
+        recipe_from(shipped, model_dir, assets / "data" / data, out, args,
+                    **{"train.activation_checkpointing": None, "model.compile_layers": True})
+        cap = max(60.0, (end - time.perf_counter()) / (len(cases) - i)) if end else None
+        code, stderr, got = recipe_in_child(out.parent / f"{out.name}.yaml", tmp / f"compiled-{i}.json", args.warmup, cap, args.smoke)
+        eager_rate = eager[section]["tokens_per_second"]["median"] if section in eager else None
+        rate = got.get("tokens_per_second")
+        ratio = rate / eager_rate if rate and eager_rate else None
+        rows.append({"section": section, "recipe": shipped, "eager_tokens_per_second": eager_rate, "compiled_tokens_per_second": rate,
+                     "stage": got["stage"], "exit": code})
+        lines.append(f"| {section} | {shipped} | {'%.0f' % eager_rate if eager_rate else 'n/a'} | {'%.0f' % rate if rate else 'n/a'} | "
+                     f"{'%.2fx' % ratio if ratio else 'n/a'} | exit {code}, {got['stage']}"
+                     + (f": {last_error(stderr)[:120]}" if code != 0 else "") + " |")
+        results.check(f"compiled {section} {shipped}", got["stage"] == "done", f"stage {got['stage']}" + (f"; {last_error(stderr)}" if code != 0 else ""))
+    results.data["compiled"] = rows
+    results.section("9. Compiled decoder layers (model.compile_layers) vs eager",
+                    f"each recipe as in the section named, with model.compile_layers: true, in its own process; {args.steps} steps, "
+                    f"first {args.warmup} untimed (the compile happens there)", "", *lines)
+
+
+def trl_section(results: Results, assets: Path, tmp: Path, args) -> None:
+    """10. Plain TRL on the same card, model and data (benchmarks/runners/trl_sft.py, a script as a user writes it):
+    SFTTrainer, full fine-tuning of the 0.3B in bf16 mixed precision (fp32 weights: TRL's default dtype, as
+    erniekit-lite's sft.yaml), TRL's own packing (`packing=True`: best-fit-decreasing rows of 8,192 tokens,
+    padding-free), one row per step, gradient checkpointing as erniekit-lite's 2a run chose, in a child process with
+    the section's share as its cap; real tokens/s next to 2a's."""
+    model_dir = write_model(assets, "0.3b", tmp, smoke=args.smoke)
+    ours = next((r for r in results.data.get("training", []) if r["section"] == "2a"), None)
+    checkpointing = bool(ours["checkpointing"]) if ours else True  # TRL's default when 2a did not run
+    result = tmp / "trl.json"
+    end = args.until("trl")
+    command = [str(model_dir), str(assets / "data" / "sft.json"), str(tmp / "trl-out"), "--mode", "bfd", "--max-length",
+               str(256 if args.smoke else 8192), "--batch", "1", "--steps", str(args.warmup + args.steps), "--lora-r", "0",
+               "--warmup", str(args.warmup), "--result", str(result)] + ([] if args.smoke else ["--bf16"]) + (
+               ["--gradient-checkpointing"] if checkpointing else [])
+    cap = max(60.0, end - time.perf_counter()) if end else None
+    code, stderr = in_child(ROOT / "benchmarks" / "runners" / "trl_sft.py", command, cap)
+    got = json.loads(result.read_text()) if result.is_file() else {}
+    rate, our_rate = got.get("tokens_per_second"), ours["tokens_per_second"]["median"] if ours else None
+    results.data["trl"] = {**got, "exit": code, "gradient_checkpointing": checkpointing, "ours_tokens_per_second": our_rate}
+    results.check("TRL SFTTrainer runs", code == 0 and rate is not None, f"exit {code}" + (f"; {last_error(stderr)}" if code != 0 else ""))
+    ratio = our_rate / rate if rate and our_rate else None
+    if ratio and results.peak:
+        results.target("ours vs TRL SFTTrainer, 0.3B full SFT real tokens/s", ratio >= 1.0, f"{ratio:.2f}x (target >= 1.0x)")
+    results.section("10. TRL SFTTrainer on the same card, 0.3B full SFT",
+                    f"benchmarks/runners/trl_sft.py {' '.join(command[3:])}; gradient checkpointing "
+                    f"{'on' if checkpointing else 'off'} (as 2a ran); exit {code}",
+                    f"TRL: {'%.0f' % rate if rate else 'n/a'} real tokens/s (median step after the warm-up, TRL's num_tokens), "
+                    f"{got.get('tokens_per_step') or 0:.0f} tokens per step, weights {got.get('dtype')}, attention "
+                    f"{got.get('attn_implementation')}, padding-free {got.get('padding_free')}; erniekit-lite (2a): "
+                    f"{'%.0f' % our_rate if our_rate else 'n/a'}; ours / TRL: {'%.2fx' % ratio if ratio else 'n/a'}")
+
+
 # each section's share of --time-limit (first rounds always run; more rounds while the section is within its share)
-SHARES = {"attention": 0.10, "sft": 0.25, "dpo": 0.12, "qlora": 0.12, "moe": 0.28, "fsdp2": 0.13, "profile": 0.08, "offload": 0.10}
+SHARES = {"attention": 0.10, "sft": 0.25, "dpo": 0.12, "qlora": 0.12, "moe": 0.28, "fsdp2": 0.13, "profile": 0.08, "offload": 0.10,
+          "compiled": 0.30, "trl": 0.10}
 PACKAGES = ("transformers", "peft", "trl", "datasets", "accelerate", "bitsandbytes", "pydantic", "pyarrow", "huggingface_hub", "tokenizers")
 
 
@@ -954,6 +1123,9 @@ def main(argv=None) -> int:
         print(f"assets written to {prepare_assets(Path(args.prepare_assets), Path(args.shared))}")
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; the GPU machine has no network to wait for
+    if args.child:
+        child_run(Path(args.child[0]), Path(args.child[1]), args.warmup)
+        return 0
     import torch
 
     cuda = torch.cuda.is_available()
@@ -1005,7 +1177,9 @@ def main(argv=None) -> int:
                  ("moe", lambda: moe_section(results, assets, tmp, args, tokenizer)),
                  ("fsdp2", lambda: fsdp2_section(results, assets, tmp, args)),
                  ("profile", lambda: profile_section(results, assets, tmp, args)),
-                 ("offload", lambda: offload_section(results, assets, tmp, args))]
+                 ("offload", lambda: offload_section(results, assets, tmp, args)),
+                 ("compiled", lambda: compiled_section(results, assets, tmp, args)),
+                 ("trl", lambda: trl_section(results, assets, tmp, args))]
         for names, step in steps:
             if not only & set(names.split(",")):
                 continue

@@ -16,14 +16,25 @@ from conftest import SHARED, needs_shared
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@needs_shared
-@pytest.mark.slow  # ~5 min on 2 cores: eleven tiny trainings (one profiled) and a 1-process FSDP2 launch
-def test_gpu_check_smoke_runs_every_section(tmp_path):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ERNIEKIT_SHARED": str(SHARED), "HF_HOME": str(tmp_path / "hf")}
-    assets = tmp_path / "assets"
+def smoke_env(tmp_path) -> dict:
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ERNIEKIT_SHARED": str(SHARED), "HF_HOME": str(tmp_path / "hf")}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """What `--prepare-assets` writes for the GPU machine (both checks read it)."""
+    tmp = tmp_path_factory.mktemp("gpu-assets")
+    assets = tmp / "assets"
     prepared = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--prepare-assets", str(assets)],
-                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+                              capture_output=True, text=True, env=smoke_env(tmp), cwd=ROOT, timeout=300)
     assert prepared.returncode == 0, prepared.stderr[-3000:]
+    return assets
+
+
+@needs_shared
+@pytest.mark.slow  # ~6 min on 2 cores: eleven tiny trainings (one profiled), a 1-process FSDP2 launch, one compiled, one TRL
+def test_gpu_check_smoke_runs_every_section(tmp_path, assets):
+    env = smoke_env(tmp_path)
     assert {p.name for p in (assets / "tokenizer").iterdir()} >= {"tokenizer.model", "tokenizer_config.json"}
     assert (assets / "REVISION").read_text().strip()
     done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--smoke", "--assets", str(assets), "--out", str(tmp_path)],
@@ -34,14 +45,16 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
                     "## 3. 0.3B DPO LoRA", "## 4. 0.3B QLoRA", "## 5.2. 21B-A3B LoRA SFT (r 32) cut to 2 layers",
                     "## 5. 21B-A3B extrapolated to 28 layers", "## 5x. Routed-expert adapters at the 21B-A3B shape, 2 layers",
                     "## 6. FSDP2, 1 process", "## 7. Where a step's time goes (torch.profiler)",
-                    "## 8. train.offload: parameters, 21B-A3B LoRA cut to 4 layers, capped below its plan"):
+                    "## 8. train.offload: parameters, 21B-A3B LoRA cut to 4 layers, capped below its plan",
+                    "## 9. Compiled decoder layers (model.compile_layers) vs eager", "## 10. TRL SFTTrainer on the same card"):
         assert heading in text, heading
     assert "Not available here: packed_varlen (CUDA only)" in text
     assert "torch.compile of a packed LoRA step with `packed_sdpa`" in text
     result = json.loads(text.strip().splitlines()[-1])
     names = {c["name"] for c in result["checks"]}
     assert {"attention 0.3b packed_sdpa", "attention 21b-a3b packed_sdpa", "attention 0.3b control",
-            "attention 21b-a3b control", "fsdp2 1 process", "offload under a cap"} <= names
+            "attention 21b-a3b control", "fsdp2 1 process", "offload under a cap", "compiled 2b ernie-4.5-0.3b/sft-lora.yaml",
+            "TRL SFTTrainer runs"} <= names
     assert all(c["ok"] for c in result["checks"]), [c for c in result["checks"] if not c["ok"]]
     packed = [a for a in result["attention"] if a["implementation"] == "packed_sdpa"]
     control = [a for a in result["attention"] if a["implementation"].startswith("control")]
@@ -52,13 +65,62 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     assert len(result["training"]) == 8 and all(t["loss"] > 0 for t in result["training"])
     assert set(result["moe_expert_compute"]) == {"split", "merged", "split, 4-bit experts"}
     assert result["moe_extrapolated"]["layers"] == 28 and result["moe_extrapolated"]["plan_total_gib"] > 0
-    assert len(result["seconds"]) == 6 and result["targets"] == []  # no GPU: no MFU or memory target measured
+    assert len(result["seconds"]) == 8 and result["targets"] == []  # no GPU: no MFU or memory target measured
     (profiled,) = result["profile"]  # smoke: the LoRA run alone, one step recorded, aten ops but no kernels on CPU
     assert profiled["run"] == "0.3B LoRA SFT (r 32)" and profiled["aten_ops"] > 1000 and profiled["kernels"] == 0
     assert profiled["busy"] is None and profiled["wall_ms"] > 0
     offload = result["offload"]  # no CUDA: no cap or peak, the host bytes FSDP2's shards hold are the plan's
     assert offload["peak"] is None and offload["tokens_per_second"] > 0
     assert offload["host_bytes"] == pytest.approx(offload["host_bytes_planned"], rel=0.01)
+    by_section = {t["section"]: t for t in result["training"]}
+    (compiled,) = result["compiled"]  # smoke: the 0.3B LoRA recipe alone, next to 2b's eager rate from the same call
+    assert compiled["section"] == "2b" and compiled["stage"] == "done" and compiled["compiled_tokens_per_second"] > 0
+    assert compiled["eager_tokens_per_second"] == by_section["2b"]["tokens_per_second"]["median"]
+    trl = result["trl"]  # TRL's own packing (best-fit-decreasing, padding-free), full fine-tuning, next to 2a's rate
+    assert trl["exit"] == 0 and trl["tokens_per_second"] > 0 and trl["padding_free"] is True and trl["steps_timed"] >= 1
+    assert trl["ours_tokens_per_second"] == by_section["2a"]["tokens_per_second"]["median"]
+    assert trl["gradient_checkpointing"] == by_section["2a"]["checkpointing"]
+
+
+@needs_shared
+@pytest.mark.slow  # ~100 s on 2 cores: four child processes (weights, three recipes) on a tiny 2-layer cut
+def test_gpu_full_depth_smoke_runs_each_recipe_in_its_own_process(tmp_path, assets):
+    """benchmarks/gpu_full_depth.py --smoke: the weights written, then the 24 GB QLoRA, bf16 LoRA and DPO QLoRA
+    recipes each through the product path in a child process, what each child wrote read back (stand-in: a tiny
+    2-layer cut on CPU, no GPU peak, so no memory target)."""
+    done = subprocess.run([sys.executable, "benchmarks/gpu_full_depth.py", "--smoke", "--assets", str(assets), "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=smoke_env(tmp_path), cwd=ROOT, timeout=600)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    text = (tmp_path / "results-gpu-smoke-full-depth.txt").read_text()
+    for heading in ("## 0. Random weights at the released config", "## 1. 21B-A3B sft-qlora-24gb (smoke: tiny, 2 layers)",
+                    "## 2. 21B-A3B sft-lora (smoke: tiny, 2 layers)", "## 3. 21B-A3B dpo-qlora (smoke: tiny, 2 layers)"):
+        assert heading in text, heading
+    result = json.loads(text.strip().splitlines()[-1])
+    assert [c["name"] for c in result["checks"]] == ["weights written", "trains 21B-A3B sft-qlora-24gb", "trains 21B-A3B sft-lora",
+                                                      "trains 21B-A3B dpo-qlora"]
+    assert all(c["ok"] for c in result["checks"]) and result["targets"] == []
+    assert result["weights"]["bytes"] > result["weights"]["parameter_bytes"] > 0
+    assert not Path(result["weights"]["dir"]).exists()  # the checkpoint is removed (41 GiB at full depth)
+    runs = {r["name"]: r for r in result["recipes"]}
+    for run in runs.values():  # 1 untimed step, then 2: every step reported, the load timed
+        assert (run["stage"], run["steps"], run["exit"], run["layers"]) == ("done", 3, 0, 2)
+        assert run["load_s"] > 0 and run["host_peak_gib"] > 0.1 and run["tokens_per_second"] > 0
+    # the plans read the recipes as shipped: the 4-bit base plans below the bf16 one
+    assert runs["sft-qlora-24gb"]["plan_allocated_gib"] < runs["sft-lora"]["plan_allocated_gib"]
+
+
+def test_a_child_past_its_cap_is_stopped_and_says_so(tmp_path):
+    """What keeps one slow section from taking the others: the child is stopped at its cap, its stderr kept."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    script = tmp_path / "slow.py"
+    script.write_text("import sys, time\nprint('loading', file=sys.stderr, flush=True)\ntime.sleep(60)\n")
+    code, stderr = gpu_check.in_child(script, [], 2)
+    assert code == "stopped at its cap (2 s)" and "loading" in stderr
+    script.write_text("raise RuntimeError('CUDA out of memory')\n")
+    code, stderr = gpu_check.in_child(script, [], 30)
+    assert code == 1 and gpu_check.last_error(stderr) == "RuntimeError: CUDA out of memory"
 
 
 def test_the_plan_compared_is_the_one_for_what_the_run_chose(tiny_dense_dir, tmp_path):
