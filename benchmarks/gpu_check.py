@@ -428,7 +428,8 @@ def model_flops(recipe, model_dir: Path, tokenizer) -> dict:
 
 def child_run(recipe_path: Path, result_path: Path, warmup: int) -> None:
     """One recipe through the product path; `result_path` is rewritten when loading ends, after each optimizer step
-    and at the end, so a child stopped at its cap or by an out-of-memory still says how far it got."""
+    and log (`tokens_per_second_so_far`: the median logged rate after `warmup`) and at the end, so a child stopped at
+    its cap or by an out-of-memory still says how far it got."""
     import torch
     from transformers import TrainerCallback
 
@@ -452,9 +453,16 @@ def child_run(recipe_path: Path, result_path: Path, warmup: int) -> None:
              allocated_after_load_gib=torch.cuda.memory_allocated() / 2**30 if cuda else None)
         return model
 
+    rates: list[float] = []
+
     class Steps(TrainerCallback):
         def on_step_end(self, args, state_, control, **kwargs):
             save(stage="training", steps=state_.global_step)
+
+        def on_log(self, args, state_, control, logs=None, **kwargs):  # a run stopped at its cap still has a rate
+            if logs and "tokens_per_second" in logs:
+                rates.append(logs["tokens_per_second"])
+                save(rates=rates, tokens_per_second_so_far=statistics.median(rates[warmup:] or rates))
 
     original_train = callbacks.train
 

@@ -138,6 +138,9 @@ def recipe_section(results, name: str, shipped: str, data: str, model_dir: Path,
     peak = got.get("peak_allocated_gib")
     if "tokens_per_second" in got:
         lines.append(f"real tokens/s (median step after the warm-up): {got['tokens_per_second']:.0f}; train_loss {got.get('loss')}")
+    elif "tokens_per_second_so_far" in got:
+        lines.append(f"real tokens/s over the steps it ran (median step after the warm-up, of {len(got['rates'])} logged): "
+                     f"{got['tokens_per_second_so_far']:.0f}")
     lines.append(f"peak allocated {g(peak)} (reserved {g(got.get('peak_reserved_gib'))}) vs plan {plan['plan_allocated_gib']:.2f} GiB "
                  f"allocated, {plan['plan_total_gib']:.2f} GiB total")
     results.section(f"{len(results.data.get('recipes', [])) + 1}. {title}", *lines)

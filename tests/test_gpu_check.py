@@ -105,6 +105,7 @@ def test_gpu_full_depth_smoke_runs_each_recipe_in_its_own_process(tmp_path, asse
     for run in runs.values():  # 1 untimed step, then 2: every step reported, the load timed
         assert (run["stage"], run["steps"], run["exit"], run["layers"]) == ("done", 3, 0, 2)
         assert run["load_s"] > 0 and run["host_peak_gib"] > 0.1 and run["tokens_per_second"] > 0
+        assert len(run["rates"]) == 3 and run["tokens_per_second_so_far"] == pytest.approx(run["tokens_per_second"])
     # the plans read the recipes as shipped: the 4-bit base plans below the bf16 one
     assert runs["sft-qlora-24gb"]["plan_allocated_gib"] < runs["sft-lora"]["plan_allocated_gib"]
 
