@@ -358,12 +358,14 @@ def architecture(path: str, recipe: Recipe) -> dict:
     }
 
 
-OFFLOAD_HEADROOM = 0.85  # of the device memory a plan must fit in, as for activation checkpointing below
+# The share of a device's (free) memory a plan may take, for every choice made against it (offload, activation
+# checkpointing, keeping the LM head's chunks): the estimate's fragmentation allowance is itself a guess
+HEADROOM = 0.85
 OFFLOAD_APPLIED = "erniekit_offload"  # the Trainer arguments' attribute holding train.offload as applied (train/offload.py)
 
 
 def fits(est, device_bytes: int) -> bool:
-    return est.total <= OFFLOAD_HEADROOM * device_bytes
+    return est.total <= HEADROOM * device_bytes
 
 
 def device_name(device_bytes: int, cuda: bool) -> str:
@@ -392,7 +394,7 @@ def host_line(need: int) -> str:
 
 def choose_offload(recipe: Recipe, args, arch: dict, device_bytes: int, host_bytes: int, modes: tuple[str, ...],
                    processes: int = 1, cuda: bool = True):
-    """`train.offload: auto`: the first of `modes` whose plan fits the device (`OFFLOAD_HEADROOM` of `device_bytes`)
+    """`train.offload: auto`: the first of `modes` whose plan fits the device (`HEADROOM` of `device_bytes`)
     and the host (`host_bytes`: what one process may take there); the last when none does. `processes`: the FSDP2
     processes the state is sharded over. (mode, estimate, run)."""
     for mode in modes:
@@ -420,7 +422,6 @@ def propose_offload(recipe: Recipe, args, arch: dict, est, device_bytes: int, cu
     return proposed
 
 
-CHECKPOINTING_HEADROOM = 0.85  # of the GPU's memory: the estimate's fragmentation allowance is itself a guess
 # Set on the Trainer arguments when the plan turned checkpointing off: a first step that runs out of memory then turns
 # it back on and runs that batch again (train/trainer.py, OutOfMemoryRetryMixin)
 CHECKPOINTING_OFF_BY_PLAN = "erniekit_checkpointing_off_by_plan"
@@ -444,15 +445,12 @@ def choose_checkpointing(recipe: Recipe, args, free_bytes: int, log=print) -> No
     arch = architecture(adapter_base(recipe.model.path) or recipe.model.path, recipe)
     args.activation_checkpointing = False
     est, _ = memory_estimate(recipe, args, arch, cuda=True)
-    if est.total <= CHECKPOINTING_HEADROOM * free_bytes:
+    if est.total <= HEADROOM * free_bytes:
         log(f"activation checkpointing off: the run needs about {est.total / memory.GIB:.1f} GiB without it, "
             f"{free_bytes / memory.GIB:.0f} GiB free on this GPU (set train.activation_checkpointing to choose)")
         setattr(args, CHECKPOINTING_OFF_BY_PLAN, True)
     else:
         args.activation_checkpointing = True
-
-
-HEAD_KEEP_HEADROOM = 0.85  # of the free memory, as for activation checkpointing
 
 
 def head_keep_positions(recipe: Recipe, args, free_bytes: int, log=print) -> int:
@@ -470,7 +468,7 @@ def head_keep_positions(recipe: Recipe, args, free_bytes: int, log=print) -> int
     # the run's own precision (cuda=True reads it from args; the CPU planning default assumes the GPU's autocast)
     est, run = memory_estimate(recipe, args, arch, cuda=True, head_keep=True)
     need = est.total - est.weights  # the weights are already in memory, so not in `free_bytes`
-    if need <= HEAD_KEEP_HEADROOM * free_bytes:
+    if need <= HEADROOM * free_bytes:
         log(f"LM head: trained; its chunks are kept for backward, not recomputed (the step needs about "
             f"{need / memory.GIB:.1f} GiB more than the weights, {free_bytes / memory.GIB:.0f} GiB free)")
         return run.tokens
