@@ -536,6 +536,23 @@ class Results:
         self.lines += ["", f"## {title}", *lines]
         print("\n".join(["", f"## {title}", *lines]), flush=True)
 
+    def write(self, out: Path, script: str, smoke: bool, provenance: str, whose_targets: str, timings: list[str], elapsed: float,
+              argv=None) -> None:
+        """The results file of `script` (benchmarks/NAME.py), rewritten whole: a header (the device, `provenance`, torch
+        and package versions, each section's seconds, the command), the checks, the targets, the sections, and all of
+        it as one JSON line at the end."""
+        import torch
+
+        head = [f"# {Path(script).stem}: {self.device}{' (smoke: tiny models on CPU, numbers meaningless)' if smoke else ''}",
+                f"{provenance}; torch {torch.__version__}; {versions()}; {elapsed:.0f} s ({', '.join(timings) or 'starting'}); "
+                f"command: python {script} {' '.join(argv if argv is not None else sys.argv[1:])}",
+                "", "checks:", *[f"- {'PASS' if ok else 'FAIL'} {name}: {detail}" for name, ok, detail in self.checks],
+                "", f"targets ({whose_targets}; recorded, not checks):",
+                *([f"- {'MET' if met else 'MISSED'} {name}: {detail}" for name, met, detail in self.targets] or ["- none measured here"])]
+        out.write_text("\n".join(head + self.lines) + "\n\n" + json.dumps({"device": self.device, "checks": [
+            {"name": n, "ok": ok, "detail": d} for n, ok, d in self.checks], "targets": [
+            {"name": n, "met": met, "detail": d} for n, met, d in self.targets], "seconds": timings, **self.data}, default=str) + "\n")
+
     def mfu(self, flops: dict, tokens_per_second: float) -> tuple[str, str]:
         if not self.peak:
             return "n/a", "n/a"
@@ -1165,17 +1182,8 @@ def main(argv=None) -> int:
     timings: list[str] = []
 
     def write() -> None:  # after every section: a run stopped at the call's limit still leaves what it measured
-        elapsed = time.perf_counter() - started
-        head = [f"# gpu_check: {device}{' (smoke: tiny models on CPU, numbers meaningless)' if args.smoke else ''}",
-                f"git {rev}; source {source_digest()}; torch {torch.__version__}; {versions()}; dense bf16 peak {peak} TFLOP/s; "
-                f"{elapsed:.0f} s ({', '.join(timings) or 'starting'}); "
-                f"command: python benchmarks/gpu_check.py {' '.join(argv if argv is not None else sys.argv[1:])}",
-                "", "checks:", *[f"- {'PASS' if ok else 'FAIL'} {name}: {detail}" for name, ok, detail in results.checks],
-                "", "targets (the issue's, for a GPU; recorded, not checks):",
-                *([f"- {'MET' if met else 'MISSED'} {name}: {detail}" for name, met, detail in results.targets] or ["- none measured here"])]
-        out.write_text("\n".join(head + results.lines) + "\n\n" + json.dumps({"device": device, "checks": [
-            {"name": n, "ok": ok, "detail": d} for n, ok, d in results.checks], "targets": [
-            {"name": n, "met": met, "detail": d} for n, met, d in results.targets], "seconds": timings, **results.data}, default=str) + "\n")
+        results.write(out, "benchmarks/gpu_check.py", args.smoke, f"git {rev}; source {source_digest()}; dense bf16 peak {peak} TFLOP/s",
+                      "the issue's, for a GPU", timings, time.perf_counter() - started, argv)
 
     with tempfile.TemporaryDirectory(prefix="erniekit-gpu-check-") as tmp:
         tmp = Path(tmp)

@@ -194,17 +194,9 @@ def main(argv=None) -> int:
         later = sum(s for n, s in shares[[n for n, _ in shares].index(name) + 1:]) / sum(s for _, s in shares)
         return max(30.0, started + args.time_limit * (1 - later) - time.perf_counter())
 
-    def write() -> None:
-        head = [f"# gpu_full_depth: {device}{' (smoke: tiny models on CPU, numbers meaningless)' if args.smoke else ''}",
-                f"git {rev}; source {digest()}; torch {torch.__version__}; {gpu_check.versions()}; "
-                f"{time.perf_counter() - started:.0f} s ({', '.join(timings) or 'starting'}); "
-                f"command: python benchmarks/gpu_full_depth.py {' '.join(argv if argv is not None else sys.argv[1:])}",
-                "", "checks:", *[f"- {'PASS' if ok else 'FAIL'} {n}: {d}" for n, ok, d in results.checks],
-                "", "targets (issue 43's; recorded, not checks):",
-                *([f"- {'MET' if met else 'MISSED'} {n}: {d}" for n, met, d in results.targets] or ["- none measured here"])]
-        out.write_text("\n".join(head + results.lines) + "\n\n" + json.dumps({"device": device, "checks": [
-            {"name": n, "ok": ok, "detail": d} for n, ok, d in results.checks], "targets": [
-            {"name": n, "met": met, "detail": d} for n, met, d in results.targets], "seconds": timings, **results.data}, default=str) + "\n")
+    def write() -> None:  # after every section
+        results.write(out, "benchmarks/gpu_full_depth.py", args.smoke, f"git {rev}; source {digest()}", "issue 43's", timings,
+                      time.perf_counter() - started, argv)
 
     with tempfile.TemporaryDirectory(prefix="erniekit-full-depth-") as tmp:
         tmp = Path(tmp)
