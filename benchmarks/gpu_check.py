@@ -536,6 +536,19 @@ class Results:
         self.lines += ["", f"## {title}", *lines]
         print("\n".join(["", f"## {title}", *lines]), flush=True)
 
+    def run(self, name: str, step, timings: list[str], write) -> None:
+        """One section: `step()`, its seconds added to `timings`, then `write()` (the results file rewritten). A section
+        that raises is recorded as a failed check with its traceback's end: it must not lose the others' figures."""
+        started = time.perf_counter()
+        try:
+            step()
+        except Exception as e:
+            detail = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            self.check(f"section {name}", False, detail)
+            self.section(f"{name}: failed", detail, "```", *traceback.format_exc().splitlines()[-12:], "```")
+        timings.append(f"{name} {time.perf_counter() - started:.0f} s")
+        write()
+
     def write(self, out: Path, script: str, smoke: bool, provenance: str, whose_targets: str, timings: list[str], elapsed: float,
               argv=None) -> None:
         """The results file of `script` (benchmarks/NAME.py), rewritten whole: a header (the device, `provenance`, torch
@@ -1202,18 +1215,10 @@ def main(argv=None) -> int:
         for names, step in steps:
             if not only & set(names.split(",")):
                 continue
-            section_started = time.perf_counter()
-            if args.time_limit and section_started > started + args.time_limit:
+            if args.time_limit and time.perf_counter() > started + args.time_limit:
                 results.check(f"section {names}", False, f"not run: past --time-limit {args.time_limit:.0f} s")
                 continue
-            try:
-                step()
-            except Exception as e:  # one failing section must not lose the others' figures
-                detail = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                results.check(f"section {names}", False, detail)
-                results.section(f"{names}: failed", detail, "```", *traceback.format_exc().splitlines()[-12:], "```")
-            timings.append(f"{names} {time.perf_counter() - section_started:.0f} s")
-            write()
+            results.run(names, step, timings, write)
     write()
     failed = [c for c in results.checks if not c[1]]
     print(f"\n{len(results.checks) - len(failed)} of {len(results.checks)} checks passed; wrote {out} ({time.perf_counter() - started:.0f} s)")

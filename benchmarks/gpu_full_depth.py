@@ -38,7 +38,6 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -218,15 +217,7 @@ def run_recipes(results, written: bool, model_dir, assets: Path, tmp: Path, args
     for name, shipped, data, _ in RECIPES:
         if not written or name not in only:
             continue
-        section_started = time.perf_counter()
-        try:
-            recipe_section(results, name, shipped, data, model_dir, assets, tmp, args, cap(name))
-        except Exception as e:  # one failing section must not lose the others' figures
-            detail = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            results.check(f"section {name}", False, detail)
-            results.section(f"{name}: failed", detail, "```", *traceback.format_exc().splitlines()[-12:], "```")
-        timings.append(f"{name} {time.perf_counter() - section_started:.0f} s")
-        write()
+        results.run(name, lambda: recipe_section(results, name, shipped, data, model_dir, assets, tmp, args, cap(name)), timings, write)
 
 
 if __name__ == "__main__":
