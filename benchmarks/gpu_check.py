@@ -471,12 +471,7 @@ def child_run(recipe_path: Path, result_path: Path, warmup: int) -> None:
         return original_train(trainer, out, resume)
 
     common.load_model, callbacks.train = load_model, train
-    recipe = recipes.load(str(recipe_path), [])
-    try:
-        measured = run_once(recipe, warmup)
-    except torch.OutOfMemoryError as e:
-        save(stage="out of memory", error=str(e).splitlines()[0][:300])
-        raise
+    measured = run_once(recipes.load(str(recipe_path), []), warmup)  # an out-of-memory: recipe_in_child reads the stderr
     save(stage="done", **{k: v for k, v in measured.items() if k not in ("peak_allocated_gib", "peak_reserved_gib")})
 
 
@@ -1143,6 +1138,14 @@ SHARES = {"attention": 0.10, "sft": 0.25, "dpo": 0.12, "qlora": 0.12, "moe": 0.2
 PACKAGES = ("transformers", "peft", "trl", "datasets", "accelerate", "bitsandbytes", "pydantic", "pyarrow", "huggingface_hub", "tokenizers")
 
 
+def device_and_slug(smoke: bool) -> tuple[str, str]:
+    """This machine's device as the results files name it, and its slug in their file names (`smoke` with --smoke)."""
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})"
+    return device, "smoke" if smoke else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+
+
 def versions() -> str:
     from importlib import metadata
 
@@ -1176,7 +1179,7 @@ def main(argv=None) -> int:
         print("no CUDA GPU here: --smoke runs the same code at tiny sizes on CPU; --only attention runs that check at the "
               "released shapes on CPU", file=sys.stderr)
         return 2
-    device = torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.processor() or platform.machine()})"
+    device, slug = device_and_slug(args.smoke)
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
     results = Results(device, peak if cuda else None)
     started = time.perf_counter()
@@ -1189,7 +1192,6 @@ def main(argv=None) -> int:
     args.until = until
     rev = revision() or (f"{(Path(args.assets) / 'REVISION').read_text().strip()} (when the assets were prepared)"
                          if args.assets and (Path(args.assets) / "REVISION").is_file() else "unknown")
-    slug = "smoke" if args.smoke else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     out = Path(args.out) / f"results-gpu-{slug}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     timings: list[str] = []

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -155,17 +154,13 @@ def main(argv=None) -> int:
     if args.write_weights:  # in a child: its memory (41 GiB on the GPU at full depth) is gone when it ends
         gpu_check.write_model(Path(args.assets), "21b-a3b", Path(args.write_weights), layers=2 if args.smoke else None, smoke=args.smoke)
         return 0
-    import platform
-
     import torch
 
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.smoke:
+    if not torch.cuda.is_available() and not args.smoke:
         print("no CUDA GPU here: --smoke runs the same code on CPU, on a tiny 2-layer cut", file=sys.stderr)
         return 2
-    device = torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.processor() or platform.machine()})"
+    device, slug = gpu_check.device_and_slug(args.smoke)
     results = gpu_check.Results(device, None)
-    slug = "smoke" if args.smoke else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     out = Path(args.out) / f"results-gpu-{slug}-full-depth.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

@@ -445,7 +445,7 @@ def choose_checkpointing(recipe: Recipe, args, free_bytes: int, log=print) -> No
     arch = architecture(adapter_base(recipe.model.path) or recipe.model.path, recipe)
     args.activation_checkpointing = False
     est, _ = memory_estimate(recipe, args, arch, cuda=True)
-    if est.total <= HEADROOM * free_bytes:
+    if fits(est, free_bytes):
         log(f"activation checkpointing off: the run needs about {est.total / memory.GIB:.1f} GiB without it, "
             f"{free_bytes / memory.GIB:.0f} GiB free on this GPU (set train.activation_checkpointing to choose)")
         setattr(args, CHECKPOINTING_OFF_BY_PLAN, True)

@@ -14,7 +14,7 @@
 - Two departures from TRL's defaults, for the same work as the other modes: `gradient_checkpointing=False` (TRL
   defaults to True; no mode here checkpoints) and learning rate 1e-4 (TRL: 2e-5; no effect on speed).
 
-`benchmarks/gpu_check.py` (section 9) runs it on a GPU as `--bf16 --lora-r 0 --result FILE`: full fine-tuning in
+`benchmarks/gpu_check.py` (section 10) runs it on a GPU as `--bf16 --lora-r 0 --result FILE`: full fine-tuning in
 bf16 mixed precision (fp32 weights, TRL's default dtype), gradient checkpointing as erniekit-lite's run chose, a log
 every step; FILE gets the median step's tokens/s (TRL's `num_tokens` per step over the step's wall time) after
 `--warmup` steps.
