@@ -212,13 +212,19 @@ def _check_args(func: Callable, args: dict, key: str) -> None:
             raise UserError(f"{key}.target: expected a whole number of tokens, at least 1 (got {value!r})")
 
 
+def reward_file(spec: str) -> Path | None:
+    """The file a `path/to/file.py:function` reward is loaded from; None for `package.module:function`."""
+    where = spec.rpartition(":")[0]
+    return Path(where).expanduser() if where.endswith(".py") or "/" in where or "\\" in where else None
+
+
 def load_function(spec: str, key: str) -> Callable:
     """`package.module:function` (imported) or `path/to/file.py:function` (loaded from the file)."""
     where, _, name = spec.rpartition(":")
     expected = "expected 'package.module:function' or 'path/to/file.py:function'"
     try:
-        if where.endswith(".py") or "/" in where or "\\" in where:
-            path = Path(where).expanduser()
+        path = reward_file(spec)
+        if path is not None:
             if not path.is_file():
                 raise UserError(f"{key}: {spec!r}: no file {path}; {expected}")
             module_name = f"erniekit_reward_{abs(hash(str(path.resolve())))}"

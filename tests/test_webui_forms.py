@@ -296,8 +296,9 @@ def test_the_form_never_writes_a_field_its_method_hides():
 
 
 @contextlib.contextmanager
-def served_app(tmp_path: Path, monkeypatch):
-    """The web UI served from a copy of the recipes on a free port, and a gradio_client on it (as a page calls it)."""
+def served_app(tmp_path: Path, monkeypatch, exposed: bool = False):
+    """The web UI served from a copy of the recipes on a free port, and a gradio_client on it (as a page calls it);
+    `exposed`: built as for a UI others reach (--host other than loopback, --share, --auth), served on loopback here."""
     import shutil
     import socket
 
@@ -310,7 +311,7 @@ def served_app(tmp_path: Path, monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    demo = app.build()
+    demo = app.build(exposed)
     demo.queue().launch(server_port=port, prevent_thread_lock=True, quiet=True)
     try:
         yield Client(f"http://127.0.0.1:{port}/", verbose=False)

@@ -153,3 +153,91 @@ def test_cli_serves_localhost_behind_the_login_from_the_environment(tmp_path, mo
 
     assert main(["webui", "--auth", "no-colon"]) == 2
     assert capsys.readouterr().err.strip() == "error: --auth / ERNIEKIT_WEBUI_AUTH: expected USER:PASSWORD"
+
+
+# No code a visitor names: reward functions, reward models and trust_remote_code, through a served UI
+
+EVIL = "from pathlib import Path\nPath({marker!r}).write_text('imported')\n\ndef reward(completions, **kw):\n    return [0.0] * len(completions)\n"
+
+
+def grpo_text(reward: str, model: str = "tiny", **model_keys) -> str:
+    extra = "".join(f"\n  {k}: {v}" for k, v in model_keys.items())
+    return (f"model:\n  path: {model}{extra}\nmethod: grpo\ndata:\n  train: [recipes/data/grpo_arith.jsonl]\n"
+            f"rewards:\n  - name: exact_answer\n  - {reward}\noutput:\n  dir: runs/g\n"
+            "train:\n  num_generations: 4\n  max_completion_length: 8\n  per_device_train_batch_size: 8\n")
+
+
+def pressed(client, text: str) -> tuple[str, str, str]:
+    """What Validate, Preview and Start answer for `text`: each one's last (or only) line."""
+    validated = client.predict(text, api_name="/validate")["value"].splitlines()[-1]
+    _, previewed = client.predict(text, api_name="/show_preview")
+    started = client.predict(text, api_name="/start")
+    return validated, previewed, started
+
+
+def test_a_served_ui_imports_no_reward_file_outside_its_folder_and_loads_no_remote_code(tmp_path, monkeypatch, tiny_own_dir):
+    """A GRPO reward file outside the folder, or inside the UI's own state folder (where it keeps what visitors
+    send), a reward model outside, and trust_remote_code are refused by Validate, Preview and Start alike, in one line
+    and before anything is imported; a reward file of the user's own inside the folder runs as the CLI runs it."""
+    import shutil
+
+    from test_webui_forms import served_app
+
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(tiny_own_dir, root / "tiny")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    markers = [elsewhere / "outside.txt", root / "state.txt", root / "mine.txt"]
+    (elsewhere / "evil.py").write_text(EVIL.format(marker=str(markers[0])))
+    (root / ".erniekit-webui").mkdir()
+    (root / ".erniekit-webui" / "evil.py").write_text(EVIL.format(marker=str(markers[1])))
+    (root / "mine.py").write_text(EVIL.format(marker=str(markers[2])))
+    with served_app(root, monkeypatch) as client:
+        outside = pressed(client, grpo_text(f"function: {elsewhere}/evil.py:reward"))
+        state = pressed(client, grpo_text("function: .erniekit-webui/evil.py:reward"))
+        model = pressed(client, grpo_text(f"model: {elsewhere}"))
+        remote = pressed(client, grpo_text("name: think_format", trust_remote_code="true"))
+        assert not any(m.exists() for m in markers)  # nothing was imported
+        mine = client.predict(grpo_text("function: mine.py:reward"), api_name="/validate")["value"].splitlines()[-1]
+    assert outside == (f"error: rewards.1.function: {elsewhere}/evil.py is outside {root}, the directory the web UI "
+                       "was started in; use a path inside it",) * 3
+    assert state == ("error: rewards.1.function: .erniekit-webui/evil.py is in the web UI's own state folder "
+                     "(.erniekit-webui), where it keeps what visitors send; use a reward file of your own elsewhere "
+                     "in the directory",) * 3
+    assert model == (f"error: rewards.1.model: {elsewhere} is outside {root}, the directory the web UI was started "
+                     "in; use a path inside it",) * 3
+    assert remote == ("error: model.trust_remote_code: the web UI runs no code shipped with a checkpoint (ERNIE 4.5 "
+                      "needs none); set it to false, or train this recipe from the command line",) * 3
+    assert mine == "recipe.yaml: valid" and markers[2].read_text() == "imported"  # the user's own, inside: as the CLI
+    assert not (root / "runs").exists()  # no job started
+
+
+def test_a_ui_others_reach_runs_only_the_built_in_rewards(tmp_path, monkeypatch, tiny_own_dir):
+    """Served for others (a non-loopback --host, --share or --auth): a reward file, even inside the folder, and an
+    installed `package.module:function` are refused by Validate, Preview and Start; the built-ins by name run."""
+    import shutil
+
+    from test_webui_forms import served_app
+
+    from erniekit_lite.webui.app import reachable_by_others
+
+    assert [reachable_by_others(*a) for a in (("127.0.0.1", False, None), ("::1", False, None), ("localhost", False, None),
+            ("0.0.0.0", False, None), ("my-host", False, None), ("127.0.0.1", True, None), ("127.0.0.1", False, ("u", "p")))
+            ] == [False, False, False, True, True, True, True]
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(tiny_own_dir, root / "tiny")
+    (root / "mine.py").write_text(EVIL.format(marker=str(root / "mine.txt")))
+    (root / "evilpkg").mkdir()
+    (root / "evilpkg" / "__init__.py").write_text(EVIL.format(marker=str(root / "pkg.txt")))
+    monkeypatch.syspath_prepend(str(root))  # importable by name, as an installed package would be
+    with served_app(root, monkeypatch, exposed=True) as client:
+        answers = [pressed(client, grpo_text(reward)) for reward in ("function: mine.py:reward", "function: evilpkg:reward")]
+        builtin = client.predict(grpo_text("name: think_format"), api_name="/validate")["value"].splitlines()[-1]
+    refusal = ("error: rewards.1.function: this web UI is reachable by others (--host, --share or --auth), where only "
+               "the built-in rewards run (name: exact_answer | think_format | length); train a recipe with your own "
+               "reward from the command line")
+    assert answers == [(refusal,) * 3] * 2
+    assert not (root / "mine.txt").exists() and not (root / "pkg.txt").exists()
+    assert builtin == "recipe.yaml: valid"

@@ -29,13 +29,13 @@ from pathlib import Path
 from erniekit_lite.errors import UserError
 from erniekit_lite.train import checkpoints
 from erniekit_lite.webui import progress
+from erniekit_lite.webui.paths import STATE_DIR
 
 try:
     import fcntl
 except ImportError:  # Windows: one server per directory is then up to the user
     fcntl = None
 
-STATE_DIR = ".erniekit-webui"
 LOCK = "job.lock"
 TRAIN = (sys.executable, "-m", "erniekit_lite", "train")
 TAIL_BYTES = 32_768

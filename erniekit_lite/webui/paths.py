@@ -4,6 +4,12 @@ A UI reachable over the network (or by anyone logged in with --auth) must not re
 every path is resolved (following symlinks, so a link pointing out is caught too) and refused when outside. The one
 exception: a recipe's data may be read from the recipes and demo data shipped inside the package
 (erniekit_lite.shipped), where a shipped recipe chosen outside a clone finds it, as `erniekit-lite train NAME` does.
+
+Nor may a visitor name code for the server to run. A GRPO reward file must lie inside the directory (not in the UI's
+own state folder, where it keeps what visitors send), and a UI others can reach (a host other than loopback, --share
+or --auth) runs only the built-in rewards, by name: no reward file and no `package.module:function`.
+`trust_remote_code` is refused outright (the ERNIE 4.5 architectures need none). Validate, Preview and Start each
+check this first, before anything is imported or loaded.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ import yaml
 
 from erniekit_lite import shipped
 from erniekit_lite.errors import UserError
-from erniekit_lite.recipe import Recipe
+from erniekit_lite.recipe import REWARD_NAMES, Recipe
+from erniekit_lite.rewards import reward_file
 
+STATE_DIR = ".erniekit-webui"  # the UI's own state: job copies of recipes, the job lock (jobs.py)
 # train: keys (TRL/Trainer fields) that name files or directories
 TRAIN_PATH_KEYS = ("resume_from_checkpoint", "deepspeed", "fsdp_config", "accelerator_config")
 
@@ -36,9 +44,18 @@ def confine(root: Path, text: str, what: str, readable: tuple[Path, ...] = ()) -
     return path
 
 
-def confine_recipe(root: Path, recipe: Recipe) -> None:
+def confine_recipe(root: Path, recipe: Recipe, exposed: bool = False) -> None:
     """Every path a recipe reads or writes: model, data sources (which may also be the package's demo data), output
-    dir, and path-valued train: keys."""
+    dir, path-valued train: keys and reward models; and no code the visitor names: no trust_remote_code, reward
+    functions only from files inside `root` (or shipped), and none at all when the UI is `exposed` to others."""
+    for key, value in (("model.trust_remote_code", recipe.model.trust_remote_code),
+                       ("train.trust_remote_code", recipe.train.get("trust_remote_code")),
+                       ("train.model_init_kwargs.trust_remote_code",
+                        (recipe.train.get("model_init_kwargs") or {}).get("trust_remote_code")
+                        if isinstance(recipe.train.get("model_init_kwargs"), dict) else None)):
+        if value:
+            raise UserError(f"{key}: the web UI runs no code shipped with a checkpoint (ERNIE 4.5 needs none); set it "
+                            "to false, or train this recipe from the command line")
     confine(root, recipe.model.path, "model.path")
     for section in ("train", "eval"):
         for i, source in enumerate(getattr(recipe.data, section)):
@@ -47,6 +64,27 @@ def confine_recipe(root: Path, recipe: Recipe) -> None:
     for key in TRAIN_PATH_KEYS:
         if isinstance(recipe.train.get(key), str):
             confine(root, recipe.train[key], f"train.{key}")
+    for i, entry in enumerate(recipe.rewards or []):
+        if entry.model is not None:
+            confine(root, entry.model, f"rewards.{i}.model")
+        if entry.function is not None:
+            confine_reward(root, entry.function, f"rewards.{i}.function", exposed)
+
+
+def confine_reward(root: Path, spec: str, key: str, exposed: bool) -> None:
+    """A reward function the server may import: a file inside `root` outside its state folder (or a shipped one),
+    or an installed `package.module:function`; nothing when the UI is reachable by others."""
+    if exposed:
+        raise UserError(f"{key}: this web UI is reachable by others (--host, --share or --auth), where only the built-in "
+                        f"rewards run (name: {' | '.join(REWARD_NAMES)}); train a recipe with your own reward from "
+                        "the command line")
+    file = reward_file(spec)
+    if file is None:
+        return  # an installed module, imported by name as the CLI imports it
+    path = confine(root, str(file), key, readable=(shipped.RECIPES,))
+    if path.is_relative_to((root / STATE_DIR).resolve()):
+        raise UserError(f"{key}: {file} is in the web UI's own state folder ({STATE_DIR}), where it keeps what "
+                        "visitors send; use a reward file of your own elsewhere in the directory")
 
 
 def recipe_files(root: Path) -> list[str]:

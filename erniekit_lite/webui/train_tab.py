@@ -40,7 +40,7 @@ LAYOUT = (
 CSS = ".ek-track{background:#e5e7eb;border-radius:4px;height:14px}.ek-bar{background:#f97316;height:14px;border-radius:4px}"
 
 
-def build(demo: gr.Blocks, root: Path, runner: Runner) -> None:
+def build(demo: gr.Blocks, root: Path, runner: Runner, exposed: bool = False) -> None:
     with gr.Tab("Train", id="train"):
         with gr.Row():
             choice = gr.Dropdown(recipe_choices(root), value=None, label="recipe (from recipes/, or shipped with erniekit-lite)",
@@ -122,18 +122,18 @@ def build(demo: gr.Blocks, root: Path, runner: Runner) -> None:
             return form_edited
 
         def validate(content: str, file_name: str):
-            return gr.update(value=validate_recipe(root, content, file_name), visible=True)
+            return gr.update(value=validate_recipe(root, content, file_name, exposed), visible=True)
 
         def show_preview(content: str, file_name: str):
             try:
                 recipe = forms.parse(content, file_name)
-                confine_recipe(root, recipe)
+                confine_recipe(root, recipe, exposed)
                 return gr.update(value=preview.render(recipe, log=lambda line: None), visible=True), ""
             except UserError as e:
                 return gr.skip(), f"error: {e}"
 
         def start(content: str, file_name: str):
-            return start_job(root, runner, content, file_name)
+            return start_job(root, runner, content, file_name, exposed)
 
         def edits_landed():
             """Nothing: queued behind the edits still on their way, so the step chained after it reads their result."""
@@ -200,27 +200,27 @@ def edit(content: str, file_name: str, values: list) -> list:
     return [changed.to_yaml(), forms.dropped(recipe, changed), *fill(changed)]
 
 
-def validate_recipe(root: Path, content: str, file_name: str) -> str:
+def validate_recipe(root: Path, content: str, file_name: str, exposed: bool = False) -> str:
     """Validate pressed: the plan as `erniekit-lite validate` prints it, ending in `NAME: valid` or the one-line error."""
     from erniekit_lite.plan import plan
 
     lines: list[str] = []
     try:
         recipe = forms.parse(content, file_name)
-        confine_recipe(root, recipe)
+        confine_recipe(root, recipe, exposed)
         plan(recipe, log=lines.append)
     except UserError as e:
         return "\n".join(lines + [f"error: {e}"])
     return "\n".join(lines + [f"{file_name}: valid"])
 
 
-def start_job(root: Path, runner: Runner, content: str, file_name: str) -> str:
+def start_job(root: Path, runner: Runner, content: str, file_name: str, exposed: bool = False) -> str:
     """Start pressed: the editor's recipe, checked as `train` checks it first, becomes the server's job; the status line."""
     from erniekit_lite.train import rundir
 
     try:
         recipe = forms.parse(content, file_name)
-        confine_recipe(root, recipe)
+        confine_recipe(root, recipe, exposed)
         rundir.check(recipe)  # what `train` checks first, answered before a process is started
         job = runner.start(content, file_name, recipe.output.dir, recipe.method)
     except UserError as e:
