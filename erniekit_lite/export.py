@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
-from erniekit_lite.files import replace_dir
+from erniekit_lite.files import staged
 
 CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")
 QUANTIZER_TYPES = {  # llama.cpp's llama_ftype values (llama.h), quantized from the f16 GGUF
@@ -75,11 +75,7 @@ def export(run: str, to: str, out: str, outtype: str = "f16", ollama: bool = Fal
             raise UserError(f"{target}: not empty; choose a new directory for the export, or --overwrite (nothing was written)")
         if not (target / MARKER).is_file():
             raise UserError(f"{target}: not empty and not a previous export; --overwrite only replaces an export (nothing was written)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.exporting")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
+    with staged(target, "exporting") as staging:
         model_dir = hf_model(source, staging / "hf" / source.resolve().name, log)  # the converter names the model after the dir
         from erniekit_lite.model.load import load_tokenizer
 
@@ -102,10 +98,6 @@ def export(run: str, to: str, out: str, outtype: str = "f16", ollama: bool = Fal
         (staging / MARKER).write_text(json.dumps({"run": str(run), "outtype": outtype, "gguf": gguf.name, "converter": str(converter),
                                                   "control_tokens_marked": control, "tokenizer_flags": flags,
                                                   "tensors_left_out": len(left_out), "ollama": ollama}) + "\n")
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    replace_dir(staging, target)
     log(f"export: {target / gguf.name}" + (f" and {target / 'Modelfile'} (ollama create NAME -f {target / 'Modelfile'})" if ollama else ""))
     return target / gguf.name
 

@@ -1,16 +1,23 @@
 """Putting a finished output where an old one was without losing either, with the permissions the user's umask gives.
 
-An output (a merged model, a pruned one, a GGUF export) is written completely into a staging folder beside its
-target first; `replace_dir` then moves the old target aside, renames the new one in and only then deletes the old:
-a crash at any point leaves a whole model under the target's name or, the old one, under `.NAME.replaced-PID`.
-safetensors' writer creates its files 0600, so a serving account or another user could not read a merged model or
-a run while every other file followed the umask: `follow_umask` gives weight files the mode the umask gives.
+An output (a merged model, a pruned one, a GGUF export) is written completely into a staging folder of its own
+beside its target first (`staging_dir`: unique per call, so two writers of one target, say `serve RUN` merging
+while the web UI merges the same run, never share one); `replace_dir` then moves the old target aside, renames the
+new one in and only then deletes the old: a crash at any point leaves a whole model under the target's name or, the
+old one, under `.NAME.replaced-<pid>-<unique>`.
+
+One permission rule for everything made for the user (`for_user`): a file 0666 and a folder 0777, less the umask.
+safetensors' writer creates its files 0600 and mkstemp/mkdtemp 0600/0700, which would keep a serving account, a
+shared cache's other users or the user's group out while every other file followed the umask.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -27,15 +34,62 @@ def umask() -> int:
     return current
 
 
-def follow_umask(path: Path) -> None:
-    """The `*.safetensors` file `path`, or those directly in folder `path` (what one save wrote: a checkpoint's
-    folder is done by its own save), made 0666 less the umask (safetensors writes them 0600)."""
+def for_user(path: Path) -> Path:
+    """`path` (a file or a folder, not a link) given the mode the umask gives what the user makes: 0666 for a file,
+    0777 for a folder, less the umask."""
     path = Path(path)
-    mode = 0o666 & ~umask()
+    if not path.is_symlink():
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask())
+    return path
+
+
+def follow_umask(path: Path) -> None:
+    """`for_user` on the `*.safetensors` file `path`, or on those directly in folder `path` (what one save wrote: a
+    checkpoint's folder is done by its own save)."""
+    path = Path(path)
     files = [path] if path.is_file() else path.glob("*.safetensors") if path.is_dir() else []
     for file in files:
-        if file.suffix == ".safetensors" and file.is_file() and not file.is_symlink():
-            os.chmod(file, mode)
+        if file.suffix == ".safetensors" and file.is_file():
+            for_user(file)
+
+
+def unique(target: Path, what: str) -> Path:
+    """A name beside `target` no other call takes: `.NAME.WHAT-<pid>-<random>` (the process id tells which are stale)."""
+    return target.with_name(f".{target.name}.{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def staging_dir(target: Path, what: str) -> Path:
+    """A new empty folder beside `target`, this call's own, to write an output into before `replace_dir`. Staging
+    folders of the same target that a killed call left (its process gone) are removed first."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for left in target.parent.glob(f".{target.name}.{what}-*"):
+        pid = left.name.rsplit("-", 2)[-2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(left, ignore_errors=True)
+    return for_user(Path(tempfile.mkdtemp(prefix=f".{target.name}.{what}-{os.getpid()}-", dir=target.parent)))
+
+
+@contextmanager
+def staged(target: Path, what: str):
+    """A `staging_dir` for `target` to write into; when the block ends it becomes `target` (`replace_dir`), and when
+    the block fails it is removed: nothing half-written is left beside the target."""
+    staging = staging_dir(target, what)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    replace_dir(staging, target)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another account's process
+        return True
+    return True
 
 
 def replace_dir(staging: Path, target: Path) -> None:
@@ -43,8 +97,7 @@ def replace_dir(staging: Path, target: Path) -> None:
     follow_umask(staging)
     aside = None
     if target.exists():
-        aside = target.with_name(f".{target.name}.replaced-{os.getpid()}")
-        shutil.rmtree(aside, ignore_errors=True)
+        aside = unique(target, "replaced")
         target.rename(aside)
     try:
         staging.rename(target)

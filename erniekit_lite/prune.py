@@ -41,13 +41,14 @@ import contextlib
 import copy
 import itertools
 import json
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
-from erniekit_lite.files import replace_dir
+from erniekit_lite.files import replace_dir, staging_dir
 
 MARKER = "erniekit_pruned.json"  # written last: a dir holding it is a complete prune
 ROUTING = "sum over tokens of the normalised top-k routing weight (the weight each expert's output is mixed with)"
@@ -121,18 +122,20 @@ def prune(source: str, experts: int | None, out: str, data: str | None = None, t
         if not held_rows:
             raise UserError("--report: the held-out data holds no samples to score; give --eval FILE")
     top_k = top_k or getattr(config, "moe_k", None)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.pruning")
-    shutil.rmtree(staging, ignore_errors=True)
+    # The model and the report are written into one staging folder of this call's own, so a failure anywhere leaves
+    # the earlier prune and its report as they were; both move into place only once both are whole
+    work = staging_dir(target, "pruning")
     try:
+        staging = work / "model"
         summary, table = _prune(source, experts, top_k, layers, points, config, measured, prepared, held_rows, tokenizer,
                                 batch_size, staging, log)
-        if table is not None:  # with the rest, before the model takes the target's place
-            write_report(table, report_files, source, log)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)  # nothing half-written is left beside --out
-        raise
-    replace_dir(staging, target)
+        if table is not None:
+            write_report(table, [work / p.name for p in report_files], source, log)
+        replace_dir(staging, target)
+        for p in report_files if table is not None else []:
+            os.replace(work / p.name, p)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # nothing half-written is left beside --out
     log(f"prune: wrote {target}: loads with AutoModelForCausalLM.from_pretrained({str(target)!r})")
     return summary
 

@@ -107,7 +107,7 @@ def test_merged_checkpoint_loads_with_plain_transformers(capsys, tmp_path, lora_
     before, rename = (merged_dir / "model.safetensors").read_bytes(), Path.rename
 
     def failing(self, target):
-        if self.name.endswith(".merging"):
+        if ".merging-" in self.name:
             raise OSError("renaming the new merge in failed (stand-in)")
         return rename(self, target)
 
@@ -116,6 +116,7 @@ def test_merged_checkpoint_loads_with_plain_transformers(capsys, tmp_path, lora_
         main(["merge", str(lora_run), "--out", str(merged_dir), "--overwrite"])
     monkeypatch.undo()
     assert (merged_dir / "model.safetensors").read_bytes() == before and not list(tmp_path.glob(".merged.replaced-*"))
+    assert not list(tmp_path.glob(".merged.merging-*"))  # the failed merge's staging folder went with it
     user_dir = tmp_path / "mine"
     user_dir.mkdir()
     (user_dir / "notes.txt").write_text("keep me")

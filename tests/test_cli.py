@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 import yaml
 
 from erniekit_lite.cli import main
+from erniekit_lite.errors import UserError
 from helpers import run_cli, shared_data, write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,6 +198,32 @@ def test_output_dir_of_another_run_is_refused(tmp_path, capsys, tiny_own_dir):
         capsys, "train", recipe, "train.max_steps=2", "output.overwrite=true")
     (out / "notes.txt").unlink()
 
+    # What an overwrite took when it matched names by extension: files the user added with a name like a run's
+    # (notes.md, a script in runs/, a file in a checkpoint) and this very recipe's eval data; each refused, named
+    from erniekit_lite.recipe import Source, load
+    from erniekit_lite.train import rundir
+
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    (out / "eval.jsonl").write_text((IDENTITY.read_text().splitlines()[0]) + "\n")
+    with_eval = load(str(recipe), ["train.max_steps=2", "output.overwrite=true"])
+    with_eval = with_eval.model_copy(update={"data": with_eval.data.model_copy(update={"eval": [Source(path=str(out / "eval.jsonl"))]})})
+    with pytest.raises(UserError, match="^" + re.escape(f"output.overwrite: {out} is not an earlier run: it is or holds "
+                                                        f"the data ({out}/eval.jsonl); nothing was removed")):
+        rundir.check(with_eval)
+    (out / "eval.jsonl").unlink()
+    (out / "runs").mkdir()
+    (out / "checkpoint-9").mkdir()
+    for added in ("notes.md", "runs/analysis.py", "checkpoint-9/mine.txt"):
+        (out / added).write_text("mine")
+        assert f"it holds {added}, which no run writes; nothing was removed" in _bad(
+            capsys, "train", recipe, "train.max_steps=2", "output.overwrite=true")
+        (out / added).unlink()
+    (out / "README.md").write_text("# my notes\n")  # a README.md that is no model card is the user's
+    assert "it holds README.md, which no run writes" in _bad(capsys, "train", recipe, "train.max_steps=2", "output.overwrite=true")
+    (out / "runs").rmdir()
+    (out / "checkpoint-9").rmdir()
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before  # nothing else was touched
+
 
 def test_overwrite_never_takes_the_working_folder_the_model_or_the_data(tmp_path, capsys, tiny_own_dir, monkeypatch):
     import shutil
@@ -224,10 +252,31 @@ def test_an_overwritten_run_comes_back_when_the_new_one_fails_before_its_first_s
         raise RuntimeError("stand-in: the run failed before its first step")
 
     monkeypatch.setattr(callbacks, "train", fails)
+    left = tmp_path / ".out.replaced-999999999-0123abcd"  # what an overwrite killed before its first step left
+    (left / "checkpoint-5").mkdir(parents=True)
+    capsys.readouterr()
     with pytest.raises(RuntimeError, match="stand-in"):
         main(["train", str(recipe), "train.max_steps=3", "output.overwrite=true"])
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
-    assert not list(tmp_path.glob(".out.replaced-*"))
+    assert list(tmp_path.glob(".out.replaced-*")) == [left]  # named, never deleted
+    assert (f"output.dir: {left} holds an earlier run that an overwrite moved aside and a killed run left there; to get "
+            f"it back, move it to a new name (mv {left} {tmp_path / 'out-earlier'}), or delete it") in capsys.readouterr().out
+
+    # a put-back that fails itself never hides the failure that called it, and says where the earlier run is
+    rename = Path.rename
+
+    def no_put_back(self, to):
+        if self.name.startswith(".out.replaced-") and Path(to) == out:
+            raise OSError("stand-in: the put-back failed")
+        return rename(self, to)
+
+    monkeypatch.setattr(Path, "rename", no_put_back)
+    with pytest.raises(RuntimeError, match="stand-in: the run failed"):
+        main(["train", str(recipe), "train.max_steps=3", "output.overwrite=true"])
+    (aside,) = [p for p in tmp_path.glob(".out.replaced-*") if p != left]
+    assert {p.name: p.read_bytes() for p in aside.iterdir() if p.is_file()} == before
+    assert (f"output.overwrite: the run failed before its first step, and the earlier run could not be put back "
+            f"(stand-in: the put-back failed); it is in {aside}: move it to {out} by hand") in capsys.readouterr().out
 
 
 def test_eval_split_reports_eval_loss(tmp_path, capsys, tiny_own_dir):

@@ -350,6 +350,16 @@ def test_stopped_two_process_run_resumes_like_an_uninterrupted_one(tmp_path, tin
     for r, g in zip(ref[stop:], got[stop:]):  # same rows on each rank, dropout masks, learning rates and updates
         assert g["learning_rate"] == pytest.approx(r["learning_rate"], rel=1e-9), g["step"]
         assert (g["loss"], g["grad_norm"]) == pytest.approx((r["loss"], r["grad_norm"]), rel=1e-6), g["step"]
+    # Both run folders hold only what runs write (rundir.RUN: this strategy's checkpoints entry by entry), so
+    # output.overwrite may replace each; a file of the user's in a checkpoint makes it not a run
+    from erniekit_lite.recipe import load
+    from erniekit_lite.train import rundir
+
+    for run in (reference, out):
+        assert rundir.not_a_run(run, load(str(run / "recipe.yaml"), [])) is None, sorted(str(p) for p in run.rglob("*"))
+    newest = checkpoints.complete(out)[-1]
+    (newest / "mine.txt").write_text("mine")
+    assert rundir.not_a_run(out, load(str(out / "recipe.yaml"), [])) == f"holds {newest.name}/mine.txt, which no run writes"
 
 
 # A stand-in for `accelerate launch` (torch elastic): notes the signals it gets, has a worker in a session of its
@@ -564,3 +574,7 @@ def test_sharded_checkpoints_and_a_final_model_consolidated_once_in_the_recipes_
     merge_fsdp_weights(str(checkpoint / "pytorch_model_fsdp_0"), str(tmp_path / "merged"))
     merged = load_file(tmp_path / "merged" / "model.safetensors")
     assert all(torch.equal(final[k], merged[k]) for k in final)  # the shards and the consolidated model agree
+    from erniekit_lite.recipe import load
+    from erniekit_lite.train import rundir
+
+    assert rundir.not_a_run(out, load(str(out / "recipe.yaml"), [])) is None  # FSDP2's sharded checkpoint: a run

@@ -263,13 +263,13 @@ def test_bad_input_is_one_line(tmp_path, capsys, tiny_own_dir):
     (unfinished / "recipe.yaml").write_text("model: {path: x}\n")
     assert "has not finished" in error(unfinished, "--out", out, "--llama-cpp", CONVERTER)
     assert "no sentencepiece tokenizer.model" in error(tiny_own_dir, "--out", out, "--llama-cpp", CONVERTER)
-    assert not out.exists() and not list(tmp_path.glob(".out.exporting"))  # nothing half-written
+    assert not out.exists() and not list(tmp_path.glob(".out.exporting-*"))  # nothing half-written
     odd = tmp_path / "odd-moe"  # shared experts narrower than llama.cpp's converter assumes: refused before converting
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps({"model_type": "ernie4_5_moe", "moe_num_shared_experts": 2, "moe_intermediate_size": 32,
                                                   "intermediate_size": 192, "num_key_value_heads": 1}))
     assert "shared experts 64 wide" in error(odd, "--out", out, "--llama-cpp", CONVERTER)
-    assert not out.exists() and not list(tmp_path.glob(".out.exporting"))
+    assert not out.exists() and not list(tmp_path.glob(".out.exporting-*"))
     out.mkdir()
     (out / "mine.txt").write_text("keep")
     assert "not empty" in error(tiny_own_dir, "--out", out, "--llama-cpp", CONVERTER)
@@ -370,7 +370,7 @@ def test_no_converter_is_one_line(tmp_path, capsys, monkeypatch, tiny_own_dir):
     code, out, err = run_cli(capsys, "export", tiny_own_dir, "--out", tmp_path / "out")
     assert code == 2 and err.count("\n") == 1, err
     assert "export needs llama.cpp's converter: pass --llama-cpp DIR" in err and "LLAMA_CPP_DIR" in err
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.exporting"))
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.exporting-*"))
 
 
 def test_engine_killed_by_a_signal_fails_only_its_test(tmp_path):

@@ -34,6 +34,7 @@ from itertools import chain
 from pathlib import Path
 
 from erniekit_lite.data.tokenize import Sample
+from erniekit_lite.files import for_user
 
 FORMAT = 2  # bump when the entry layout or the tokenization changes (2: message text in a model's own template is text)
 # Inputs smaller than this tokenize in well under a second: not worth a disk entry (and test runs stay out of it)
@@ -154,7 +155,7 @@ def store(key: str, entry: Entry, root: Path | None = None, prune: bool = True) 
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep a shared cache folder's entries from its other users
+        for_user(Path(tmp))  # mkstemp's 0600 would keep a shared cache folder's entries from its other users
         os.replace(tmp, folder / f"{key}.npz")
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -34,6 +34,7 @@ from erniekit_lite.data import cache, handoff, mixing
 from erniekit_lite.data.packing import Row, best_fit_decreasing
 from erniekit_lite.data.tokenize import IGNORE, TokenStats
 from erniekit_lite.errors import DataError
+from erniekit_lite.files import for_user
 from erniekit_lite.recipe import DataSection, Source
 
 PT_FORMATS = ("auto", "text", "erniekit", "txt")
@@ -246,7 +247,8 @@ def _tokenize(sources: list[Source], data: DataSection, tokenizer, end: int, log
     from erniekit_lite.data.tokenize import Tokenizer
 
     encode = Tokenizer(tokenizer, None).encode
-    work = Path(tempfile.mkdtemp(prefix=".pt-", dir=_writable(folder.parent) if folder else None))
+    # mkdtemp's 0700 would keep a shared cache's other users out once the folder is moved in
+    work = for_user(Path(tempfile.mkdtemp(prefix=".pt-", dir=_writable(folder.parent) if folder else None)))
     lengths: list[int] = []
     stats = DocumentStats()
     reports = []

@@ -14,12 +14,11 @@ read them (vLLM's `ernie_mtp` speculative decoding) find them in the merged mode
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
 from erniekit_lite.model.load import adapter_base, load_model, load_tokenizer, trained_in_4bit
-from erniekit_lite.files import replace_dir
+from erniekit_lite.files import staged
 
 MARKER = "erniekit_merged.json"  # written last: a dir holding it is a complete merge
 CARRIED = "model-carried-over.safetensors"  # base tensors the model class did not load, copied unchanged
@@ -49,36 +48,33 @@ def merge(adapter_dir: str, out_dir: str, overwrite: bool = False, log=print) ->
             raise UserError(f"{out}: not empty and not a previous merge; --overwrite only replaces a merged model (nothing was written)")
     # Written beside the target and renamed at the end: a failed merge leaves no half-written model behind,
     # and a previous merge (replaced with --overwrite) survives until the new one is complete
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.with_name(f".{out.name}.merging")
-    shutil.rmtree(staging, ignore_errors=True)
-    qlora_dtype = trained_in_4bit(adapter_dir)
-    # A reward model's adapter (method: rm) goes onto the reward class: the base's body and the trained `score` head
-    model_class = reward_class(adapter_dir)
-    if qlora_dtype:
-        # QLoRA: the adapter learned against the 4-bit base, its other weights in the run's model.dtype. It is merged
-        # into that base dequantized (what the 4-bit model computes with), not into the original weights, so the
-        # merged model answers as the run did; saved in that dtype
-        from erniekit_lite.model.expert_4bit import unquantize_experts
-        from erniekit_lite.model.lora import load_adapter
+    with staged(out, "merging") as staging:
+        qlora_dtype = trained_in_4bit(adapter_dir)
+        # A reward model's adapter (method: rm) goes onto the reward class: the base's body and the trained `score` head
+        model_class = reward_class(adapter_dir)
+        if qlora_dtype:
+            # QLoRA: the adapter learned against the 4-bit base, its other weights in the run's model.dtype. It is merged
+            # into that base dequantized (what the 4-bit model computes with), not into the original weights, so the
+            # merged model answers as the run did; saved in that dtype
+            from erniekit_lite.model.expert_4bit import unquantize_experts
+            from erniekit_lite.model.lora import load_adapter
 
-        four_bit = load_model(base, qlora_dtype, "sdpa", load_in_4bit=True, model_class=model_class)
-        unquantize_experts(four_bit)  # the NF4 routed experts (model/expert_4bit.py), which transformers doesn't know
-        model = load_adapter(four_bit.dequantize(), adapter_dir, trainable=False)
-    else:
-        model = load_model(adapter_dir, base_dtype(base), "sdpa", trainable_adapter=False, model_class=model_class)
-    merged = model.merge_and_unload()
-    merged.config.use_cache = True  # the loader turns the cache off for packed training; inference wants it
-    merged.save_pretrained(staging, max_shard_size="5GB")
-    tokenizer_dir = adapter_dir if (Path(adapter_dir) / "tokenizer_config.json").is_file() else base
-    load_tokenizer(tokenizer_dir).save_pretrained(staging)
-    if getattr(merged, "generation_config", None) is not None:  # a reward model has none
-        merged.generation_config.save_pretrained(staging)
-    # a reward model has no LM head: the base's is never carried into it
-    carried = carry_over(base, staging, tied=bool(getattr(merged.config, "tie_word_embeddings", False)) or model_class is not None)
-    (staging / MARKER).write_text(json.dumps({"adapter": str(adapter_dir), "base": base, "dequantized_4bit": qlora_dtype is not None,
-                                              "carried_over": carried}) + "\n")
-    replace_dir(staging, out)
+            four_bit = load_model(base, qlora_dtype, "sdpa", load_in_4bit=True, model_class=model_class)
+            unquantize_experts(four_bit)  # the NF4 routed experts (model/expert_4bit.py), which transformers doesn't know
+            model = load_adapter(four_bit.dequantize(), adapter_dir, trainable=False)
+        else:
+            model = load_model(adapter_dir, base_dtype(base), "sdpa", trainable_adapter=False, model_class=model_class)
+        merged = model.merge_and_unload()
+        merged.config.use_cache = True  # the loader turns the cache off for packed training; inference wants it
+        merged.save_pretrained(staging, max_shard_size="5GB")
+        tokenizer_dir = adapter_dir if (Path(adapter_dir) / "tokenizer_config.json").is_file() else base
+        load_tokenizer(tokenizer_dir).save_pretrained(staging)
+        if getattr(merged, "generation_config", None) is not None:  # a reward model has none
+            merged.generation_config.save_pretrained(staging)
+        # a reward model has no LM head: the base's is never carried into it
+        carried = carry_over(base, staging, tied=bool(getattr(merged.config, "tie_word_embeddings", False)) or model_class is not None)
+        (staging / MARKER).write_text(json.dumps({"adapter": str(adapter_dir), "base": base, "dequantized_4bit": qlora_dtype is not None,
+                                                  "carried_over": carried}) + "\n")
     if carried:
         shown = ", ".join(carried[:3]) + (f", ... ({len(carried)} in all)" if len(carried) > 3 else "")
         log(f"merge: copied {len(carried)} tensor(s) of the base that the model class does not load, unchanged, into {CARRIED}: {shown}")

@@ -78,7 +78,10 @@ class WeightEma(TrainerCallback):
     def save(self, checkpoint: Path) -> None:
         from safetensors.torch import save_file
 
+        from erniekit_lite.files import for_user
+
         save_file({n: t.cpu() for n, t in self.state_dict().items()}, str(Path(checkpoint) / FILE))
+        for_user(Path(checkpoint) / FILE)  # safetensors writes 0600; the rest of the checkpoint follows the umask
 
     def load(self, checkpoint: Path) -> None:
         from safetensors.torch import load_file

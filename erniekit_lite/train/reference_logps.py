@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from erniekit_lite.data import cache
+from erniekit_lite.files import for_user
 from erniekit_lite.model.attention import take_batch_lengths
 
 FORMAT = 1  # bump when the entry layout changes
@@ -280,7 +281,7 @@ def save(path: Path, key: str, columns: dict[str, list[list[float]]]) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
-        os.chmod(tmp, 0o644)
+        for_user(Path(tmp))  # as the data cache's entries
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -15,10 +15,12 @@
 A non-empty directory is reused only for the same resolved recipe and only while unfinished, so a second run
 never silently overwrites the first; `output.overwrite: true` replaces it, except when resuming: the checkpoints to
 resume from are never deleted. Overwrite replaces only a run: a folder holding a `recipe.yaml` that parses as a
-recipe and otherwise only what this contract lists (`RUN_FILES`, `RUN_DIRS`), and that neither is nor holds the
-working folder, the model or the data; anything else is refused in one line naming what is there. The old run is
-moved aside (`.NAME.replaced-PID`) and deleted when the new run's first optimizer step has finished; a failure
-before that puts it back. Resuming may change the schedule (`SCHEDULE_KEYS`: more steps or
+recipe and otherwise only what runs write (`RUN`: each name as its writer fixes it, a checkpoint only when all it
+holds is in `CHECKPOINT`), and that neither is nor holds the working folder, the model, the data (train and eval)
+or a reward model or function; anything else is refused in one line naming what is there, and nothing is removed.
+The old run is moved aside (`.NAME.replaced-<pid>-<unique>`) and deleted when the new run's first optimizer step has
+finished; a failure before that puts it back. An aside that a killed run left is named at the next start of a
+run in that folder, with how to get it back. Resuming may change the schedule (`SCHEDULE_KEYS`: more steps or
 epochs, another logging/saving/eval cadence), which also extends a finished run: its final model and metrics are
 then replaced because the user asked with --resume, and its checkpoints stay. Anything else (model, data, method,
 LoRA, optimizer) must be what the run was started with.
@@ -26,16 +28,17 @@ LoRA, optimizer) must be what the run was started with.
 
 from __future__ import annotations
 
-import fnmatch
-import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from erniekit_lite.errors import UserError
+from erniekit_lite.files import unique
 from erniekit_lite.recipe import Recipe, load
+from erniekit_lite.rewards import reward_file
 
 # train: keys a resumed run may change: how long it trains and how often it logs, saves and evaluates
 SCHEDULE_KEYS = (
@@ -44,10 +47,90 @@ SCHEDULE_KEYS = (
 )
 
 
-# What a run dir may hold besides recipe.yaml (the contract above, and the result files later features add)
-RUN_FILES = ("*.safetensors", "*.json", "*.jsonl", "*.jinja", "*.png", "*.md", "training_args.bin", "tokenizer.model")
-RUN_DIRS = re.compile(r"(tmp-)?checkpoint-\d+|runs|ema")
 _aside: Path | None = None  # the run an overwrite moved aside, until the new run's first step (claim, first_step_done)
+
+
+@dataclass(frozen=True)
+class Names:
+    """What one folder of a run may hold: file names as their writers fix them, patterns only where a writer makes
+    the name up, and folders (by pattern) with what each of those may hold."""
+
+    files: frozenset[str] = frozenset()
+    patterns: tuple[str, ...] = ()
+    dirs: tuple[tuple[str, Names], ...] = ()
+
+    def strangers(self, folder: Path, prefix: str = "") -> list[str]:
+        """What in `folder` (recursively) no run writes, as paths relative to the run."""
+        found = []
+        for p in sorted(folder.iterdir()):
+            name = prefix + p.name
+            if p.is_symlink():  # no writer below makes links
+                found.append(name)
+            elif p.is_dir():
+                inner = next((names for pattern, names in self.dirs if re.fullmatch(pattern, p.name)), None)
+                found += [name + "/"] if inner is None else inner.strangers(p, name + "/")
+            elif not (p.name in self.files or any(re.fullmatch(pattern, p.name) for pattern in self.patterns)):
+                found.append(name)
+            elif p.name == "README.md" and not _model_card(p):
+                found.append(name)
+        return found
+
+
+def _model_card(path: Path) -> bool:
+    """A README.md a run wrote: erniekit-lite's card (hub.CARD_MARK), or the card TRL's or peft's save writes (YAML
+    front matter naming the library); any other README.md is the user's."""
+    from erniekit_lite.hub import CARD_MARK
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    if text.startswith(CARD_MARK):
+        return True
+    head, sep, _ = text.removeprefix("---\n").partition("\n---\n")
+    try:
+        meta = yaml.safe_load(head) if text.startswith("---\n") and sep else None
+    except yaml.YAMLError:
+        return False
+    return isinstance(meta, dict) and "library_name" in meta
+
+
+# The names runs write, by writer, read at transformers 5.23, peft 0.21.2, TRL 1.16, accelerate 1.15, DeepSpeed 0.18
+# and torch 2.13. A name no writer here writes (the user's notes, data, scripts) makes a folder not a run.
+# save_pretrained of a model (full or sharded), a peft adapter, a tokenizer, and generation settings
+SAVED = frozenset({
+    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+    "adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "training_args.bin",
+    "README.md",  # TRL's (and peft's) model card, or erniekit-lite's (hub.after_training): _model_card
+})
+SAVED_PATTERNS = (r"model-\d{5}-of-\d{5}\.safetensors",)  # transformers' shards
+# torch's distributed checkpoint (FSDP's SHARDED_STATE_DICT, accelerate): one file per rank and the metadata
+DCP = Names(frozenset({".metadata"}), (r"__\d+_\d+\.distcp",))
+# A checkpoint-N/: the Trainer's save (+ the model's above), FSDP's and DeepSpeed's shards, erniekit-lite's own
+CHECKPOINT = Names(
+    SAVED | {"trainer_state.json", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth",
+             "ema.safetensors",  # train/ema.py
+             "latest", "zero_to_fp32.py"},  # DeepSpeed: the tag of its newest save, and its consolidation script
+    SAVED_PATTERNS + (r"rng_state_\d+\.pth",  # one per process
+                      r"sync-rank\d+\.pt",  # train/sync.py, one per process
+                      r"grpo_generation_state_\d+\.pt"),  # train/grpo_trainer.py, one per process
+    ((r"pytorch_model_fsdp_\d+|optimizer_\d+", DCP),
+     (r"global_step\d+", Names(patterns=(r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_(model|optim)_states\.pt",
+                                        r"mp_rank_\d+_model_states\.pt")))),
+)
+# What the run dir's own saves write (train/callbacks.py, sft.py, expert_load.py, plots.py, hub.py), also in ema/
+RESULTS = SAVED | {"trainer_state.json", "train_results.json", "all_results.json", "eval_results.json",
+                   "recipe.yaml", "samples.jsonl", "loss.png", "expert_load.json", "expert_load.png", "progress.jsonl"}
+RUN = Names(
+    RESULTS,
+    SAVED_PATTERNS,
+    ((r"checkpoint-\d+", CHECKPOINT),
+     (r"tmp-checkpoint-\d+", Names(dirs=((r"checkpoint-\d+", CHECKPOINT),))),  # a save in progress (checkpoints.py)
+     ("ema", Names(RESULTS, SAVED_PATTERNS)),  # train/ema.py
+     # TensorBoard (report_to): transformers' default_logdir, runs/<Mon>DD_HH-MM-SS_<host>/, one events file a writer
+     ("runs", Names(dirs=((r"[A-Z][a-z]{2}\d{2}_\d{2}-\d{2}-\d{2}_.+", Names(patterns=(r"events\.out\.tfevents\..+",))),)))),
+)
 
 
 def not_a_run(out: Path, recipe: Recipe) -> str | None:
@@ -55,7 +138,14 @@ def not_a_run(out: Path, recipe: Recipe) -> str | None:
     here = Path.cwd().resolve()
     target = out.resolve()
     guarded = [("the working folder", here), ("the model", Path(recipe.model.path).expanduser())]
-    guarded += [("the data", Path(str(getattr(source, "path", source))).expanduser()) for source in recipe.data.train]
+    for section in ("train", "eval"):
+        guarded += [("the data", Path(str(getattr(source, "path", source))).expanduser())
+                    for source in getattr(recipe.data, section) or []]
+    for entry in recipe.rewards or []:
+        if entry.model is not None:
+            guarded.append(("a reward model", Path(entry.model).expanduser()))
+        if entry.function is not None and reward_file(entry.function) is not None:
+            guarded.append(("a reward function", reward_file(entry.function)))
     for what, path in guarded:
         if not path.exists():
             continue
@@ -68,8 +158,7 @@ def not_a_run(out: Path, recipe: Recipe) -> str | None:
         load(str(out / "recipe.yaml"), [])
     except UserError:  # the recipe module says why it is not a recipe
         return "holds a recipe.yaml that is not a recipe"
-    others = [p.name for p in out.iterdir() if p.name != "recipe.yaml" and not (
-        RUN_DIRS.fullmatch(p.name) if p.is_dir() else any(fnmatch.fnmatch(p.name, pattern) for pattern in RUN_FILES))]
+    others = RUN.strangers(out)
     if others:
         return f"holds {_first_names(others)}, which no run writes"
     return None
@@ -158,10 +247,12 @@ def claim(recipe: Recipe, log=print) -> Path:
                     "and goes on from the checkpoint's step in it (a decaying schedule rises again to where the longer "
                     "run would be at that step)" + ("; the finished run's model and metrics will be replaced, its "
                     "checkpoints stay" if (out / "train_results.json").is_file() else ""))
+        for left in leftovers(out):
+            log(f"output.dir: {left} holds an earlier run that an overwrite moved aside and a killed run left there; "
+                f"to get it back, move it to a new name (mv {left} {out.with_name(out.name + '-earlier')}), or delete it")
         if check(recipe):
             global _aside
-            _aside = out.with_name(f".{out.name}.replaced-{os.getpid()}")
-            shutil.rmtree(_aside, ignore_errors=True)
+            _aside = unique(out, "replaced")  # two overwrites never share one
             out.rename(_aside)
             log(f"output.overwrite: the earlier run in {out} moved to {_aside}; deleted when the first step has finished")
         out.mkdir(parents=True, exist_ok=True)
@@ -185,12 +276,25 @@ def first_step_done() -> None:
         _aside = None
 
 
+def leftovers(out: Path) -> list[Path]:
+    """Earlier runs of `out` moved aside by an overwrite whose run was killed before it could delete or put them back."""
+    mine = _aside
+    return sorted(p for p in out.parent.glob(f".{out.name}.replaced-*") if p.is_dir() and p != mine)
+
+
 def put_back(out: Path, log=print) -> None:
-    """The new run failed before its first step: the earlier run returns to its place."""
+    """The new run failed before its first step: the earlier run returns to its place. Called while that failure
+    propagates, so it never raises itself: a put-back that fails says where the earlier run is."""
     global _aside
-    if _aside is not None and _aside.is_dir():
+    aside, _aside = _aside, None
+    if aside is None or not aside.is_dir():
+        return
+    try:
         shutil.rmtree(out, ignore_errors=True)
-        _aside.rename(out)
-        log(f"output.overwrite: the run failed before its first step; the earlier run is back in {out}")
-    _aside = None
+        aside.rename(out)
+    except OSError as e:
+        log(f"output.overwrite: the run failed before its first step, and the earlier run could not be put back "
+            f"({e}); it is in {aside}: move it to {out} by hand")
+        return
+    log(f"output.overwrite: the run failed before its first step; the earlier run is back in {out}")
 
