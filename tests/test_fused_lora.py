@@ -90,6 +90,35 @@ def test_the_layers_that_keep_peft_path_are_named(tiny_own_dir, tiny_moe_dir):
     assert n == 21 and kept == {}
 
 
+@pytest.mark.parametrize("config, why", [
+    ({"lora_bias": True}, "a bias on lora_B (lora_bias)"),
+    ({"bias": "all"}, "a trained base weight or bias (bias: all or lora_only)"),
+    ({"bias": "lora_only"}, "a trained base weight or bias (bias: all or lora_only)"),
+])
+def test_an_adapter_with_a_bias_keeps_peft_path(config, why):
+    """Adapters made elsewhere (peft's lora_bias, or a trained base bias) and trained on here: the fused function
+    would leave lora_B's bias out of the output and give the base bias no gradient, so such layers keep peft's path
+    and compute exactly what peft computes, the base bias's gradient included."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(8, 8)), LoraConfig(r=2, target_modules=["0"], **config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1.0)
+    reference = copy.deepcopy(model)
+    assert fused_lora.fuse(model) == (0, {why: 1})
+    x = torch.randn(3, 8)
+    out, want = model(x), reference(x)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    assert torch.equal(out, want)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(g is not None and torch.equal(g, reference.get_parameter(n).grad) for n, g in grads.items()), grads.keys()
+    assert any(n.endswith("bias") for n in grads)  # the bias that the fused path would have dropped or frozen
+
+
 def test_a_run_trains_the_same_adapter_fused_as_through_peft(tmp_path, monkeypatch, tiny_own_dir, capsys):
     """Three steps of LoRA SFT (fp32, alpha 2r) with the fused path and with peft's: the saved adapters agree within 1e-6."""
 

@@ -10,8 +10,9 @@ kernels, in plain torch so it runs wherever the model does.
 Only the forward changes: the adapters stay peft's modules and parameters, so saving, loading, merging, export,
 serving and old adapters are untouched. A layer takes this path when its adapter is vanilla LoRA (rsLoRA, rank and
 alpha patterns, PiSSA/OLoRA's initialisation and LoRA+ are: they change values or the optimizer, not the forward)
-without dropout, its base is a plain `nn.Linear` (not bitsandbytes' 4-bit: QLoRA), and its weights are not sharded
-by ZeRO-3. Per call it falls back to peft's forward with the adapter disabled or merged, several adapters active,
+without dropout or a bias of its own (peft's `lora_bias`), its base is a plain `nn.Linear` (not bitsandbytes' 4-bit:
+QLoRA) whose weight and bias are frozen (not peft's `bias: all` / `lora_only`), and its weights are not sharded by
+ZeRO-3: an adapter folder made elsewhere and trained on here may have any of these. Per call it falls back to peft's forward with the adapter disabled or merged, several adapters active,
 or outside autocast with adapters in another dtype than the base (peft then computes them in theirs).
 """
 
@@ -63,6 +64,13 @@ def _eligible(module) -> str | None:
         return "dropout"
     if any(hasattr(p, "ds_id") for p in module.parameters()):
         return "ZeRO-3 sharding"
+    # the fused function computes x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ with W and b frozen: an adapter trained elsewhere may have
+    # more (peft's lora_bias=True, or bias: all / lora_only), which it would leave out or leave untrained
+    if any(getattr(b, "bias", None) is not None for b in module.lora_B.values()):
+        return "a bias on lora_B (lora_bias)"
+    base = module.get_base_layer()
+    if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
+        return "a trained base weight or bias (bias: all or lora_only)"
     return None
 
 
