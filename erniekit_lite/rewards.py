@@ -46,8 +46,9 @@ from erniekit_lite.errors import UserError
 _NUMBER = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)(?:\s*,\s*-?(?:\d+(?:\.\d+)?|\.\d+))*")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _ONLY_NUMBERS = re.compile(r"[-+$\d.,\s]*\d[-+$\d.,\s]*")
-# One number in prose: thousands commas only as a comma and exactly three digits (1,234), so "day 3, 45" is 3 and 45
-_PROSE_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)")
+# One number in prose: thousands commas only as a comma and exactly three digits (1,234), so "day 3, 45" is 3 and 45;
+# a minus only at a word's start ("pages 12-15" ends on 15, not -15); an exponent whole ("1.2e3" is 1200, not 3)
+_PROSE_NUMBER = re.compile(r"(?:(?<!\w)-)?(?:\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
 def text_of(completion) -> str:

@@ -4,6 +4,7 @@ OUTPUT/ema is a run dir that loads (adapter or full model) and pushes, and the k
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +16,7 @@ from erniekit_lite.cli import main
 from erniekit_lite.errors import RecipeError, UserError
 from erniekit_lite.model.load import load_model
 from erniekit_lite.train.ema import FILE, WeightEma, setup
-from helpers import write_recipe
+from helpers import IDENTITY, write_recipe
 
 
 def test_the_ema_follows_its_formula():
@@ -68,14 +69,25 @@ def test_a_resumed_runs_ema_is_the_uninterrupted_runs_and_output_ema_loads(tmp_p
 
 
 def test_full_fine_tuning_writes_a_model_folder(tmp_path, tiny_own_dir, capsys):
+    """OUTPUT/ema holds a model folder and metrics of its own: evaluated on the run's eval data (the same eval_loss
+    `erniekit-lite eval` computes for it), the EMA's settings and the run's facts, and no loss or loss curve of the
+    trained weights (it copied their eval_loss and log_history)."""
     recipe = ema_recipe(tmp_path, tiny_own_dir, "full", None, max_steps=2, save_strategy="no")
     assert main(["validate", str(recipe)]) == 0
     assert "note: train.ema: an fp32 copy of the trained parameters, counted with the optimizer states" in capsys.readouterr().out
-    assert main(["train", str(recipe)]) == 0
+    assert main(["train", str(recipe), f"data.eval={IDENTITY}"]) == 0
     assert (tmp_path / "full" / "ema" / "model.safetensors").is_file()
     ema, trained = (load_file(str(tmp_path / "full" / d / "model.safetensors")) for d in ("ema", "."))
     assert ema.keys() == trained.keys() and any(not torch.equal(ema[n], trained[n]) for n in ema)
     load_model(str(tmp_path / "full" / "ema"), "float32", "sdpa")
+
+    run, own = (json.loads((tmp_path / "full" / d / "train_results.json").read_text()) for d in (".", "ema"))
+    assert "train_loss" not in own and (own["ema_decay"], own["ema_start"]) == (0.5, 1)
+    assert own["train_tokens"] == run["train_tokens"] and own["eval_loss"] != run["eval_loss"]
+    assert json.loads((tmp_path / "full" / "ema" / "trainer_state.json").read_text())["log_history"] == []
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "full" / "ema"), "--data", str(IDENTITY), "--out", str(tmp_path / "ema-eval.json")]) == 0
+    assert own["eval_loss"] == pytest.approx(json.loads((tmp_path / "ema-eval.json").read_text())["eval_loss"], rel=1e-5)
 
 
 def test_the_key_is_checked_and_sharded_parameters_are_refused(tmp_path, tiny_own_dir):

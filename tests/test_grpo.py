@@ -198,6 +198,13 @@ def test_exact_answer_reads_the_last_number_of_prose_not_a_comma_list():
     assert rewards.final_answer("The primes are 2, 3, 5") == "5"  # prose: its last number, not a list
 
 
+def test_exact_answer_reads_a_minus_only_at_a_words_start_and_an_exponent_whole():
+    """"Pages 12-15" ends on 15 (it read -15), "1.2e3" is 1200 (it read 3); a minus that starts a word stays."""
+    completions = [chat("Pages 12-15."), chat("That is 1.2e3 in all"), chat("The answer is -15"), chat("about 2.5E-3.")]
+    assert [rewards.final_answer(c[0]["content"]) for c in completions] == ["15", "1200", "-15", "0.0025"]
+    assert rewards.exact_answer(completions, answer=["#### 15", "#### 1200", "#### -15", "#### 0.0025"]) == [1.0] * 4
+
+
 def test_length_penalises_tokens_beyond_the_target():
     ids = [[0] * n for n in (5, 10, 15, 30)]
     assert rewards.length([chat("")] * 4, completion_ids=ids, target=10) == [0.0, 0.0, -0.5, -2.0]

@@ -147,3 +147,23 @@ def test_an_moe_or_qlora_sft_step_reads_nothing_back(tmp_path, monkeypatch, tiny
                                    "per_device_train_batch_size": 1, "bf16": qlora})
 
     assert syncs_per_step(tmp_path, monkeypatch, recipe_of) == {}
+
+
+def test_metrics_kept_on_the_device_are_read_back_exactly_integers_as_integers():
+    """A logging step reads the kept metrics back in one transfer per kind: TRL's token counter (an int64 tensor when
+    its `.item()` is kept on the device) stays an integer; through float32 123456789 read 123456792. A stand-in
+    trainer: only the mixin's `log` runs."""
+    from erniekit_lite.train.trainer import ThroughputMixin
+
+    class Logged:
+        def log(self, logs, start_time=None):
+            self.logged = logs
+
+    class Stand(ThroughputMixin, Logged):
+        pass
+
+    trainer = Stand()
+    trainer._metrics = {"train": {"num_tokens": [torch.tensor(123456789)], "rewards/margins": [torch.tensor(0.25), 0.5]}}
+    trainer.log({})
+    assert trainer._metrics["train"] == {"num_tokens": [123456789], "rewards/margins": [0.25, 0.5]}
+    assert type(trainer._metrics["train"]["num_tokens"][0]) is int

@@ -259,7 +259,7 @@ def save_final(trainer, out: Path, metrics: dict, expert_load=None) -> None:
         if expert_load is not None:
             expert_load.save(out, trainer.is_world_process_zero())
         if getattr(trainer, "ema", None) is not None:  # train.ema: OUTPUT/ema, a run dir of the EMA weights (ema.py)
-            trainer.ema.write_run(trainer, out)
+            trainer.ema.write_run(trainer, out, metrics)
     if received:
         finished(out, trainer.state)
         raise Stopped(128 + received[0], f"stopped after the final save: the trained model is complete in {out} "

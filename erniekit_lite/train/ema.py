@@ -5,13 +5,15 @@ model, one fp32 copy) moves towards it, e ← D·e + (1 − D)·p, on the device
 host read; until step S it is the parameter itself. It is saved in every checkpoint (`ema.safetensors`, written in
 the checkpoint's staging dir, so a checkpoint holds it or does not exist) and restored exactly on resume. At the end
 `OUTPUT/ema/` is a run dir of the same format with the EMA weights in place of the trained ones (an adapter folder or
-a model folder, the tokenizer, recipe.yaml and the metrics files), which `chat`, `merge`, `eval`, `export` and `push`
+a model folder, the tokenizer, recipe.yaml, and metrics of the EMA weights: the EMA evaluated on the run's eval data,
+if it has any, and no loss curve, which the trained weights made), which `chat`, `merge`, `eval`, `export` and `push`
 take as a path. Parameters sharded across processes (FSDP, ZeRO-3) are refused before training: gathering them
 every step is what the EMA must not cost.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -20,7 +22,10 @@ from transformers import TrainerCallback
 
 FILE = "ema.safetensors"
 DIR = "ema"
-COPIED = ("recipe.yaml", "generation_config.json", "train_results.json", "trainer_state.json")  # beside the weights
+COPIED = ("recipe.yaml", "generation_config.json")  # beside the weights, as the run has them
+# train_results.json keys that describe how the weights were made, not what the trained weights measured
+RUN_FACTS = ("distributed", "epoch", "total_flos", "train_runtime", "train_samples", "train_samples_per_second",
+             "train_steps_per_second", "train_tokens", "train_tokens_per_second", "packing_efficiency")
 
 
 def setup(trainer, recipe, log=print) -> WeightEma | None:
@@ -98,8 +103,10 @@ class WeightEma(TrainerCallback):
             for name, value in zip(self.names, self.ema):
                 value.copy_(saved[name])
 
-    def write_run(self, trainer, out: Path) -> Path:
-        """OUTPUT/ema: the trained parameters swapped for their EMA while the model is saved, then swapped back."""
+    def write_run(self, trainer, out: Path, metrics: dict) -> Path:
+        """OUTPUT/ema: the trained parameters swapped for their EMA while the model is saved (and evaluated, when the
+        run has eval data), then swapped back. Its metrics describe the EMA weights only: the run's facts (steps,
+        tokens, time), the EMA's settings and its own eval metrics; not the trained weights' losses or loss curve."""
         target = Path(out) / DIR
         kept = [p.detach().to("cpu", copy=True) for p in self.params]
         with torch.no_grad():
@@ -107,6 +114,10 @@ class WeightEma(TrainerCallback):
                 p.copy_(e)
         try:
             trainer.save_model(str(target))
+            evaluated = {}
+            if trainer.eval_dataset is not None:  # every process takes part, as in the run's own evaluation
+                evaluated = trainer.evaluation_loop(trainer.get_eval_dataloader(), description="Evaluation of the EMA",
+                                                    prediction_loss_only=True, metric_key_prefix="eval").metrics
         finally:
             with torch.no_grad():
                 for p, k in zip(self.params, kept):
@@ -115,4 +126,9 @@ class WeightEma(TrainerCallback):
             for name in COPIED:
                 if (Path(out) / name).is_file():
                     shutil.copy2(Path(out) / name, target / name)
+            results = {**{k: v for k, v in metrics.items() if k in RUN_FACTS}, "ema_decay": self.decay,
+                       "ema_start": self.start, **{k: v for k, v in evaluated.items() if k.startswith("eval_")}}
+            (target / "train_results.json").write_text(json.dumps(results, indent=4, sort_keys=True) + "\n")
+            state = json.loads((Path(out) / "trainer_state.json").read_text())
+            (target / "trainer_state.json").write_text(json.dumps({**state, "log_history": []}, indent=2, sort_keys=True) + "\n")
         return target

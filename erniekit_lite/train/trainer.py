@@ -157,13 +157,17 @@ class ThroughputMixin(OutOfMemoryRetryMixin):  # every method's Trainer has it: 
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         # Metrics kept as device tensors between logging steps (a `.item()` per micro-batch stalled the GPU each
-        # time) are read back here, all of them in one transfer
+        # time) are read back here, in one transfer per kind
         kept = [*getattr(self, "_metrics", {}).values(), *getattr(self, "_stored_metrics", {}).values()]  # ORPO, CPO: stored
         held = [(values, i) for metrics in kept for values in metrics.values() for i, v in enumerate(values) if torch.is_tensor(v)]
-        if held:
-            read = torch.stack([values[i].detach().float().reshape(()) for values, i in held]).tolist()
-            for (values, i), value in zip(held, read):
-                values[i] = value
+        # Counts (TRL's token counter) as integers: through float32 they are exact only below 2^24
+        parts = {kind: [(values, i) for values, i in held if values[i].is_floating_point() == (kind is torch.float32)]
+                 for kind in (torch.float32, torch.int64)}
+        for kind, these in parts.items():
+            if these:
+                read = torch.stack([values[i].detach().to(kind).reshape(()) for values, i in these]).tolist()
+                for (values, i), value in zip(these, read):
+                    values[i] = value
         if "loss" in logs:  # every process logs the same steps, so the sum below is collective-safe
             now = time.perf_counter()
             then, tokens, slots = self._since_log or (now, 0, 0)
