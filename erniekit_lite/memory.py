@@ -201,6 +201,7 @@ class Run:
     generate_length: int = 0  # GRPO: their longest prompt + completion
     host_offload: str = "none"  # train.offload as applied: none | optimizer | parameters (`offload` above is checkpointing's)
     processes: int = 1  # over which FSDP2 shards what `parameters` offloads
+    sync: str = "every_step"  # distributed.sync of a multi-process DDP run: powersgd and local_sgd hold memory (sync_bytes)
 
 
 @dataclass
@@ -218,11 +219,13 @@ class Estimate:
     reference_copy: int = 0  # the frozen reference model of full-FT DPO (part of `reference`)
     generation: int = 0  # GRPO: KV cache and sampling logits of a generation batch (not alive with the activations)
     host: int = 0  # train.offload: what the offloaded state takes in host memory, per process
+    sync: int = 0  # distributed.sync: kept for the whole run (PowerSGD's error feedback)
+    sync_peak: int = 0  # distributed.sync: alive while the processes exchange (outside the forward's activations)
 
     @property
     def static(self) -> int:
         """What stays allocated through the step: weights, gradients, optimizer states, a frozen reference copy."""
-        return self.weights + self.gradients + self.optimizer + self.reference_copy
+        return self.weights + self.gradients + self.optimizer + self.reference_copy + self.sync
 
     @property
     def training(self) -> int:
@@ -231,7 +234,7 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return self.static + max(self.training, self.generation) + self.overhead
+        return self.static + max(self.training, self.generation, self.sync_peak) + self.overhead
 
 
 HOST_HELD = {  # what `train.offload` keeps in host memory (format_lines)
@@ -509,7 +512,8 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
         host = (params.trainable * t * (2 + states) + frozen + (4 * params.trainable if run.ema else 0)) // max(1, run.processes)
         weights = 3 * params.layer_params_max * b + vocab * shape.hidden * b
         gradients = optimizer = 0
-    allocated = weights + gradients + optimizer + reference_copy + max(training, generation)
+    sync, sync_peak = sync_bytes(params, run, train_bytes)
+    allocated = weights + gradients + optimizer + reference_copy + sync + max(training, generation, sync_peak)
     overhead = CONTEXT_BYTES + int(FRAGMENTATION * allocated)
     four_bit = ""
     if run.load_in_4bit:
@@ -521,7 +525,21 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
             + (f"; fp32: {params.fp32:,} (router)" if params.fp32 else "")
         )
     return Estimate(weights, gradients, optimizer, activations, logits, transient, reference, overhead, notes, four_bit, reference_copy,
-                    generation, host)
+                    generation, host, sync, sync_peak)
+
+
+def sync_bytes(params: Params, run: Run, grad_bytes: int) -> tuple[int, int]:
+    """(kept, peak) of `distributed.sync` (train/sync.py), read at torch 2.13. PowerSGD over the one gradient bucket
+    (trainer_args) keeps an error-feedback buffer the size of every gradient (`error_dict`) and clones the bucket each
+    step (`input_tensor_cp`), from the third step; local SGD flattens the trained parameters of each dtype into one
+    buffer at each averaging (`sync.average`), and under train.ema the fp32 EMA at each save. Neither is alive with
+    the forward's activations: the clone comes as backward ends, the averaging after the optimizer step."""
+    grads = params.trainable * grad_bytes
+    if run.sync == "powersgd":
+        return grads, grads
+    if run.sync == "local_sgd":
+        return 0, max(grads, 4 * params.trainable if run.ema else 0)
+    return 0, 0
 
 
 def generation_bytes(shape: Shape, run: Run, b: int) -> int:
@@ -677,6 +695,17 @@ def _final_norm(shape: Shape, params: Params, run: Run) -> int:
 
 # ---------------------------------------------------------------------------------------------------------------
 # From a recipe
+
+
+def sync_memory(est: Estimate, run: Run) -> str:
+    """What distributed.sync adds to the plan (sync_bytes), for validate's sync line; "" when nothing."""
+    if run.sync == "powersgd":
+        return (f"memory: {size(est.sync)} of error feedback kept (every gradient's size) and the gradient bucket cloned "
+                f"each step, {size(est.sync_peak)}, counted in the plan below")
+    if run.sync == "local_sgd":
+        return (f"memory: the trained parameters flattened at each averaging{' (and the EMA at each save)' if run.ema else ''}, "
+                f"{size(est.sync_peak)}, counted in the plan below")
+    return ""
 
 
 def format_lines(est: Estimate, run: Run, gpu: int | None) -> list[str]:

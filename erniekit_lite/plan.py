@@ -40,8 +40,6 @@ def plan(recipe: Recipe, log=print) -> dict:
     router_line = router_losses(recipe, arch["shape"].experts > 0)[1]
     if router_line:
         log(router_line)
-    if recipe.distributed.sync != "every_step":
-        log(f"{recipe.distributed.describe()}; applies when training runs in more than one process (DDP)")
     for line in data_lines:
         log(line)
     offload = own_train(recipe, "offload")
@@ -52,6 +50,9 @@ def plan(recipe: Recipe, log=print) -> dict:
             f"{device_name(device, cuda)}; `train` decides against the GPU it runs on)")
     else:
         est, run = memory_estimate(recipe, args, arch, cuda, offload=offload)
+    if recipe.distributed.sync != "every_step":
+        log(f"{recipe.distributed.describe()}; applies when training runs in more than one process (DDP); "
+            f"{memory.sync_memory(est, run)}")
     gpu = memory.smallest_gpu(est.total)
     info["memory_gb"] = round(est.total / memory.GIB, 2)
     info["fits_gpu_gb"] = gpu
@@ -306,6 +307,7 @@ def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: boo
         ema=bool(recipe.train.get("ema")),
         host_offload=offload,
         processes=processes,
+        sync=recipe.distributed.sync,
     )
     return memory.estimate(arch["shape"], arch["memory"], run), run
 

@@ -350,6 +350,15 @@ class Recipe(_Section):
             if strategy == "steps" and (not isinstance(steps, int) or steps % every):
                 raise ValueError(f"distributed.sync_every {every}: train.save_steps ({steps}) must be a multiple of it, so "
                                  "every checkpoint falls on a sync point (all processes hold the same parameters)")
+            # between averagings each process holds its own parameters: an evaluation there scores a mix of models
+            evaluating = str(self.train.get("eval_strategy", "no")).lower()
+            if evaluating == "epoch":
+                raise ValueError(f"distributed.sync: local_sgd evaluates on sync points, which eval_strategy epoch does not "
+                                 f"fall on; use train.eval_strategy: steps with eval_steps a multiple of sync_every ({every})")
+            steps = self.train.get("eval_steps") or self.train.get("logging_steps", 10)  # the Trainer's default: logging_steps
+            if evaluating == "steps" and (not isinstance(steps, int) or steps % every):
+                raise ValueError(f"distributed.sync_every {every}: train.eval_steps ({steps}) must be a multiple of it, so "
+                                 "every evaluation sees the averaged model (between averagings each process holds its own)")
         return self
 
     @model_validator(mode="after")

@@ -121,6 +121,32 @@ def test_qlora_counts_4bit_linears_and_routed_experts():
     assert f"+ {experts:,} (fused routed experts)" in est.four_bit
 
 
+def test_powersgd_and_local_sgd_are_counted_in_the_plan():
+    """0.3B full fine-tuning: PowerSGD keeps an error-feedback buffer of every gradient's size for the whole run and
+    clones the one bucket each step; local SGD flattens the trained parameters (and, with train.ema, the fp32 EMA) at
+    each averaging. Both were left out of the plan."""
+    import dataclasses
+
+    from erniekit_lite.tiny import tiny_config
+
+    config = tiny_config("dense", 103424, released_shape=True)
+    shape, params = memory.Shape.from_config(config), memory.params_of(_meta(config))
+    run = memory.Run(tokens=8192, scored=8192, autocast=True)
+    plain = memory.estimate(shape, params, run)
+    powersgd = memory.estimate(shape, params, dataclasses.replace(run, sync="powersgd"))
+    grads = params.trainable * 4
+    assert powersgd.sync == powersgd.sync_peak == grads == plain.gradients
+    assert powersgd.static == plain.static + grads
+    assert powersgd.total - plain.total >= grads  # and the clone when it outgrows the forward's memory
+    local = memory.estimate(shape, params, dataclasses.replace(run, sync="local_sgd", dtype_bytes=2))
+    assert (local.sync, local.sync_peak) == (0, params.trainable * 2)
+    with_ema = memory.estimate(shape, params, dataclasses.replace(run, sync="local_sgd", dtype_bytes=2, ema=True))
+    assert with_ema.sync_peak == params.trainable * 4  # the fp32 EMA agreed at a save
+    assert memory.sync_memory(powersgd, dataclasses.replace(run, sync="powersgd")) == (
+        f"memory: {memory.size(grads)} of error feedback kept (every gradient's size) and the gradient bucket cloned each "
+        f"step, {memory.size(grads)}, counted in the plan below")
+
+
 def test_smallest_gpu():
     assert memory.smallest_gpu(3 * GIB) == 24
     assert memory.smallest_gpu(24 * GIB) == 24

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from test_distributed import train_cli, write_data
@@ -67,7 +68,8 @@ MODES = {
     "local_sgd_1": ("distributed.sync=local_sgd", "distributed.sync_every=1"),
     "powersgd_full": ("distributed.sync=powersgd", "distributed.powersgd_rank=64"),
     "powersgd_2": ("distributed.sync=powersgd", "distributed.powersgd_rank=2"),
-    "local_sgd_3": ("distributed.sync=local_sgd", "distributed.sync_every=3"),
+    # with a weight EMA: agreed over the processes at each save (ema.py), so it resumes exactly too
+    "local_sgd_3": ("distributed.sync=local_sgd", "distributed.sync_every=3", "train.ema={decay: 0.5, start: 1}"),
     "bf16": ("distributed.sync=bf16",),
 }
 
@@ -99,6 +101,13 @@ def test_each_mode_resumes_exactly(runs, recipe, tmp_path, mode):
     assert done.returncode == 0, done.stderr[-4000:]
     resumed = losses_and_norms(out)  # steps 1-3 from the checkpoint's history, 4-6 trained after the resume
     assert {s: resumed[s] for s in (4, 5, 6)} == {s: whole[s] for s in (4, 5, 6)}  # exactly: the same floats
+    if mode == "local_sgd_3":
+        from safetensors.torch import load_file
+
+        assert "ema.safetensors" in files
+        name = next(p.name for p in (out / "ema").glob("*.safetensors"))
+        ema, reference = load_file(out / "ema" / name), load_file(runs.dirs[mode] / "ema" / name)
+        assert ema.keys() == reference.keys() and all(torch.equal(ema[k], reference[k]) for k in ema)
 
 
 @pytest.mark.slow  # three launches, ~45 s
@@ -144,7 +153,8 @@ def test_validate_shows_the_choice_and_bad_settings_are_one_line(tmp_path, capsy
     assert code == 0, err
     assert ("sync: powersgd rank 4 (each gradient matrix sent as rank-4 factors with error feedback, from the third step; "
             "vectors and matrices the factors would not shrink are all-reduced as they are); applies when training runs "
-            "in more than one process (DDP)") in out
+            "in more than one process (DDP); memory: ") in out
+    assert "of error feedback kept (every gradient's size) and the gradient bucket cloned each step" in out
     code, out, _ = run_cli(capsys, "validate", recipe)
     assert code == 0 and "sync:" not in out  # every_step, the default, is DDP as it is
     for overrides, says in [
@@ -153,6 +163,9 @@ def test_validate_shows_the_choice_and_bad_settings_are_one_line(tmp_path, capsy
         (["distributed.sync=powersgd", "distributed.powersgd_rank=0"], "powersgd_rank: expected a whole number >= 1 (got 0)"),
         (["distributed.sync=local_sgd", "distributed.sync_every=2"], "distributed.sync_every 2: train.save_steps (3) must be a multiple of it"),
         (["distributed.sync=local_sgd", "distributed.sync_every=3", "train.save_strategy=epoch"], "local_sgd saves on sync points, which save_strategy epoch"),
+        (["distributed.sync=local_sgd", "distributed.sync_every=3", "train.eval_strategy=steps", "train.eval_steps=2"],
+         "distributed.sync_every 3: train.eval_steps (2) must be a multiple of it, so every evaluation sees the averaged model"),
+        (["distributed.sync=local_sgd", "distributed.sync_every=3", "train.eval_strategy=epoch"], "local_sgd evaluates on sync points"),
         (["distributed.sync=powersgd", "train.ddp_bucket_cap_mb=25"], "train.ddp_bucket_cap_mb: distributed.sync powersgd runs DDP with one gradient bucket"),
         (["distributed.sync=powersgd", "train.ddp_find_unused_parameters=true"], "train.ddp_find_unused_parameters: distributed.sync powersgd"),
     ]:
@@ -180,3 +193,69 @@ def test_sharded_runs_and_single_processes_are_told(capsys):
     single = SimpleNamespace(accelerator=SimpleNamespace(distributed_type=DistributedType.NO))
     assert setup(single, recipe, said.append) is None and not hasattr(single, "sync")
     assert said == [said[0]] and said[0].endswith(": one process, nothing to synchronise")
+
+
+def _agreeing(rank: int, port: int, results: str) -> None:
+    """One of 2 gloo processes running local SGD's step order by hand (a stand-in for the Trainer's loop: each
+    process's own update, the EMA callback, then the averaging every 2 steps, as the callbacks are registered), with
+    the project's WeightEma and sync.average; and the divergence guard of a stand-in trainer under local SGD."""
+    import json
+    import os
+    import types
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    from erniekit_lite.train import checkpoints
+    from erniekit_lite.train.ema import WeightEma
+    from erniekit_lite.train.sync import average
+
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(3, 2)
+    ema = WeightEma(decay=0.5, start=1)
+    ema.across = True
+    ema.attach(model)
+    params = list(model.parameters())
+    reference = None  # the EMA of the processes' mean parameters, computed on the side
+    for step in range(1, 8):
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn_like(p))  # each process's own step
+        ema.on_step_end(None, types.SimpleNamespace(global_step=step), None)
+        mean = [p.detach().clone() for p in params]
+        average(mean)
+        reference = mean if step <= 1 else [0.5 * r + 0.5 * m for r, m in zip(reference, mean)]
+        if step % 2 == 0:
+            average(params)  # local SGD's averaging
+    own = [e.clone() for e in ema.ema]
+    ema.agree()
+    result = {"agreed": max((e - r).abs().max().item() for e, r in zip(ema.ema, reference)),
+              "own": max((e - r).abs().max().item() for e, r in zip(own, reference))}
+
+    # the guard: a non-finite norm noted on rank 1 only (fused AdamW skips that step on the device) stops both
+    stand = checkpoints.CheckpointMixin.__new__(checkpoints.CheckpointMixin)
+    stand.sync = types.SimpleNamespace(section=types.SimpleNamespace(sync="local_sgd"))
+    stand._diverged_at = torch.tensor([5.0, float("inf"), 2.5]) if rank else torch.zeros(3)
+    try:
+        stand._check_diverged()
+        result["stopped"] = None
+    except checkpoints.Diverged as e:
+        result["stopped"] = [e.step, e.grad_norm, e.loss]
+    (Path(results) / f"{rank}.json").write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()
+
+
+def test_under_local_sgd_the_ema_is_the_averaged_models_and_a_divergence_stops_every_process(tmp_path):
+    """With local SGD each process's EMA followed its own path, and only rank 0's was saved; agreed at each save, it is
+    the EMA of the processes' mean parameters (within 1e-6) on both, where rank 0's own was not. A non-finite gradient
+    norm noted on one process stops both at that step (the other would wait in the next collective)."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.start_processes(_agreeing, (port, str(tmp_path)), nprocs=2, start_method="spawn")
+    results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    for r in results:
+        assert r["agreed"] <= 1e-6 and r["own"] > 1e-2, r
+        assert r["stopped"] == [5, float("inf"), 2.5], r

@@ -105,8 +105,10 @@ class CheckpointMixin:
             super()._save_checkpoint(model, trial)
         finally:
             self._staging = None
-        if getattr(self, "ema", None) is not None and self.args.should_save:  # train.ema, inside the checkpoint (ema.py)
-            self.ema.save(staging / name)
+        if getattr(self, "ema", None) is not None:  # train.ema, inside the checkpoint (ema.py)
+            self.ema.agree()  # local SGD: the processes' EMAs become one (collective: every process is here)
+            if self.args.should_save:
+                self.ema.save(staging / name)
         if getattr(self, "sync", None) is not None:  # distributed.sync: each process's own state (sync.py)
             self.sync.save(staging / name)
         if self.state.best_model_checkpoint == str(staging / name):  # the best is this one: name it as it will be
@@ -179,9 +181,20 @@ class CheckpointMixin:
             before = torch.zeros_like(noted) if self._diverged_at is None else self._diverged_at
             self._diverged_at = torch.where(bad & (before[0] == 0), noted, before)
             return grad_norm
-        if not math.isfinite(float(grad_norm)):
+        finite = math.isfinite(float(grad_norm))
+        if self._apart():  # local SGD: each process's own norm; all stop together, or the others wait in a collective
+            flag = torch.tensor([0.0 if finite else 1.0], device=grad_norm.device if torch.is_tensor(grad_norm) else "cpu")
+            torch.distributed.all_reduce(flag, torch.distributed.ReduceOp.MAX)
+            if flag.item() and finite:
+                raise Diverged(self.state.global_step + 1, float("nan"), float(self._last_loss))
+        if not finite:
             raise Diverged(self.state.global_step + 1, float(grad_norm), float(self._last_loss))
         return grad_norm
+
+    def _apart(self) -> bool:
+        """Whether the processes' gradient norms differ: local SGD, where each steps on its own gradients."""
+        sync = getattr(self, "sync", None)
+        return sync is not None and sync.section.sync == "local_sgd"
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         self._check_diverged()  # a logging step reads values back anyway
@@ -190,8 +203,13 @@ class CheckpointMixin:
     def _check_diverged(self) -> None:
         """Stops the run at the first step whose gradient norm was not finite (noted on the device)."""
         if self._diverged_at is not None:
-            step, grad_norm, loss = self._diverged_at.tolist()
-            if step:
+            noted = [self._diverged_at]
+            if self._apart():  # local SGD: the first step any process noted, so all stop together (this read's collective)
+                noted = [torch.zeros_like(self._diverged_at) for _ in range(torch.distributed.get_world_size())]
+                torch.distributed.all_gather(noted, self._diverged_at)
+            found = [row for row in torch.stack(noted).tolist() if row[0]]
+            if found:
+                step, grad_norm, loss = min(found)
                 raise Diverged(int(step), grad_norm, loss)
 
 

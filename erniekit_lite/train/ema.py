@@ -40,6 +40,9 @@ def setup(trainer, recipe, log=print) -> WeightEma | None:
         raise UserError("train.ema: the parameters are sharded across processes (FSDP, ZeRO-3), and the EMA would gather "
                         "them every step; use DDP or ZeRO-1/2, or remove train.ema")
     ema = WeightEma(settings["decay"], settings["start"])
+    # local SGD: each process keeps the EMA of its own parameters; their mean, taken when the EMA is saved, is the EMA
+    # of the processes' mean parameters (the EMA is linear), the model every process holds at each averaging
+    ema.across = recipe.distributed.sync == "local_sgd" and trainer.accelerator.num_processes > 1
     trainer.ema = ema
     trainer.add_callback(ema)
     trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
@@ -55,6 +58,7 @@ class WeightEma(TrainerCallback):
         self.params: list[torch.Tensor] = []
         self.ema: list[torch.Tensor] = []
         self.resume: Path | None = None  # the checkpoint training resumes from (callbacks.train sets it)
+        self.across = False  # local SGD: the processes' EMAs differ until `agree` (setup)
 
     def attach(self, model) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -76,6 +80,14 @@ class WeightEma(TrainerCallback):
             else:
                 torch._foreach_mul_(self.ema, self.decay)
                 torch._foreach_add_(self.ema, current, alpha=1.0 - self.decay)
+
+    def agree(self) -> None:
+        """Under local SGD, every process's EMA replaced by their mean: the EMA of the mean parameters. Collective:
+        every process calls it where the EMA is saved (a checkpoint, OUTPUT/ema); a no-op otherwise."""
+        if self.across:
+            from erniekit_lite.train.sync import average
+
+            average(self.ema)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: value.contiguous() for name, value in zip(self.names, self.ema)}
@@ -108,6 +120,7 @@ class WeightEma(TrainerCallback):
         run has eval data), then swapped back. Its metrics describe the EMA weights only: the run's facts (steps,
         tokens, time), the EMA's settings and its own eval metrics; not the trained weights' losses or loss curve."""
         target = Path(out) / DIR
+        self.agree()
         kept = [p.detach().to("cpu", copy=True) for p in self.params]
         with torch.no_grad():
             for p, e in zip(self.params, self.ema):
