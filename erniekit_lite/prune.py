@@ -130,10 +130,12 @@ def prune(source: str, experts: int | None, out: str, data: str | None = None, t
         summary, table = _prune(source, experts, top_k, layers, points, config, measured, prepared, held_rows, tokenizer,
                                 batch_size, staging, log)
         if table is not None:
-            write_report(table, [work / p.name for p in report_files], source, log)
+            write_report(table, [work / p.name for p in report_files], source)
         replace_dir(staging, target)
-        for p in report_files if table is not None else []:
-            os.replace(work / p.name, p)
+        if table is not None:
+            for p in report_files:
+                os.replace(work / p.name, p)
+            log(f"prune --report: wrote {report_files[0]} and {report_files[1]}")
     finally:
         shutil.rmtree(work, ignore_errors=True)  # nothing half-written is left beside --out
     log(f"prune: wrote {target}: loads with AutoModelForCausalLM.from_pretrained({str(target)!r})")
@@ -668,7 +670,7 @@ def _change(difference: float) -> str:
     return f"{round(difference, 4) + 0.0:+.4f}"  # + 0.0 turns round's -0.0 into 0.0
 
 
-def write_report(table: dict, files: list[Path], source: str, log) -> None:
+def write_report(table: dict, files: list[Path], source: str) -> None:
     markdown, plot = files
     markdown.write_text(report_markdown(table, source), encoding="utf-8")
     import matplotlib
@@ -703,7 +705,6 @@ def write_report(table: dict, files: list[Path], source: str, log) -> None:
     fig.tight_layout()
     fig.savefig(plot, dpi=100)
     plt.close(fig)
-    log(f"prune --report: wrote {markdown} and {plot}")
 
 
 def _size(nbytes: int) -> str:

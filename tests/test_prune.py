@@ -205,6 +205,34 @@ def test_report_tables_held_out_loss_by_size(zero_bias, zero_bias_pruned):
     assert f"wrote {out.parent / 'pruned.report.md'}" in printed
 
 
+def test_a_prune_that_fails_while_writing_its_report_leaves_the_earlier_one_whole(zero_bias, zero_bias_pruned, tmp_path, monkeypatch):
+    """The report is staged with the model: a failure while drawing the plot (a stand-in: savefig raising) leaves the
+    earlier prune's model and report as they were, and nothing staged beside them (the report was written in place
+    before, the new table beside the old model)."""
+    import shutil
+
+    import matplotlib.figure
+
+    from erniekit_lite.cli import main
+
+    earlier, _ = zero_bias_pruned
+    out = tmp_path / "pruned"
+    shutil.copytree(earlier, out)
+    for ext in (".md", ".png"):
+        shutil.copy(earlier.parent / f"pruned.report{ext}", tmp_path / f"pruned.report{ext}")
+    before = {p.name: p.read_bytes() for p in [*out.iterdir(), *tmp_path.glob("pruned.report.*")] if p.is_file()}
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("stand-in: the plot could not be written")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", fails)
+    with pytest.raises(RuntimeError, match="stand-in"):
+        main(["prune", str(zero_bias), "--experts", "3", "--data", str(IDENTITY), "--out", str(out), "--overwrite",
+              "--report", "8,3", "--eval", str(EVAL)])
+    assert {p.name: p.read_bytes() for p in [*out.iterdir(), *tmp_path.glob("pruned.report.*")] if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pruned", "pruned.report.md", "pruned.report.png"]
+
+
 def test_report_says_no_change_as_plus_zero():
     """A cut that scores the original's loss up to the last bits (an 8-expert model pruned to all 8: the same sums in
     another order; seen as -0.0000 on an AMD EPYC) reads +0.0000; a change shows its sign."""
