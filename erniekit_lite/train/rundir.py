@@ -95,7 +95,7 @@ def _model_card(path: Path) -> bool:
     return isinstance(meta, dict) and "library_name" in meta
 
 
-# The names runs write, by writer, read at transformers 5.23, peft 0.21.2, TRL 1.16, accelerate 1.15, DeepSpeed 0.18
+# The names runs write, by writer, read at transformers 5.23, peft 0.21.2, TRL 1.16, accelerate 1.15, DeepSpeed 0.19
 # and torch 2.13. A name no writer here writes (the user's notes, data, scripts) makes a folder not a run.
 # save_pretrained of a model (full or sharded), a peft adapter, a tokenizer, and generation settings
 SAVED = frozenset({
