@@ -72,14 +72,14 @@ def staging_dir(target: Path, what: str) -> Path:
 @contextmanager
 def staged(target: Path, what: str):
     """A `staging_dir` for `target` to write into; when the block ends it becomes `target` (`replace_dir`), and when
-    the block fails it is removed: nothing half-written is left beside the target."""
+    the block or the replacing fails it is removed: nothing is left beside the target but, at worst, the old one aside."""
     staging = staging_dir(target, what)
     try:
         yield staging
+        replace_dir(staging, target)  # a failure here has put the old target back (replace_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    replace_dir(staging, target)
 
 
 def _alive(pid: int) -> bool:

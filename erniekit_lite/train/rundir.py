@@ -111,7 +111,7 @@ DCP = Names(frozenset({".metadata"}), (r"__\d+_\d+\.distcp",))
 CHECKPOINT = Names(
     SAVED | {"trainer_state.json", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth",
              "ema.safetensors",  # train/ema.py
-             "latest", "zero_to_fp32.py"},  # DeepSpeed: the tag of its newest save, and its consolidation script
+             "latest", "zero_to_fp32.py", "zero_to_torch.py"},  # DeepSpeed: its newest save's tag, its recovery scripts
     SAVED_PATTERNS + (r"rng_state_\d+\.pth",  # one per process
                       r"sync-rank\d+\.pt",  # train/sync.py, one per process
                       r"grpo_generation_state_\d+\.pt"),  # train/grpo_trainer.py, one per process
