@@ -42,8 +42,11 @@ def write_event(out: Path, event: str, state, **fields) -> None:
 class FirstStep(TrainerCallback):
     """The run an overwrite moved aside is deleted once the new run's first optimizer step has finished (rundir)."""
 
+    def __init__(self, claimed: rundir.Claimed):
+        self.claimed = claimed
+
     def on_step_end(self, args, state, control, **kwargs):
-        rundir.first_step_done()
+        self.claimed.first_step_done()
 
 
 class ProgressLog(TrainerCallback):

@@ -51,10 +51,11 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
     model = load_for_training(recipe, log, apply_lora=not method.adapter_by_trainer)
 
     # Claimed only now, so a recipe or data mistake never leaves a half-made run dir behind
-    out = rundir.claim(recipe, log)
+    claimed = rundir.claim(recipe, log)
+    out = claimed.out
     try:  # an overwritten run waits aside until the first step (rundir): a failure before it puts it back
         trainer = method.build_trainer(model, tokenizer, args, data, recipe)
-        trainer.add_callback(callbacks.FirstStep())
+        trainer.add_callback(callbacks.FirstStep(claimed))
         skip_input_casts(trainer.model)  # adapters now exist, ours or the trainer's
         fused = fused_lora.describe(*fused_lora.fuse(trainer.model))
         if fused:
@@ -73,9 +74,9 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
             log(describe_model(trainer.model))  # the adapter exists only now
         result = callbacks.train(trainer, out, args.resume_from_checkpoint)
     except BaseException:
-        rundir.put_back(out, log)
+        claimed.put_back(log)
         raise
-    rundir.first_step_done()  # a run of no steps (max_steps reached) replaces it too
+    claimed.first_step_done()  # a run of no steps (max_steps reached) replaces it too
     metrics = {**result.metrics, **trainer.throughput(result.metrics["train_runtime"]), **method.metrics(trainer),
                "train_samples": method.trained(data), "distributed": trainer.distribution, **trainer.retry_metrics()}
     if data.eval is not None:

@@ -47,7 +47,6 @@ SCHEDULE_KEYS = (
 )
 
 
-_aside: Path | None = None  # the run an overwrite moved aside, until the new run's first step (claim, first_step_done)
 
 
 @dataclass(frozen=True)
@@ -227,8 +226,38 @@ def schedule_changes(recipe: Recipe, previous: Path) -> list[str]:
             for k in SCHEDULE_KEYS if old_train.get(k) != new_train.get(k)]
 
 
-def claim(recipe: Recipe, log=print) -> Path:
-    """Make the output dir this run's: clear it if asked, write the resolved recipe.
+@dataclass
+class Claimed:
+    """An output dir this run has claimed (`claim`), and the earlier run an overwrite moved aside (main process only),
+    kept until the new run's first optimizer step: then deleted, or put back if the run fails before it."""
+
+    out: Path
+    aside: Path | None = None
+
+    def first_step_done(self) -> None:
+        """The new run trained a step: the run it replaces goes (nothing to do where nothing was moved aside)."""
+        aside, self.aside = self.aside, None
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+
+    def put_back(self, log=print) -> None:
+        """The new run failed before its first step: the earlier run returns to its place. Called while that failure
+        propagates, so it never raises itself: a put-back that fails says where the earlier run is."""
+        aside, self.aside = self.aside, None
+        if aside is None or not aside.is_dir():
+            return
+        try:
+            shutil.rmtree(self.out, ignore_errors=True)
+            aside.rename(self.out)
+        except OSError as e:
+            log(f"output.overwrite: the run failed before its first step, and the earlier run could not be put back "
+                f"({e}); it is in {aside}: move it to {self.out} by hand")
+            return
+        log(f"output.overwrite: the run failed before its first step; the earlier run is back in {self.out}")
+
+
+def claim(recipe: Recipe, log=print) -> Claimed:
+    """Make the output dir this run's: clear it if asked (moving the earlier run aside), write the resolved recipe.
 
     In a launched run every process calls this and the main one claims, between two barriers: no process is
     still in `check` while the dir changes, and none goes on before it is ready.
@@ -236,7 +265,8 @@ def claim(recipe: Recipe, log=print) -> Path:
     from accelerate import PartialState
 
     state = PartialState()  # already set up by the TrainingArguments: the launched run's process group
-    out = Path(recipe.output.dir)
+    claimed = Claimed(Path(recipe.output.dir))
+    out = claimed.out
     state.wait_for_everyone()
     if state.is_main_process:
         previous = out / "recipe.yaml"
@@ -251,14 +281,13 @@ def claim(recipe: Recipe, log=print) -> Path:
             log(f"output.dir: {left} holds an earlier run that an overwrite moved aside and a killed run left there; "
                 f"to get it back, move it to a new name (mv {left} {out.with_name(out.name + '-earlier')}), or delete it")
         if check(recipe):
-            global _aside
-            _aside = unique(out, "replaced")  # two overwrites never share one
-            out.rename(_aside)
-            log(f"output.overwrite: the earlier run in {out} moved to {_aside}; deleted when the first step has finished")
+            claimed.aside = unique(out, "replaced")  # two overwrites never share one
+            out.rename(claimed.aside)
+            log(f"output.overwrite: the earlier run in {out} moved to {claimed.aside}; deleted when the first step has finished")
         out.mkdir(parents=True, exist_ok=True)
         (out / "recipe.yaml").write_text(_identity(recipe), encoding="utf-8")
     state.wait_for_everyone()
-    return out
+    return claimed
 
 
 def _identity(recipe: Recipe) -> str:
@@ -268,33 +297,6 @@ def _identity(recipe: Recipe) -> str:
     return recipe.model_copy(update={"output": recipe.output.model_copy(update={"overwrite": False}), "train": train}).to_yaml()
 
 
-def first_step_done() -> None:
-    """The new run trained a step: the run it replaces goes (main process; nothing to do elsewhere)."""
-    global _aside
-    if _aside is not None:
-        shutil.rmtree(_aside, ignore_errors=True)
-        _aside = None
-
-
 def leftovers(out: Path) -> list[Path]:
     """Earlier runs of `out` moved aside by an overwrite whose run was killed before it could delete or put them back."""
-    mine = _aside
-    return sorted(p for p in out.parent.glob(f".{out.name}.replaced-*") if p.is_dir() and p != mine)
-
-
-def put_back(out: Path, log=print) -> None:
-    """The new run failed before its first step: the earlier run returns to its place. Called while that failure
-    propagates, so it never raises itself: a put-back that fails says where the earlier run is."""
-    global _aside
-    aside, _aside = _aside, None
-    if aside is None or not aside.is_dir():
-        return
-    try:
-        shutil.rmtree(out, ignore_errors=True)
-        aside.rename(out)
-    except OSError as e:
-        log(f"output.overwrite: the run failed before its first step, and the earlier run could not be put back "
-            f"({e}); it is in {aside}: move it to {out} by hand")
-        return
-    log(f"output.overwrite: the run failed before its first step; the earlier run is back in {out}")
-
+    return sorted(p for p in out.parent.glob(f".{out.name}.replaced-*") if p.is_dir())
