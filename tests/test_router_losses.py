@@ -151,3 +151,30 @@ def test_the_keys_are_checked_as_recipe_keys(tmp_path, tiny_own_dir, tiny_moe_di
     assert main(["validate", str(recipe)]) == 0
     assert ("moe: router z-loss coefficient 0.01, logged as z_loss, orthogonal loss off (train.router_z_loss_coef, "
             "train.router_orthogonal_loss_coef)") in capsys.readouterr().out.splitlines()
+
+
+def test_a_multi_process_step_gathers_the_token_count_only_for_the_z_loss():
+    """The step's real tokens are gathered across processes (a collective, and a tensor made from a host int) only
+    when the z-loss divides by them; with its coefficient 0 an SFT/PT step of several processes makes no gather for it.
+    A stand-in trainer: only the mixin's `_get_num_items_in_batch` runs, over a counting `gather`."""
+    from types import SimpleNamespace
+
+    from erniekit_lite.train.router_losses import RouterLossMixin
+
+    gathered = []
+
+    class Base:
+        def _get_num_items_in_batch(self, batch_samples, device):
+            return None
+
+    class Stand(RouterLossMixin, Base):
+        args = SimpleNamespace(average_tokens_across_devices=True, world_size=2)
+        accelerator = SimpleNamespace(gather=lambda t: gathered.append(t) or torch.cat([t, t]))
+
+    stand = Stand()
+    batches = [{"real_tokens": 5}, {"real_tokens": 7}]
+    stand._get_num_items_in_batch(batches, "cpu")
+    assert gathered == [] and stand._step_real == 12
+    stand.router_z_coef = 1e-3
+    stand._get_num_items_in_batch(batches, "cpu")
+    assert len(gathered) == 1 and float(stand._step_real) == 24.0  # both processes' counts

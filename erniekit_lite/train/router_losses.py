@@ -56,9 +56,10 @@ class RouterLossMixin:
     _routers = None  # the routers' weights, found once (not by walking the model's parameters every micro-batch)
 
     def _get_num_items_in_batch(self, batch_samples: list, device):
-        # the collators count real tokens on the CPU (`collate.host_facts`): summed here, across processes on the device
+        # the collators count real tokens on the CPU (`collate.host_facts`): summed here, across processes on the device,
+        # only for the z-loss that divides by it (with its coefficient 0 a multi-process step makes no gather for it)
         real = sum(b["real_tokens"] for b in batch_samples) if all("real_tokens" in b for b in batch_samples) else None
-        if real is not None and self.args.average_tokens_across_devices and self.args.world_size > 1:
+        if real is not None and self.router_z_coef and self.args.average_tokens_across_devices and self.args.world_size > 1:
             real = self.accelerator.gather(torch.tensor([real], dtype=torch.float64, device=device)).sum()
         self._step_real = real
         return super()._get_num_items_in_batch(batch_samples, device)
