@@ -9,11 +9,13 @@ import argparse
 import os
 import sys
 
+from erniekit_lite import __version__
 from erniekit_lite.errors import Stopped, UserError
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="erniekit-lite", description="Fine-tune ERNIE 4.5 from YAML recipes.")
+    parser.add_argument("--version", action="version", version=f"erniekit-lite {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train from a recipe")

@@ -28,6 +28,14 @@ def recipe_file(tmp_path: Path, model_dir: Path, data: dict | None = None, **cha
                         output={"sample_prompts": ["Who are you?"]}, **changes)
 
 
+def test_version(capsys):
+    from erniekit_lite import __version__
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"erniekit-lite {__version__}\n"
+
+
 def test_help_does_not_import_torch():
     code = "import sys, erniekit_lite.cli; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -130,7 +130,9 @@ def test_cli_serves_localhost_behind_the_login_from_the_environment(tmp_path, mo
         return real_launch(self, **{**kwargs, "prevent_thread_lock": True, "quiet": True})
 
     monkeypatch.setattr(gr.Blocks, "launch", launch_in_background)
-    monkeypatch.setattr(gr.Blocks, "block_thread", lambda self: None)  # the CLI then waits for Ctrl-C; not here
+    from erniekit_lite.webui import app
+
+    monkeypatch.setattr(app, "serve_until_interrupted", lambda demo: None)  # the CLI then waits for Ctrl-C; not here
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ERNIEKIT_WEBUI_AUTH", "me:pw")
     with socket.socket() as s:
@@ -241,3 +243,33 @@ def test_a_ui_others_reach_runs_only_the_built_in_rewards(tmp_path, monkeypatch,
     assert answers == [(refusal,) * 3] * 2
     assert not (root / "mine.txt").exists() and not (root / "pkg.txt").exists()
     assert builtin == "recipe.yaml: valid"
+
+
+def test_ctrl_c_stops_the_web_ui_with_exit_130(tmp_path, monkeypatch, capsys):
+    """As `train` and `serve` exit: Ctrl-C (a KeyboardInterrupt while serving) closes the server and exits 130 (Gradio's
+    own wait caught it and the command exited 0)."""
+    import time as real_time
+
+    import gradio as gr
+
+    from erniekit_lite.webui import app
+
+    served = []
+    real_launch = gr.Blocks.launch
+
+    def launch_quietly(self, **kwargs):
+        served.append(self)
+        return real_launch(self, **{**kwargs, "quiet": True})
+
+    def ctrl_c(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gr.Blocks, "launch", launch_quietly)
+    monkeypatch.setattr(app, "time", type("T", (), {"sleep": staticmethod(ctrl_c), "time": real_time.time}))
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["webui", "--port", str(port)]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted"
+    assert not served[0].is_running  # closed

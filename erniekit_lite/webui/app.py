@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import time
 from pathlib import Path
 
 import gradio as gr
@@ -54,4 +55,14 @@ def launch(host: str, port: int, share: bool, auth: str | None) -> None:
                         prevent_thread_lock=True)
     public = f"; public link {demo.share_url}" if demo.share_url else " (a public link: --share)"
     print(f"erniekit-lite webui: {demo.local_url}{public}; Ctrl-C stops it", flush=True)
-    demo.block_thread()
+    serve_until_interrupted(demo)
+
+
+def serve_until_interrupted(demo: gr.Blocks) -> None:
+    """Serve until Ctrl-C, which goes on as KeyboardInterrupt: the CLI exits 130 then, as `train` and `serve` do
+    (Gradio's `block_thread` would catch it and return, and the command exited 0)."""
+    try:
+        while demo.is_running:
+            time.sleep(0.1)
+    finally:
+        demo.close()
