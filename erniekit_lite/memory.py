@@ -243,6 +243,11 @@ HOST_HELD = {  # what `train.offload` keeps in host memory (format_lines)
 }
 
 
+def a_gpu(gb: int) -> str:
+    """"a 24 GB GPU", "an 80 GB GPU": the article as the number is said."""
+    return f"{'an' if str(gb)[0] == '8' or str(gb) in ('11', '18') else 'a'} {gb} GB GPU"
+
+
 def size(n: int) -> str:
     """Bytes as GiB, or MiB below a tenth of one (a tiny model's host state)."""
     return f"{n / GIB:.1f} GiB" if n >= GIB // 10 else f"{n / 2**20:.1f} MiB"
@@ -718,7 +723,7 @@ def format_lines(est: Estimate, run: Run, gpu: int | None) -> list[str]:
         ckpt += f" every {run.every_n_layers} layers"
     if run.checkpointing and run.offload:
         ckpt += ", inputs offloaded"
-    fits = f"fits a {gpu} GB GPU" if gpu else f"does not fit one {GPUS_GB[-1]} GB GPU"
+    fits = f"fits {a_gpu(gpu)}" if gpu else f"does not fit one {GPUS_GB[-1]} GB GPU"
     parts = [
         f"{'weights in flight' if run.host_offload == 'parameters' else 'weights'} {g(est.weights)}",
         f"gradients {g(est.gradients)}",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from erniekit_lite import memory
 from erniekit_lite.recipe import Recipe, own_train
+from erniekit_lite import words
 
 
 def plan(recipe: Recipe, log=print) -> dict:
@@ -164,11 +165,11 @@ def data_plan(recipe: Recipe, args, tokenizer, log) -> tuple[dict, list[str]]:
     ]
     if recipe.method == "grpo":
         lines.append(f"batches: {rows} completions per epoch ({count} prompts x {args.num_generations}), each micro-batch's "
-                     f"{args.per_device_train_batch_size} scored as one packed row; {steps} optimizer steps of {per_step} completions")
+                     f"{args.per_device_train_batch_size} scored as one packed row; {words.count(steps, 'optimizer step')} of {words.count(per_step, 'completion')}")
     else:
         lines.append(
             f"batches: {rows} {'packed rows' if recipe.data.packing else 'padded rows'}, packing efficiency "
-            f"{info['packing_efficiency']:.1%}; {steps} optimizer steps of {per_step} rows"
+            f"{info['packing_efficiency']:.1%}; {words.count(steps, 'optimizer step')} of {words.count(per_step, 'row')}"
         )
     return info, lines
 
@@ -179,7 +180,7 @@ def unread_data_plan(recipe: Recipe, args, tokenizer_dir: str, log) -> tuple[dic
     if recipe.method == "grpo":
         log(rewards_line(recipe))  # the rewards import without data
     steps = args.max_steps if args.max_steps > 0 else None
-    counted = f"{steps} optimizer steps (train.max_steps)" if steps else "no token statistics or step count"
+    counted = f"{words.count(steps, 'optimizer step')} (train.max_steps)" if steps else "no token statistics or step count"
     full = "as packed rows nearly are" if recipe.data.packing else "an upper bound for padded rows"
     line = (f"data: not read (no tokenizer at {tokenizer_dir}); the memory plan assumes every row full, data.max_length "
             f"{recipe.data.max_length:,} tokens per sequence, {full}; {counted}")
@@ -371,7 +372,7 @@ def fits(est, device_bytes: int) -> bool:
 
 
 def device_name(device_bytes: int, cuda: bool) -> str:
-    return f"this GPU's {device_bytes / memory.GIB:.0f} GiB free" if cuda else f"a {device_bytes // memory.GIB} GB GPU"
+    return f"this GPU's {device_bytes / memory.GIB:.0f} GiB free" if cuda else memory.a_gpu(device_bytes // memory.GIB)
 
 
 def gpu_free() -> int:

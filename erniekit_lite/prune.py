@@ -49,6 +49,7 @@ from pathlib import Path
 
 from erniekit_lite.errors import UserError
 from erniekit_lite.files import replace_dir, staging_dir
+from erniekit_lite import words
 
 MARKER = "erniekit_pruned.json"  # written last: a dir holding it is a complete prune
 ROUTING = "sum over tokens of the normalised top-k routing weight (the weight each expert's output is mixed with)"
@@ -73,7 +74,7 @@ class Point:
     top_k: int | None
 
     def __str__(self) -> str:
-        return f"{self.layers} layers" + (f", {self.experts} experts, top-{self.top_k}" if self.experts else "")
+        return words.count(self.layers, "layer") + (f", {words.count(self.experts, 'expert')}, top-{self.top_k}" if self.experts else "")
 
 
 @dataclass

@@ -87,7 +87,7 @@ def test_untrainable_pairs_are_skipped_and_counted(tmp_path, capsys, tiny_own_di
     ])
     code, out, err = run_cli(capsys, "validate", dpo_recipe(tmp_path, tiny_own_dir, data={"train": [str(data)], "max_length": 64}))
     assert code == 0, err
-    assert "5 records" in out and "1 pairs in 1 rows" in out
+    assert "5 records" in out and "1 pair in 1 row" in out  # (it said "1 pairs in 1 rows")
     for reason in ("1 empty response", "1 identical chosen and rejected", "1 prompt longer than max_length", "1 tied sort"):
         assert reason in out
 

@@ -322,7 +322,7 @@ def test_validate_counts_labels_and_skips(tmp_path, capsys, tiny_own_dir):
     code, out, err = run_cli(capsys, "validate", kto_recipe(tmp_path, tiny_own_dir, data={"train": [str(data)], "max_length": 64}))
     assert code == 0, err
     assert "feedback format auto-detected as 'trl'" in out and "4 records -> 3 examples" in out
-    assert "2 examples (1 desirable, 1 undesirable) in 1 rows, each with its KL twin" in out
+    assert "2 examples (1 desirable, 1 undesirable) in 1 row, each with its KL twin" in out
     assert "skipped: 1 empty completion, 1 prompt longer than max_length" in out
 
 

@@ -367,3 +367,13 @@ def test_a_32k_token_packed_row_stays_within_the_plan(case, one_thread):
     for key in ("weights", "gradients", "optimizer"):
         assert est[key] == got[key], (key, est[key], got[key])
     assert 0.97 <= est["peak"] / got["peak"] <= 1.10, (est["peak"], got["peak"])
+
+
+def test_counts_and_gpu_sizes_read_as_english():
+    """"1 optimizer step", "1 row", "1 layer", "an 80 GB GPU" (they said "1 optimizer steps", "1 rows", "a 80 GB")."""
+    from erniekit_lite import words
+    from erniekit_lite.prune import Point
+
+    assert [words.count(n, "optimizer step") for n in (1, 2)] == ["1 optimizer step", "2 optimizer steps"]
+    assert [memory.a_gpu(gb) for gb in memory.GPUS_GB] == ["a 24 GB GPU", "a 48 GB GPU", "an 80 GB GPU", "a 141 GB GPU"]
+    assert str(Point(layers=1, experts=None, top_k=None)) == "1 layer"

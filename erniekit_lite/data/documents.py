@@ -36,6 +36,7 @@ from erniekit_lite.data.tokenize import IGNORE, TokenStats
 from erniekit_lite.errors import DataError
 from erniekit_lite.files import for_user
 from erniekit_lite.recipe import DataSection, Source
+from erniekit_lite import words
 
 PT_FORMATS = ("auto", "text", "erniekit", "txt")
 # Documents per tokenizer call: up to this many characters (at least one document). Measured on a 32 MB corpus of
@@ -195,11 +196,11 @@ def describe_documents(data: PreparedDocuments) -> str:
         lines.append(f"  {src.path} [{src.format}{' (auto)' if src.detected else ''}]: {src.documents} documents -> {src.pieces} pieces{mixed}")
     lines.append(
         f"  train: {s.documents} documents ({s.cut} cut into pieces, {s.empty} empty skipped) -> {data.train.rows.count} "
-        f"pieces, {data.train.rows.real_tokens:,} tokens in {len(data.train.rows)} rows, packing efficiency "
+        f"pieces, {data.train.rows.real_tokens:,} tokens in {words.count(len(data.train.rows), 'row')}, packing efficiency "
         f"{data.train.packing_efficiency:.1%}"
     )
     if data.eval is not None:
-        lines.append(f"  eval: {data.eval.rows.count} pieces in {len(data.eval.rows)} rows")
+        lines.append(f"  eval: {words.count(data.eval.rows.count, 'piece')} in {words.count(len(data.eval.rows), 'row')}")
     return "\n".join(lines)
 
 

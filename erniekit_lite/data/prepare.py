@@ -33,6 +33,7 @@ from erniekit_lite.data.template import RewritesHistory, template_for
 from erniekit_lite.data.tokenize import Sample, Tokenizer, TokenStats
 from erniekit_lite.errors import DataError
 from erniekit_lite.recipe import DataSection, Source
+from erniekit_lite import words
 
 PROGRESS_MIN = 10_000  # records; smaller inputs are done before a bar would say anything
 AUTO_PER_PROCESS = 5_000  # records per process before `num_proc: null` starts another one
@@ -474,12 +475,12 @@ def describe_data(data: PreparedData) -> str:
         lines.append(f"  {src.path} [{src.format}{' (auto)' if src.detected else ''}]: {src.records} records -> {src.samples} samples"
                      + _mix_note(src, "samples"))
     lines.append(
-        f"  train: {len(data.train.samples)} samples in {len(data.train.rows)} rows, "
+        f"  train: {words.count(len(data.train.samples), 'sample')} in {words.count(len(data.train.rows), 'row')}, "
         f"packing efficiency {data.train.packing_efficiency:.1%}; truncated {s.truncated}, "
         f"dropped {s.dropped_overlong} overlong and {s.dropped_untrained} without trained tokens"
     )
     if data.eval is not None:
-        lines.append(f"  eval: {len(data.eval.samples)} samples in {len(data.eval.rows)} rows")
+        lines.append(f"  eval: {words.count(len(data.eval.samples), 'sample')} in {words.count(len(data.eval.rows), 'row')}")
     return "\n".join(lines)
 
 
@@ -491,11 +492,11 @@ def describe_pairs(data: PreparedPairs) -> str:
                      + _mix_note(src, "pairs"))
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(s.skipped.items())) or "none"
     lines.append(
-        f"  train: {len(data.train.pairs)} pairs in {len(data.train.rows)} rows, packing efficiency "
+        f"  train: {words.count(len(data.train.pairs), 'pair')} in {words.count(len(data.train.rows), 'row')}, packing efficiency "
         f"{data.train.packing_efficiency:.1%}; truncated {s.truncated}; skipped: {skipped}"
     )
     if data.eval is not None:
-        lines.append(f"  eval: {len(data.eval.pairs)} pairs in {len(data.eval.rows)} rows")
+        lines.append(f"  eval: {words.count(len(data.eval.pairs), 'pair')} in {words.count(len(data.eval.rows), 'row')}")
     return "\n".join(lines)
 
 
@@ -588,14 +589,14 @@ def describe_feedback(data: PreparedFeedback) -> str:
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(s.skipped.items())) or "none"
     twins = ", each with its KL twin" if data.train.kl else ""
     lines.append(
-        f"  train: {len(data.train.examples)} examples ({desirable} desirable, {len(data.train.examples) - desirable} "
-        f"undesirable) in {len(data.train.rows)} rows{twins}, packing efficiency {data.train.packing_efficiency:.1%}; "
+        f"  train: {words.count(len(data.train.examples), 'example')} ({desirable} desirable, "
+        f"{len(data.train.examples) - desirable} undesirable) in {words.count(len(data.train.rows), 'row')}{twins}, packing efficiency {data.train.packing_efficiency:.1%}; "
         f"truncated {s.truncated}; skipped: {skipped}"
     )
     if data.eval is not None:
         held = sum(e.desirable for e in data.eval.examples)
-        lines.append(f"  eval: {len(data.eval.examples)} examples ({held} desirable, {len(data.eval.examples) - held} "
-                     f"undesirable) in {len(data.eval.rows)} rows")
+        lines.append(f"  eval: {words.count(len(data.eval.examples), 'example')} ({held} desirable, "
+                     f"{len(data.eval.examples) - held} undesirable) in {words.count(len(data.eval.rows), 'row')}")
     return "\n".join(lines)
 
 
