@@ -229,9 +229,10 @@ def model_config(source: str, need_moe: bool):
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: could not read the model config: {str(e).strip().splitlines()[0]}") from None
     if need_moe and config.model_type != "ernie4_5_moe":
-        raise UserError(f"{source}: a {config.model_type} model has no routed experts to prune; prune takes an ERNIE 4.5 MoE (ernie4_5_moe)")
+        raise UserError(f"{source}: {words.a(config.model_type)} model has no routed experts to prune; --experts takes an ERNIE 4.5 "
+                        "MoE (ernie4_5_moe), and --layers cuts a dense model too")
     if config.model_type not in ("ernie4_5", "ernie4_5_moe"):
-        raise UserError(f"{source}: a {config.model_type} model; prune takes ERNIE 4.5 (ernie4_5, ernie4_5_moe)")
+        raise UserError(f"{source}: {words.a(config.model_type)} model; prune takes ERNIE 4.5 (ernie4_5, ernie4_5_moe)")
     return config
 
 
@@ -278,7 +279,7 @@ def report_points(report: str | None, config, layers: int | None, experts: int |
         except ValueError:
             raise UserError(f"--report {part}: expected numbers separated by commas, {GRID}") from None
         if name != "layers" and not moe:
-            raise UserError(f"--report {part}: a {config.model_type} model has no routed experts; its grid is layers=...")
+            raise UserError(f"--report {part}: {words.a(config.model_type)} model has no routed experts; its grid is layers=...")
     if not axes:
         raise UserError(f"--report: empty; give a grid, {GRID}")
     total = config.num_hidden_layers

@@ -481,8 +481,16 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recip
     if not path.is_file():
         path = shipped.find(str(path)) or path
     if not path.is_file():
-        close = difflib.get_close_matches(str(path).removeprefix(shipped.PREFIX).removesuffix(".yaml"), shipped.names(), n=1)
-        hint = f"did you mean '{close[0]}'?" if close else "a shipped recipe's name also works: erniekit-lite recipes"
+        stem = str(path).removeprefix(shipped.PREFIX).removesuffix(".yaml")
+        close = difflib.get_close_matches(stem, shipped.names(), n=1)
+        # a part of a name (`sft`, `dpo-lora`): the shipped recipes whose name has it, the first few
+        parts = [name for name in shipped.names() if stem and stem in name.rsplit("/", 1)[-1]]
+        if close:
+            hint = f"did you mean '{close[0]}'?"
+        elif parts:
+            hint = f"shipped recipes with '{stem}' in their name: {', '.join(parts[:4])}{', ...' if len(parts) > 4 else ''}"
+        else:
+            hint = "nor a shipped recipe's name: `erniekit-lite recipes` lists them, e.g. quickstart, ernie-4.5-0.3b/sft-lora"
         raise RecipeError(str(path), f"recipe file not found ({hint})")
     text = path.read_text(encoding="utf-8")
     try:

@@ -374,7 +374,8 @@ def test_refusals_are_one_line(tmp_path, capsys, zero_bias, zero_bias_pruned, de
     out, _ = zero_bias_pruned
     cases = [
         (["prune", zero_bias, "--experts", "4", "--out", tmp_path / "a"], f"--data: {zero_bias} is a model, not a run"),
-        (["prune", dense_dir, "--experts", "4", "--data", IDENTITY, "--out", tmp_path / "a"], "a ernie4_5 model has no routed experts"),
+        (["prune", dense_dir, "--experts", "4", "--data", IDENTITY, "--out", tmp_path / "a"],
+         "an ernie4_5 model has no routed experts to prune; --experts takes an ERNIE 4.5 MoE (ernie4_5_moe), and --layers cuts a dense model too"),
         (["prune", zero_bias, "--experts", "4", "--data", IDENTITY, "--out", out], f"{out}: not empty; choose a new --out, or --overwrite"),
         (["prune", zero_bias, "--experts", "4", "--data", IDENTITY, "--out", dense_dir, "--overwrite"], "not a previous prune"),
         (["prune", tmp_path / "nope", "--experts", "4", "--data", IDENTITY, "--out", tmp_path / "a"], "no such directory"),
@@ -610,8 +611,8 @@ def test_layers_bad_arguments_are_one_line(tmp_path, capsys, dense_dir, zero_bia
     cases = [
         ([dense_dir, "--layers", "2"], "--layers 2: must be from 1 to 1 (the model has 2 decoder layers)"),
         ([dense_dir], "prune: give --experts K (routed experts kept per MoE layer), --layers L (decoder layers kept), or both"),
-        ([dense_dir, "--layers", "1", "--report", "layers=2 experts=4"], "--report experts=4: a ernie4_5 model has no routed experts; its grid is layers=..."),
-        ([dense_dir, "--layers", "1", "--report", "4"], "--report experts=4: a ernie4_5 model has no routed experts"),
+        ([dense_dir, "--layers", "1", "--report", "layers=2 experts=4"], "--report experts=4: an ernie4_5 model has no routed experts; its grid is layers=..."),
+        ([dense_dir, "--layers", "1", "--report", "4"], "--report experts=4: an ernie4_5 model has no routed experts"),
         ([zero_bias, "--layers", "2", "--report", "layers=2 layers=1"], "--report layers=1: layers given twice"),
     ]
     for argv, says in cases:

@@ -179,6 +179,15 @@ def test_a_misspelt_section_says_did_you_mean_first_and_a_recipe_name_too(tmp_pa
     with pytest.raises(RecipeError) as e:
         recipes.load("quickstrat")
     assert str(e.value) == "quickstrat: recipe file not found (did you mean 'quickstart'?)"
+    # a part of a name lists the recipes that have it; a name like none says where the names are
+    with pytest.raises(RecipeError) as e:
+        recipes.load("sft-lora-32")
+    assert str(e.value) == ("sft-lora-32: recipe file not found (shipped recipes with 'sft-lora-32' in their name: "
+                            "ernie-4.5-21b-a3b-thinking/sft-lora-32k)")
+    with pytest.raises(RecipeError) as e:
+        recipes.load("banana")
+    assert str(e.value) == ("banana: recipe file not found (nor a shipped recipe's name: `erniekit-lite recipes` lists "
+                            "them, e.g. quickstart, ernie-4.5-0.3b/sft-lora)")
 
 
 def test_the_recipes_list_gives_each_shipped_recipe_a_whole_sentence(capsys):
