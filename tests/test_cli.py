@@ -233,6 +233,27 @@ def test_output_dir_of_another_run_is_refused(tmp_path, capsys, tiny_own_dir):
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before  # nothing else was touched
 
 
+def test_a_start_that_never_trained_leaves_nothing_that_blocks_the_next(tmp_path, capsys, tiny_own_dir):
+    """A start refused by the workers, or stopped while loading, leaves only recipe.yaml (and progress.jsonl's start):
+    not a run, so the corrected command takes the folder (it was refused as "a different run"). A folder with a
+    trained step, or anything else in it, is still refused."""
+    recipe = recipe_file(tmp_path, tiny_own_dir)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "recipe.yaml").write_text((tmp_path / "recipe.yaml").read_text().replace("learning_rate: 0.003", "learning_rate: 0.5"))
+    (out / "progress.jsonl").write_text('{"event": "start", "step": 0, "max_steps": 2}\n')
+    code, stdout, err = run_cli(capsys, "train", recipe, "train.max_steps=2")
+    assert code == 0, err
+    assert f"output.dir: {out} held a start that never trained a step; taken for this run" in stdout
+    assert (out / "train_results.json").is_file() and not list(tmp_path.glob(".out.replaced-*"))
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "recipe.yaml").write_text((out / "recipe.yaml").read_text())
+    (other / "progress.jsonl").write_text('{"event": "log", "step": 1}\n')  # it trained a step
+    assert "holds a different run" in _bad(capsys, "train", recipe, "train.max_steps=3", f"output.dir={other}")
+
+
 def test_overwrite_never_takes_the_working_folder_the_model_or_the_data(tmp_path, capsys, tiny_own_dir, monkeypatch):
     import shutil
 

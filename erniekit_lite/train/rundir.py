@@ -178,6 +178,8 @@ def check(recipe: Recipe) -> bool:
         same = previous.is_file() and previous.read_text(encoding="utf-8") == _identity(recipe)
         finished = (out / "train_results.json").is_file()
         resuming = recipe.train.get("resume_from_checkpoint") not in (None, False)
+        if not resuming and never_trained(out):
+            return True  # a start that failed or was stopped before its first step: nothing of a run to keep
         if recipe.output.overwrite and not resuming:
             reason = not_a_run(out, recipe)
             if reason:
@@ -209,6 +211,22 @@ def check(recipe: Recipe) -> bool:
         if finished:
             raise UserError(f"output.dir: {out} already holds a finished run of this recipe; set output.overwrite=true to train again")
     return False
+
+
+def never_trained(out: Path) -> bool:
+    """Whether `out` holds only what a run writes when it claims its folder (recipe.yaml, progress.jsonl's start)
+    and never trained a step: a start that failed (a setting refused by the workers, Ctrl-C while loading). Such a
+    folder is not a run, and the next start takes it."""
+    import json
+
+    names = {p.name for p in out.iterdir()}
+    if "recipe.yaml" not in names or not names <= {"recipe.yaml", "progress.jsonl"}:
+        return False
+    try:
+        lines = (out / "progress.jsonl").read_text(encoding="utf-8").splitlines() if "progress.jsonl" in names else []
+        return not any(json.loads(line).get("step", 0) for line in lines if line.strip())
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def schedule_changes(recipe: Recipe, previous: Path) -> list[str]:
@@ -280,10 +298,12 @@ def claim(recipe: Recipe, log=print) -> Claimed:
         for left in leftovers(out):
             log(f"output.dir: {left} holds an earlier run that an overwrite moved aside and a killed run left there; "
                 f"to get it back, move it to a new name (mv {left} {out.with_name(out.name + '-earlier')}), or delete it")
+        unstarted = out.is_dir() and any(out.iterdir()) and never_trained(out)
         if check(recipe):
             claimed.aside = unique(out, "replaced")  # two overwrites never share one
             out.rename(claimed.aside)
-            log(f"output.overwrite: the earlier run in {out} moved to {claimed.aside}; deleted when the first step has finished")
+            log(f"output.dir: {out} held a start that never trained a step; taken for this run" if unstarted else
+                f"output.overwrite: the earlier run in {out} moved to {claimed.aside}; deleted when the first step has finished")
         out.mkdir(parents=True, exist_ok=True)
         (out / "recipe.yaml").write_text(_identity(recipe), encoding="utf-8")
     state.wait_for_everyone()
