@@ -646,6 +646,27 @@ def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int
             raise RecipeError(where, f"unknown key '{key}' in train{_did_you_mean(key, valid)}")
         train[key] = _check_type(key, value, fields[key]["sample"], where)
         _check_choice(key, train[key], fields[key]["choices"], where)
+        if key == "max_steps" and train[key] != -1 and train[key] < 1:  # the Trainer reads any other value as "epochs"
+            raise RecipeError(where, f"train.max_steps: expected a whole number of optimizer steps, at least 1, or -1 "
+                                     f"to train train.num_train_epochs (got {value!r})")
+        if key == "report_to":
+            _check_loggers(train[key], where)
+
+
+def _check_loggers(value: Any, where: str) -> None:
+    """train.report_to: loggers transformers knows and this environment has (`train` died in a traceback)."""
+    names = [value] if isinstance(value, str) else list(value or [])
+    if not [n for n in names if n not in ("none", "all")]:
+        return
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+
+    for name in names:
+        if name in ("none", "all"):
+            continue
+        if name not in INTEGRATION_TO_CALLBACK:
+            raise RecipeError(where, f"train.report_to: unknown logger {name!r}{_did_you_mean(name, [*INTEGRATION_TO_CALLBACK, 'all', 'none'])}")
+        if name not in get_available_reporting_integrations():
+            raise RecipeError(where, f"train.report_to: {name} is not installed here (pip install {name.replace('_', '-')})")
 
 
 def _check_own(key: str, value: Any, method: str, lora: bool, where: str) -> Any:

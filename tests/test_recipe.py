@@ -213,3 +213,24 @@ def test_the_recipes_list_into_a_pipe_that_closes_early_ends_quietly():
     listing.stdout.close()  # the reader is gone before the list is written, as `head` is once it has its line
     err = listing.stderr.read().decode()
     assert listing.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_max_steps_and_loggers_are_refused_before_anything_loads(tmp_path):
+    """`train.max_steps: -5` trained the epochs silently (the Trainer reads any value below 1 as "use epochs"); a
+    mistyped or missing logger passed validate and `train` died in a 36-line traceback. Each is one line naming the
+    key, from the recipe check that validate and train share."""
+    for override, says in (
+        ("train.max_steps=-5", "train.max_steps: expected a whole number of optimizer steps, at least 1, or -1 to train "
+                               "train.num_train_epochs (got -5)"),
+        ("train.report_to=tensorbord", "train.report_to: unknown logger 'tensorbord'; did you mean 'tensorboard'?"),
+        ("train.report_to=[none, xyz]", "train.report_to: unknown logger 'xyz'; expected one of: azure_ml,"),
+    ):
+        with pytest.raises(RecipeError) as e:
+            recipes.load("quickstart", [override])
+        assert says in str(e.value), str(e.value)
+    from transformers.integrations.integration_utils import get_available_reporting_integrations
+
+    if "tensorboard" not in get_available_reporting_integrations():  # as on the test machines
+        with pytest.raises(RecipeError, match="train.report_to: tensorboard is not installed here"):
+            recipes.load("quickstart", ["train.report_to=tensorboard"])
+    assert recipes.load("quickstart", ["train.max_steps=-1", "train.report_to=none"]).train["max_steps"] == -1
