@@ -690,6 +690,11 @@ def listed_choices(field) -> tuple | None:
     choices = field.metadata.get("choices")
     if choices is None and field.name == "loss_type":
         choices = dict.fromkeys(re.findall(r"`'(\w+)'`", field.metadata.get("help", ""))) or None
+    if choices is None:  # transformers' enum fields (`SchedulerType | str`: lr_scheduler_type, optim, the strategies)
+        import enum
+
+        enums = [t for t in getattr(field.type, "__args__", ()) if isinstance(t, type) and issubclass(t, enum.Enum)]
+        choices = [member.value for member in enums[0]] if enums else None
     return tuple(choices) if choices is not None else None
 
 
@@ -699,8 +704,12 @@ def _check_choice(key: str, value: Any, choices, where: str) -> None:
     if choices is None or value is None:
         return
     for item in value if isinstance(value, list) else [value]:
+        if item is False and "no" in choices:  # YAML 1.1 reads `save_strategy: no` as false (trainer_args)
+            continue
         if item not in choices:
-            raise RecipeError(where, f"train.{key}: expected one of {', '.join(map(str, choices))} (got {item!r})")
+            close = difflib.get_close_matches(str(item), [str(c) for c in choices], n=1)
+            raise RecipeError(where, f"train.{key}: expected one of {', '.join(map(str, choices))} (got {item!r})"
+                                     + (f"; did you mean '{close[0]}'?" if close else ""))
 
 
 def _primitive(field: Any) -> Any:

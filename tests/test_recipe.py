@@ -234,3 +234,17 @@ def test_max_steps_and_loggers_are_refused_before_anything_loads(tmp_path):
         with pytest.raises(RecipeError, match="train.report_to: tensorboard is not installed here"):
             recipes.load("quickstart", ["train.report_to=tensorboard"])
     assert recipes.load("quickstart", ["train.max_steps=-1", "train.report_to=none"]).train["max_steps"] == -1
+    # transformers' enum fields: the key's file and line, and a "did you mean" (the config's own check named neither)
+    path = tmp_path / "r.yaml"
+    from erniekit_lite import shipped
+
+    path.write_text((shipped.RECIPES / "quickstart.yaml").read_text().replace("lr_scheduler_type: cosine", "lr_scheduler_type: cosin"))
+    line = path.read_text().splitlines().index(next(l for l in path.read_text().splitlines() if "lr_scheduler_type: cosin" in l)) + 1
+    with pytest.raises(RecipeError) as e:
+        recipes.load(path)
+    assert str(e.value).startswith(f"{path}:{line}: train.lr_scheduler_type: expected one of linear, cosine, ")
+    assert str(e.value).endswith("(got 'cosin'); did you mean 'cosine'?")
+    for override, says in (("train.optim=adamw_tourch", "did you mean 'adamw_torch'?"), ("train.save_strategy=stepz", "did you mean 'steps'?")):
+        with pytest.raises(RecipeError, match=says):
+            recipes.load("quickstart", [override])
+    assert recipes.load("quickstart", ["train.save_strategy=no"]).train["save_strategy"] in ("no", False)
