@@ -223,6 +223,10 @@ def never_trained(out: Path) -> bool:
     if "recipe.yaml" not in names or not names <= {"recipe.yaml", "progress.jsonl"}:
         return False
     try:
+        load(str(out / "recipe.yaml"), [])  # what a run's claim writes: a recipe (anything else is not a run's)
+    except UserError:
+        return False
+    try:
         lines = (out / "progress.jsonl").read_text(encoding="utf-8").splitlines() if "progress.jsonl" in names else []
         return not any(json.loads(line).get("step", 0) for line in lines if line.strip())
     except (OSError, ValueError, AttributeError):
