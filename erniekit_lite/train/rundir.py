@@ -143,8 +143,9 @@ def not_a_run(out: Path, recipe: Recipe) -> str | None:
     for entry in recipe.rewards or []:
         if entry.model is not None:
             guarded.append(("a reward model", Path(entry.model).expanduser()))
-        if entry.function is not None and reward_file(entry.function) is not None:
-            guarded.append(("a reward function", reward_file(entry.function)))
+        file = reward_file(entry.function) if entry.function is not None else None
+        if file is not None:
+            guarded.append(("a reward function", file))
     for what, path in guarded:
         if not path.exists():
             continue
