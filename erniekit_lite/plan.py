@@ -426,7 +426,7 @@ def propose_offload(recipe: Recipe, args, arch: dict, est, device_bytes: int, cu
 
 
 # Set on the Trainer arguments when the plan turned checkpointing off: a first step that runs out of memory then turns
-# it back on and runs that batch again (train/trainer.py, OutOfMemoryRetryMixin)
+# it back on and runs that batch again (train/step.py, `ErnieTrainer.training_step`)
 CHECKPOINTING_OFF_BY_PLAN = "erniekit_checkpointing_off_by_plan"
 
 

@@ -17,7 +17,7 @@ from accelerate import Accelerator
 
 from erniekit_lite.plan import choose_checkpointing
 from erniekit_lite.train import callbacks, run as runner
-from erniekit_lite.train.trainer import RETRIED_AT
+from erniekit_lite.train.step import RETRIED_AT
 from helpers import run_cli, write_recipe
 
 TRAIN = {"learning_rate": 1e-3, "max_steps": 3, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,

@@ -4,7 +4,7 @@ and 2 pairs, 2 rows per process per batch, so the last batch is evened out with 
 TRL's chosen-then-rejected [2B] layout, one value per row (the evaluation loop's loss) and as one scalar per process; accelerate's own cut counted rows as pairs.
 
 The trainer's side (which micro-batch is the last, the collators' `row_units`) is a stand-in here: the loop sets
-`last_rows` as `StepWeightsMixin` does; tests/test_step_weights.py's 2-process runs check it end to end."""
+`last_rows` as `step_weights.PairTrainer` does; tests/test_step_weights.py's 2-process runs check it end to end."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import torch
 from erniekit_lite.cli import main
 from erniekit_lite.errors import RecipeError
 from erniekit_lite.model.load import load_model
-from erniekit_lite.train.router_losses import RouterLossMixin, orthogonal_loss, routers, z_loss_sum
+from erniekit_lite.train.router_losses import RouterLosses, orthogonal_loss, routers, z_loss_sum
 from helpers import write_recipe
 
 RTOL = 1e-6
@@ -78,27 +78,19 @@ def test_the_z_loss_weighs_every_real_token_of_the_step_equally():
     """Two micro-batches of 10 and 30 real tokens in one step: their terms add up to the step's mean over 40 tokens
     (not the mean of the two micro-batch means); the orthogonal loss is added once per step in all."""
 
-    class Trainer(RouterLossMixin):
-        router_z_coef, router_orthogonal_coef = 0.01, 0.1
-        args = SimpleNamespace(average_tokens_across_devices=True, world_size=1)
-        accelerator = SimpleNamespace(num_processes=1)
-
-        def __init__(self):
-            self._metrics = {"train": collections.defaultdict(list)}
-
-    trainer, generator = Trainer(), torch.Generator().manual_seed(0)
+    router, logged, generator = RouterLosses(0.01, 0.1), collections.defaultdict(list), torch.Generator().manual_seed(0)
     batches = [[torch.randn(n, 8, generator=generator) * 3 for _ in range(2)] for n in (10, 30)]
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([torch.nn.Module()])
     model.layers[0].mlp = torch.nn.Module()
     model.layers[0].mlp.gate = torch.nn.Linear(4, 8, bias=False)
-    trainer._step_real = 40
-    added = sum(trainer.router_terms(model, SimpleNamespace(router_logits=b), None, b[0].shape[0], 2, "train") for b in batches)
+    router.step_real = 40
+    added = sum(router.terms(model, SimpleNamespace(router_logits=b), None, b[0].shape[0], 2, logged, 1) for b in batches)
     z = [z_loss_sum(b) for b in batches]
     want = 0.01 * (z[0] + z[1]) / 40 + 0.1 * orthogonal_loss(routers(model))
     assert_close(added, want, "step")
     assert abs(added.item() - (0.01 * (z[0] / 10 + z[1] / 30) / 2 + 0.1 * orthogonal_loss(routers(model))).item()) > 1e-3
-    assert [len(trainer._metrics["train"][k]) for k in ("z_loss", "orthogonal_loss")] == [2, 2]
+    assert [len(logged[k]) for k in ("z_loss", "orthogonal_loss")] == [2, 2]
 
 
 def losses(out) -> list[dict]:
@@ -156,25 +148,17 @@ def test_the_keys_are_checked_as_recipe_keys(tmp_path, tiny_own_dir, tiny_moe_di
 def test_a_multi_process_step_gathers_the_token_count_only_for_the_z_loss():
     """The step's real tokens are gathered across processes (a collective, and a tensor made from a host int) only
     when the z-loss divides by them; with its coefficient 0 an SFT/PT step of several processes makes no gather for it.
-    A stand-in trainer: only the mixin's `_get_num_items_in_batch` runs, over a counting `gather`."""
+    Only the step's count (`RouterLosses.count_step`, which the SFT trainer's `_get_num_items_in_batch` calls) runs
+    here, over a stand-in accelerator's counting `gather`."""
     from types import SimpleNamespace
 
-    from erniekit_lite.train.router_losses import RouterLossMixin
-
     gathered = []
-
-    class Base:
-        def _get_num_items_in_batch(self, batch_samples, device):
-            return None
-
-    class Stand(RouterLossMixin, Base):
-        args = SimpleNamespace(average_tokens_across_devices=True, world_size=2)
-        accelerator = SimpleNamespace(gather=lambda t: gathered.append(t) or torch.cat([t, t]))
-
-    stand = Stand()
+    args = SimpleNamespace(average_tokens_across_devices=True, world_size=2)
+    accelerator = SimpleNamespace(gather=lambda t: gathered.append(t) or torch.cat([t, t]))
+    router = RouterLosses()
     batches = [{"real_tokens": 5}, {"real_tokens": 7}]
-    stand._get_num_items_in_batch(batches, "cpu")
-    assert gathered == [] and stand._step_real == 12
-    stand.router_z_coef = 1e-3
-    stand._get_num_items_in_batch(batches, "cpu")
-    assert len(gathered) == 1 and float(stand._step_real) == 24.0  # both processes' counts
+    router.count_step(batches, args, accelerator, "cpu")
+    assert gathered == [] and router.step_real == 12
+    router.z_coef = 1e-3
+    router.count_step(batches, args, accelerator, "cpu")
+    assert len(gathered) == 1 and float(router.step_real) == 24.0  # both processes' counts

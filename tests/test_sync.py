@@ -232,11 +232,10 @@ def _agreeing(rank: int, port: int, results: str) -> None:
               "own": max((e - r).abs().max().item() for e, r in zip(own, reference))}
 
     # the guard: a non-finite norm noted on rank 1 only (fused AdamW skips that step on the device) stops both
-    stand = checkpoints.CheckpointMixin.__new__(checkpoints.CheckpointMixin)
-    stand.sync = types.SimpleNamespace(section=types.SimpleNamespace(sync="local_sgd"))
-    stand._diverged_at = torch.tensor([5.0, float("inf"), 2.5]) if rank else torch.zeros(3)
+    guard = checkpoints.DivergenceGuard()
+    guard.noted = torch.tensor([5.0, float("inf"), 2.5]) if rank else torch.zeros(3)
     try:
-        stand._check_diverged()
+        guard.check(apart=True)  # local SGD
         result["stopped"] = None
     except checkpoints.Diverged as e:
         result["stopped"] = [e.step, e.grad_norm, e.loss]

@@ -192,7 +192,7 @@ def train(trainer, out: Path, resume_from_checkpoint=None):
     try:
         with stop.installed():
             result = trainer.train(resume_from_checkpoint=resume)
-    except UserError:  # e.g. the first step out of memory (trainer.OutOfMemoryRetryMixin): its line after the bar's
+    except UserError:  # e.g. the first step out of memory (step.ErnieTrainer.training_step): its line after the bar's
         trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)
         raise
     except checkpoints.Diverged as e:

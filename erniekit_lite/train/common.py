@@ -82,7 +82,7 @@ def watch_moe(trainer, recipe: Recipe, log=print):
     router = "trained" if any(p.requires_grad for n, p in trainer.model.named_parameters() if ".mlp.gate." in n) else "frozen"
     log(f"moe: router {router}, router aux loss {aux} (train.router_aux_loss_coef; 0 turns it off)")
     if line:
-        trainer.router_z_coef, trainer.router_orthogonal_coef = coefs["router_z_loss_coef"], coefs["router_orthogonal_loss_coef"]
+        trainer.router.z_coef, trainer.router.orthogonal_coef = coefs["router_z_loss_coef"], coefs["router_orthogonal_loss_coef"]
         log(line)
     if not recipe.output.expert_load:
         return None

@@ -13,14 +13,11 @@ from __future__ import annotations
 from trl import DPOTrainer
 
 from erniekit_lite.model.lora import unwrap
-from erniekit_lite.train.checkpoints import CheckpointMixin
-from erniekit_lite.train.optimizer import OptimizerMixin
-from erniekit_lite.train.pair_scoring import PairRowsMixin, add_packed_forward
-from erniekit_lite.train.step_weights import StepWeightsMixin
-from erniekit_lite.train.trainer import HostBoundsMixin, ThroughputMixin
+from erniekit_lite.train.pair_scoring import add_packed_forward
+from erniekit_lite.train.step_weights import PairTrainer
 
 
-class ErnieDPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, OptimizerMixin, StepWeightsMixin, PairRowsMixin, DPOTrainer):
+class ErnieDPOTrainer(PairTrainer, DPOTrainer):
     def __init__(self, *args, reference_cache: bool = True, **kwargs):
         self.reference_cache = reference_cache  # read by the reference precompute, which runs inside TRL's __init__
         super().__init__(*args, **kwargs)

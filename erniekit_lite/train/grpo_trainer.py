@@ -39,10 +39,8 @@ from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import Tokenizer
 from erniekit_lite.model.attention import PACKED
 from erniekit_lite.model.lora import unwrap
-from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.grpo_scoring import MARK, add_packed_scoring, packed_inputs, to_layout
-from erniekit_lite.train.optimizer import OptimizerMixin
-from erniekit_lite.train.trainer import ThroughputMixin
+from erniekit_lite.train.step import ErnieTrainer
 
 GENERATION_STATE = "grpo_generation_state_{}.pt"  # in a checkpoint, per process index
 
@@ -53,7 +51,7 @@ def _inner(model):
     return unwrap(model)
 
 
-class ErnieGRPOTrainer(CheckpointMixin, ThroughputMixin, OptimizerMixin, GRPOTrainer):
+class ErnieGRPOTrainer(ErnieTrainer, GRPOTrainer):
     packed_scoring = True  # False (data.packing: false): TRL's own padded scoring (the parity tests compare the two)
 
     def __init__(self, *args, **kwargs):

@@ -32,11 +32,9 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from erniekit_lite.model.lora import unwrap
-from erniekit_lite.train.checkpoints import CheckpointMixin
-from erniekit_lite.train.optimizer import OptimizerMixin
 from erniekit_lite.train.pair_scoring import add_packed_forward
-from erniekit_lite.train.step_weights import StepWeightsMixin
-from erniekit_lite.train.trainer import HostBoundsMixin, ThroughputMixin, real_tokens
+from erniekit_lite.train.step import real_tokens
+from erniekit_lite.train.step_weights import PairTrainer
 
 NOT_MODEL_INPUTS = ("completion_mask", "label", "ref_logps", "ref_KL_logps", "token_slots", "row_units")
 
@@ -48,7 +46,7 @@ def side(batch: dict, kl: bool) -> dict:
     return {k: v for k, v in batch.items() if not k.startswith("KL_") and k not in NOT_MODEL_INPUTS}
 
 
-class ErnieKTOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, OptimizerMixin, StepWeightsMixin, KTOTrainer):
+class ErnieKTOTrainer(PairTrainer, KTOTrainer):
     def __init__(self, *positional, args, reference_cache: bool = True, **kwargs):
         self.reference_cache = reference_cache  # read by the reference precompute, which runs inside TRL's __init__
         requested = args.per_device_train_batch_size, args.train_sampling_strategy
@@ -79,14 +77,12 @@ class ErnieKTOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, Optimiz
     def _set_signature_columns_if_needed(self):
         self._signature_columns = ["input_ids", "labels", "seq_lengths", "desirable", "ref_logps", "ref_KL_logps"]
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        inputs = dict(inputs)
+    def batch_real_tokens(self, inputs: dict) -> int:
         real = real_tokens(inputs)
         if "KL_input_ids" in inputs:
             twins = real_tokens(inputs, "KL_")
             real += twins if self.calculate_KL else 0  # the twins run through the model too
-        self.count_tokens(model, real, inputs.pop("token_slots", 0))
-        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return real
 
     def _scores(self, model, batch: dict, kl: bool) -> torch.Tensor:
         """Summed completion log-probs per sequence of one side, through our packed forward (no grad here: TRL

@@ -13,11 +13,11 @@ is made there, DPO's by TRL and tagged by `train/dpo.py`.
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 from erniekit_lite.errors import UserError
 from erniekit_lite.model.lora import SETTINGS
-from erniekit_lite.train import offload
 
 
 def lora_plus_ratio(model) -> float | None:
@@ -25,54 +25,41 @@ def lora_plus_ratio(model) -> float | None:
     return getattr(lora, "plus_lr_ratio", None)
 
 
-class OptimizerMixin:
-    def create_optimizer(self, model=None):
-        if self.optimizer is not None:
-            return super().create_optimizer(model)
-        if lora_plus_ratio(self.model) is None:
-            super().create_optimizer(model)
-        else:
-            self.optimizer = self._lora_plus(model)
-        if offload.applied(self.args).mode == "optimizer":
-            self.optimizer = offload.HostStep(self.optimizer)
-        return self.optimizer
+def lora_plus(trainer, model=None):
+    """peft's LoRA+ optimizer with the Trainer's own optimizer class and arguments (the module doc)."""
+    from peft.optimizers import create_loraplus_optimizer
+    from transformers.trainer_optimizer import is_optimizer_factory
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        if checkpoint is None or offload.host_step(self.optimizer) is None or self.args.world_size == 1:
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        # transformers loads a multi-process run's optimizer state onto the GPU first (trainer.py), a full copy the
-        # host step exists to keep off it: loaded onto the host instead
-        import torch
+    opt_model = trainer.model if model is None else model
+    if trainer.optimizer_cls_and_kwargs is not None:
+        optimizer_cls, kwargs = trainer.optimizer_cls_and_kwargs
+    else:
+        optimizer_cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, opt_model)
+    kwargs = dict(kwargs)
+    if is_optimizer_factory(optimizer_cls) or {"params", "model", "optimizer_dict"} & kwargs.keys():
+        optim = getattr(trainer.args.optim, "value", trainer.args.optim)
+        raise UserError(f"lora.plus_lr_ratio: train.optim {optim} builds its own parameter groups; LoRA+ needs a "
+                        "plain optimizer (adamw_torch, adamw_torch_fused, adamw_8bit, sgd, ...)")
+    lr = kwargs.pop("lr", trainer.args.learning_rate)
+    return create_loraplus_optimizer(opt_model, optimizer_cls, lr=lr, loraplus_lr_ratio=lora_plus_ratio(trainer.model),
+                                     loraplus_weight_decay=trainer.args.weight_decay, **kwargs)
 
-        load = torch.load
-        with mock.patch.object(torch, "load", lambda *a, **k: load(*a, **{**k, "map_location": "cpu"})):
-            return super()._load_optimizer_and_scheduler(checkpoint)
 
-    def _lora_plus(self, model):
-        ratio = lora_plus_ratio(self.model)
-        from peft.optimizers import create_loraplus_optimizer
-        from transformers.trainer_optimizer import is_optimizer_factory
+def check_deepspeed(trainer) -> None:
+    """A DeepSpeed config with its own `optimizer` block makes DeepSpeed build the optimizer: `create_optimizer` (and
+    with it LoRA+) would never run."""
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if lora_plus_ratio(trainer.model) is not None and plugin is not None and "optimizer" in (plugin.deepspeed_config or {}):
+        raise UserError("lora.plus_lr_ratio: the DeepSpeed config has its own optimizer block, which replaces the "
+                        "Trainer's optimizer (and LoRA+); remove that block or lora.plus_lr_ratio")
 
-        opt_model = self.model if model is None else model
-        if self.optimizer_cls_and_kwargs is not None:
-            optimizer_cls, kwargs = self.optimizer_cls_and_kwargs
-        else:
-            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
-        kwargs = dict(kwargs)
-        if is_optimizer_factory(optimizer_cls) or {"params", "model", "optimizer_dict"} & kwargs.keys():
-            optim = getattr(self.args.optim, "value", self.args.optim)
-            raise UserError(f"lora.plus_lr_ratio: train.optim {optim} builds its own parameter groups; LoRA+ needs a "
-                            "plain optimizer (adamw_torch, adamw_torch_fused, adamw_8bit, sgd, ...)")
-        lr = kwargs.pop("lr", self.args.learning_rate)
-        return create_loraplus_optimizer(
-            opt_model, optimizer_cls, lr=lr, loraplus_lr_ratio=ratio, loraplus_weight_decay=self.args.weight_decay, **kwargs
-        )
 
-    def train(self, *args, **kwargs):
-        # A DeepSpeed config with its own `optimizer` block makes DeepSpeed build the optimizer: create_optimizer
-        # (and with it LoRA+) would never run
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        if lora_plus_ratio(self.model) is not None and plugin is not None and "optimizer" in (plugin.deepspeed_config or {}):
-            raise UserError("lora.plus_lr_ratio: the DeepSpeed config has its own optimizer block, which replaces the "
-                            "Trainer's optimizer (and LoRA+); remove that block or lora.plus_lr_ratio")
-        return super().train(*args, **kwargs)
+@contextlib.contextmanager
+def loaded_on_host():
+    """transformers loads a multi-process run's optimizer state onto the GPU first (trainer.py), a full copy the host
+    step exists to keep off it: within, `torch.load` maps it to the host instead."""
+    import torch
+
+    load = torch.load
+    with mock.patch.object(torch, "load", lambda *a, **k: load(*a, **{**k, "map_location": "cpu"})):
+        yield

@@ -15,7 +15,6 @@ import torch
 from trl.trainer.utils import FusedCausalLMOutput
 
 from erniekit_lite.train.scoring import score
-from erniekit_lite.train.trainer import real_tokens
 
 
 def add_packed_forward(model) -> None:
@@ -69,15 +68,3 @@ def pair_scores(model, kwargs: dict) -> FusedCausalLMOutput:
         label_mask=layout(torch.ones_like(token)).bool(),
         aux_loss=scores.aux_loss,
     )
-
-
-class PairRowsMixin:
-    """A TRL preference trainer fed our pair rows: its real tokens counted, our columns kept."""
-
-    def _set_signature_columns_if_needed(self):
-        self._signature_columns = ["input_ids", "labels", "seq_lengths"]
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        inputs = dict(inputs)
-        self.count_tokens(model, real_tokens(inputs), inputs.pop("token_slots", 0))
-        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -36,12 +36,9 @@ from erniekit_lite.model.lora import unwrap
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import dpo
 from erniekit_lite.train import run as runner
-from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.common import trainer_inputs
-from erniekit_lite.train.optimizer import OptimizerMixin
-from erniekit_lite.train.pair_scoring import PairRowsMixin, add_packed_forward
-from erniekit_lite.train.step_weights import StepWeightsMixin
-from erniekit_lite.train.trainer import HostBoundsMixin, ThroughputMixin
+from erniekit_lite.train.pair_scoring import add_packed_forward
+from erniekit_lite.train.step_weights import PairTrainer
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # trl.experimental warns once, at import, that its APIs may change
@@ -74,59 +71,71 @@ class _Tokenized:
         return getattr(self.dataset, name)
 
 
-class ReferenceFreeMixin(StepWeightsMixin, PairRowsMixin):
-    """TRL's ORPO / CPO trainer, scoring packed pair rows; `average_log_prob` and `with_nll` say what its loss reads."""
-
-    def __init__(self, *args, train_dataset, eval_dataset=None, **kwargs):
-        super().__init__(*args, train_dataset=_Tokenized(train_dataset),
-                         eval_dataset=None if eval_dataset is None else _Tokenized(eval_dataset), **kwargs)
-        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.use_dpo_data_collator = True  # else `prediction_step` warns at every eval batch; ours carries all it needs
-        config = self.model.config.get_text_config()
-        self.router_aux_loss_coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
-        self.aux_loss_enabled = hasattr(config, "output_router_logits") and self.router_aux_loss_coef != 0.0
-        self.aux_loss_coef = self.router_aux_loss_coef  # what TRL's `get_batch_loss_metrics` adds the aux loss with
-        add_packed_forward(unwrap(self.model))
-
-    average_log_prob: bool
-    with_nll: bool
-    nll_coef: float  # what TRL's loss multiplies the NLL by
-
-    def concatenated_forward(self, model, batch):
-        """TRL's (chosen_logps, rejected_logps, chosen_logits, rejected_logits, nll_loss[, aux_loss]) from one packed
-        forward. The logits are each side's mean logit over its scored positions (TRL's metrics take their `.mean()`)."""
-        out = model(**{k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}, output_router_logits=self.aux_loss_enabled)
-        token, mask = out.log_probs, out.label_mask
-        n = len(token) // 2  # chosen rows first
-        logps = token.sum(-1)
-        if self.average_log_prob:
-            logps = logps / mask.sum(-1)
-        if self.with_nll:
-            nll = -token[:n].sum() / mask[:n].sum()
-            self._token_term = (self.nll_coef, nll)  # weighed by the step's chosen tokens (step_weights.py)
-        else:
-            nll = token.new_zeros(())
-        # TRL logs each side's `.mean()`: the mean over its scored positions, as one value (a boolean mask's size would
-        # be a host read)
-        def mean_logit(rows: slice) -> torch.Tensor:
-            return ((out.mean_logits[rows] * mask[rows]).sum() / mask[rows].sum()).reshape(1)
-
-        result = (logps[:n], logps[n:], mean_logit(slice(None, n)), mean_logit(slice(n, None)), nll)
-        if not self.aux_loss_enabled:
-            return result
-        # TRL's loss adds it; logged as in SFT and DPO (TRL's ORPO and CPO do not log it)
-        self.store_metrics({"aux_loss" if model.training else "eval_aux_loss": out.aux_loss.item()}, "train" if model.training else "eval")
-        return result + (out.aux_loss,)
+def wrapped(kwargs: dict) -> dict:
+    """TRL's keywords with our rows as datasets whose `map` returns them unchanged (TRL's `__init__` tokenizes)."""
+    return {**kwargs, "train_dataset": _Tokenized(kwargs["train_dataset"]),
+            "eval_dataset": None if kwargs.get("eval_dataset") is None else _Tokenized(kwargs["eval_dataset"])}
 
 
-class ErnieORPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, OptimizerMixin, ReferenceFreeMixin, ORPOTrainer):
+def set_up(trainer, kwargs: dict) -> None:
+    """After TRL's `__init__`: our rows back, the MoE aux loss as in SFT and DPO, the packed forward."""
+    trainer.train_dataset, trainer.eval_dataset = kwargs["train_dataset"], kwargs.get("eval_dataset")
+    trainer.use_dpo_data_collator = True  # else `prediction_step` warns at every eval batch; ours carries all it needs
+    config = trainer.model.config.get_text_config()
+    trainer.router_aux_loss_coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    trainer.aux_loss_enabled = hasattr(config, "output_router_logits") and trainer.router_aux_loss_coef != 0.0
+    trainer.aux_loss_coef = trainer.router_aux_loss_coef  # what TRL's `get_batch_loss_metrics` adds the aux loss with
+    add_packed_forward(unwrap(trainer.model))
+
+
+def concatenated_forward(self, model, batch):
+    """TRL's (chosen_logps, rejected_logps, chosen_logits, rejected_logits, nll_loss[, aux_loss]) from one packed
+    forward, in place of TRL's ORPO / CPO `concatenated_forward`. The logits are each side's mean logit over its scored
+    positions (TRL's metrics take their `.mean()`). `self.average_log_prob`, `self.with_nll` and `self.nll_coef` say
+    what the trainer's loss reads."""
+    out = model(**{k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}, output_router_logits=self.aux_loss_enabled)
+    token, mask = out.log_probs, out.label_mask
+    n = len(token) // 2  # chosen rows first
+    logps = token.sum(-1)
+    if self.average_log_prob:
+        logps = logps / mask.sum(-1)
+    if self.with_nll:
+        nll = -token[:n].sum() / mask[:n].sum()
+        self._token_term = (self.nll_coef, nll)  # weighed by the step's chosen tokens (step_weights.py)
+    else:
+        nll = token.new_zeros(())
+    # TRL logs each side's `.mean()`: the mean over its scored positions, as one value (a boolean mask's size would
+    # be a host read)
+    def mean_logit(rows: slice) -> torch.Tensor:
+        return ((out.mean_logits[rows] * mask[rows]).sum() / mask[rows].sum()).reshape(1)
+
+    result = (logps[:n], logps[n:], mean_logit(slice(None, n)), mean_logit(slice(n, None)), nll)
+    if not self.aux_loss_enabled:
+        return result
+    # TRL's loss adds it; logged as in SFT and DPO (TRL's ORPO and CPO do not log it)
+    self.store_metrics({"aux_loss" if model.training else "eval_aux_loss": out.aux_loss.item()}, "train" if model.training else "eval")
+    return result + (out.aux_loss,)
+
+
+class ErnieORPOTrainer(PairTrainer, ORPOTrainer):
     average_log_prob = True  # the odds ratio of average log-probs
     with_nll = True
     nll_coef = 1.0
+    concatenated_forward = concatenated_forward
+
+    def __init__(self, **kwargs):
+        super().__init__(**wrapped(kwargs))
+        set_up(self, kwargs)
 
 
-class ErnieCPOTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, OptimizerMixin, ReferenceFreeMixin, CPOTrainer):
+class ErnieCPOTrainer(PairTrainer, CPOTrainer):
     """`method: simpo` (loss_type simpo, trainer_args.py); the other CPO losses work alike."""
+
+    concatenated_forward = concatenated_forward
+
+    def __init__(self, **kwargs):
+        super().__init__(**wrapped(kwargs))
+        set_up(self, kwargs)
 
     @property
     def average_log_prob(self) -> bool:

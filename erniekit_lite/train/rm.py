@@ -27,12 +27,8 @@ from erniekit_lite.model.lora import unwrap
 from erniekit_lite.model.reward import HEAD, add_pair_forward, check_start, is_reward_run
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import run as runner
-from erniekit_lite.train.checkpoints import CheckpointMixin
 from erniekit_lite.train.common import trainer_inputs
-from erniekit_lite.train.optimizer import OptimizerMixin
-from erniekit_lite.train.pair_scoring import PairRowsMixin
-from erniekit_lite.train.step_weights import StepWeightsMixin
-from erniekit_lite.train.trainer import HostBoundsMixin, PlainLoraSaveMixin, ThroughputMixin
+from erniekit_lite.train.step_weights import PairTrainer
 
 
 def run(recipe: Recipe, log=print) -> Path:
@@ -43,8 +39,7 @@ def run(recipe: Recipe, log=print) -> Path:
     return runner.run(recipe, METHOD, log)
 
 
-class ErnieRewardTrainer(CheckpointMixin, ThroughputMixin, HostBoundsMixin, OptimizerMixin, PlainLoraSaveMixin, StepWeightsMixin,
-                         PairRowsMixin, RewardTrainer):
+class ErnieRewardTrainer(PairTrainer, RewardTrainer):
     aux_loss_enabled = False  # TRL's RewardTrainer adds no MoE router aux loss (read by train/common.watch_moe)
     router_aux_loss_coef = 0.0
 

@@ -46,40 +46,39 @@ def routers(model) -> list[torch.Tensor]:
     return [p for name, p in model.named_parameters() if name.endswith("mlp.gate.weight")]
 
 
-class RouterLossMixin:
-    """For the SFT/PT trainer: the step's real tokens counted with its micro-batches (the z-loss's denominator), and
-    both losses added in `router_terms`. `router_z_coef` / `router_orthogonal_coef` are set from the recipe."""
+class RouterLosses:
+    """What the SFT/PT trainer adds for the router (its `router`, made by `train/common.watch_moe`): the step's real
+    tokens counted with its micro-batches (the z-loss's denominator) in `count_step`, both losses in `terms`."""
 
-    router_z_coef = 0.0
-    router_orthogonal_coef = 0.0
-    _step_real = None  # real tokens of the optimizer step, over all processes (a device tensor across processes)
-    _routers = None  # the routers' weights, found once (not by walking the model's parameters every micro-batch)
+    def __init__(self, z_coef: float = 0.0, orthogonal_coef: float = 0.0):
+        self.z_coef, self.orthogonal_coef = z_coef, orthogonal_coef
+        self.step_real = None  # real tokens of the optimizer step, over all processes (a device tensor across processes)
+        self._routers = None  # the routers' weights, found once (not by walking the model's parameters every micro-batch)
 
-    def _get_num_items_in_batch(self, batch_samples: list, device):
-        # the collators count real tokens on the CPU (`collate.host_facts`): summed here, across processes on the device,
-        # only for the z-loss that divides by it (with its coefficient 0 a multi-process step makes no gather for it)
+    def count_step(self, batch_samples: list, args, accelerator, device) -> None:
+        """The collators count real tokens on the CPU (`collate.host_facts`): summed here, across processes on the
+        device only for the z-loss that divides by them (with its coefficient 0 a multi-process step gathers nothing)."""
         real = sum(b["real_tokens"] for b in batch_samples) if all("real_tokens" in b for b in batch_samples) else None
-        if real is not None and self.router_z_coef and self.args.average_tokens_across_devices and self.args.world_size > 1:
-            real = self.accelerator.gather(torch.tensor([real], dtype=torch.float64, device=device)).sum()
-        self._step_real = real
-        return super()._get_num_items_in_batch(batch_samples, device)
+        if real is not None and self.z_coef and args.average_tokens_across_devices and args.world_size > 1:
+            real = accelerator.gather(torch.tensor([real], dtype=torch.float64, device=device)).sum()
+        self.step_real = real
 
-    def router_terms(self, model, scores, mask, real: int, steps: int | None, mode: str) -> torch.Tensor | int:
-        """What the router losses add to a micro-batch's loss (0 when both are off), and their logged values. `steps`:
-        the micro-batches of the optimizer step whose loss is not divided by them again (the token loss's
-        `num_items_in_batch` case), None otherwise (evaluation)."""
+    def terms(self, model, scores, mask, real: int, steps: int | None, logged: dict, processes: int) -> torch.Tensor | int:
+        """What the router losses add to a micro-batch's loss (0 when both are off); their values appended to `logged`
+        (metric name -> list). `steps`: the micro-batches of the optimizer step whose loss is not divided by them
+        again (the token loss's `num_items_in_batch` case), None otherwise (evaluation). `processes`: what the
+        Trainer's token loss is multiplied by (its `average_tokens_across_devices`)."""
         added = 0
-        if self.router_z_coef and scores.router_logits is not None:
+        if self.z_coef and scores.router_logits is not None:
             z = z_loss_sum(scores.router_logits, mask)
-            self._metrics[mode]["z_loss"].append(z.detach() / max(1, real))  # the micro-batch's mean, per layer summed
-            if steps is not None and self._step_real is not None:
-                processes = self.accelerator.num_processes if self.args.average_tokens_across_devices else 1
-                added = added + self.router_z_coef * z * processes / self._step_real
+            logged["z_loss"].append(z.detach() / max(1, real))  # the micro-batch's mean, per layer summed
+            if steps is not None and self.step_real is not None:
+                added = added + self.z_coef * z * processes / self.step_real
             else:
-                added = added + self.router_z_coef * z / max(1, real)
-        if self.router_orthogonal_coef and mode == "train":
+                added = added + self.z_coef * z / max(1, real)
+        if self.orthogonal_coef and model.training:
             self._routers = self._routers or routers(model)
             orthogonal = orthogonal_loss(self._routers)
-            self._metrics[mode]["orthogonal_loss"].append(orthogonal.detach())
-            added = added + self.router_orthogonal_coef * orthogonal / (steps or 1)
+            logged["orthogonal_loss"].append(orthogonal.detach())
+            added = added + self.orthogonal_coef * orthogonal / (steps or 1)
         return added

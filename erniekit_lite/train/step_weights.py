@@ -29,23 +29,33 @@ import contextlib
 import torch
 
 from erniekit_lite.train import ragged_gather
+from erniekit_lite.train.step import ErnieTrainer, real_tokens
 from erniekit_lite.train.trl_metrics import metrics_on_device
 
 
-class StepWeightsMixin:
-    """For a TRL preference trainer: `units(batch)` counts a micro-batch's pairs (or examples); a loss with a
-    per-token term stores it as `self._token_term = (coef, value)` during the forward that computed it."""
+class PairTrainer(ErnieTrainer):
+    """The base of the preference methods' Trainers (DPO, KTO, ORPO, SimPO, RM), before TRL's class: our pair rows
+    (columns kept, real tokens counted) and every pair weighing the same in a step (the module doc).
+
+    `units(batch)` counts a micro-batch's pairs (or examples); a loss with a per-token term stores it as
+    `self._token_term = (coef, value)` during the forward that computed it."""
 
     _step_totals: tuple[float, float, int, int] | None = None
     _token_term: tuple[float, torch.Tensor] | None = None
     _last_batch: dict | None = None  # the step's last micro-batch when it is the training dataloader's last
-    _scoring_last = False  # the micro-batch in `training_step` is that one
     _last_rows: list[int] | None = None  # the pairs of each row of the micro-batch being scored, when it is the last
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # a packed micro-batch's pair count differs between processes, and accelerate evens out the last in rows
         ragged_gather.install(self.accelerator, lambda: self._last_rows, self)
+
+    def _set_signature_columns_if_needed(self):
+        self._signature_columns = ["input_ids", "labels", "seq_lengths"]
+
+    def batch_real_tokens(self, inputs: dict) -> int:
+        """The real tokens a micro-batch runs through the model (its keys popped)."""
+        return real_tokens(inputs)
 
     def units(self, batch: dict) -> int:
         return batch["input_ids"].shape[0] // 2  # TRL's [2B, L] layout: chosen rows, then rejected
@@ -83,14 +93,11 @@ class StepWeightsMixin:
             weighed = weighed + coef * value * ((self.chosen_tokens(batch) / tokens - share) * scale)
         return weighed
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        self._scoring_last = inputs is self._last_batch
-        return super().training_step(model, inputs, num_items_in_batch)
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
+        self.count_tokens(model, self.batch_real_tokens(inputs), inputs.pop("token_slots", 0))
         rows = inputs.pop("row_units", None)  # the collator's pairs (examples) per row, for `ragged_gather`
-        last = self._scoring_last if model.training else self.accelerator.gradient_state.end_of_dataloader
+        last = (self._micro_batch is self._last_batch) if model.training else self.accelerator.gradient_state.end_of_dataloader
         self._last_rows = rows if last else None
         with metrics_on_device() if model.training else contextlib.nullcontext():
             out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -1,0 +1,308 @@
+"""The base of every method's Trainer: one optimizer step, read top to bottom here.
+
+Each method's Trainer is `ErnieTrainer` (or `step_weights.PairTrainer` for the preference methods) placed before
+TRL's trainer class; the method adds its loss and its data, nothing else. Per optimizer step, in this order:
+
+1. `_get_num_items_in_batch`: the Trainer fetches the step's micro-batches and counts them once (TRL's token count;
+   the SFT router's real tokens, the preference methods' pairs: counted on the host by the collators);
+2. per micro-batch, `training_step` -> `_prepare_inputs` (accelerate moves the batch; the host-counted sample lengths
+   are handed to per-sample attention, `attention.take_batch_lengths`) -> the method's `compute_loss` (the packed
+   forward through the project's scoring, the method's loss, its step weight, `count_tokens`) -> backward (the
+   Trainer's); the first step's out-of-memory retry wraps this, the one re-decision a run makes (below);
+3. `_get_grad_norm`: clipping, and the divergence guard (`checkpoints.DivergenceGuard`: on the device with fused
+   AdamW, so the step does not wait);
+4. the optimizer (`create_optimizer`: LoRA+ when the adapter asks, the host step under `train.offload: optimizer`);
+5. the callbacks at step end, in the order `train/run.py` adds them: weight EMA (after any sync, so it reads averaged
+   weights), the slow-link sync, the first-step and stop-on-signal bookkeeping;
+6. `log` at logging steps only: the divergence guard read, TRL's metrics kept on the device read in one transfer
+   (`trl_metrics.read_back`), real-token rates.
+
+Checkpoints are atomic (`checkpoints.py`: written into `tmp-checkpoint-N/`, renamed whole), and a PiSSA/OLoRA
+adapter is saved as a plain LoRA at the end (`lora.save_as_plain_lora`). Everything else (schedule, accumulation,
+mixed precision) is TRL and transformers.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import time
+from pathlib import Path
+
+import torch
+
+from erniekit_lite.errors import UserError
+from erniekit_lite.files import follow_umask
+from erniekit_lite.model.attention import take_batch_lengths
+from erniekit_lite.model.lora import INITIAL, save_as_plain_lora, unwrap
+from erniekit_lite.plan import CHECKPOINTING_OFF_BY_PLAN
+from erniekit_lite.train import checkpoints, offload, optimizer, trl_metrics
+
+# What a micro-batch's training step adds to, put back before the first step's batches run again: the real-token
+# counts, TRL's logged metrics, GRPO's micro-step counter (it picks the buffered generation) and step time
+_STEP_STATE = ("real_tokens", "token_slots", "_since_log", "_metrics", "_step", "_current_train_step_time")
+RETRIED_AT = "activation_checkpointing_turned_on_at_step"  # train_results.json: the first step ran out of memory
+
+
+class ErnieTrainer:
+    """Placed before a TRL trainer class (see the module doc). What it owns: the divergence guard, the real-token
+    counters, the first step's batches (for the out-of-memory retry) and, while saving, the staging dir."""
+
+    real_tokens = 0  # non-pad tokens forwarded in training
+    token_slots = 0  # tokens the batches could hold (rows x row capacity when packed; padded size otherwise)
+    _since_log = None  # (time, real_tokens, token_slots) at the previous log
+    retried_at: int | None = None  # the step that ran out of memory and ran again
+    _first: tuple[int, dict, list] | None = None  # first step: (global step before it, state before it, its batches)
+    _micro_batch = None  # the micro-batch `training_step` is running (as the Trainer fetched it)
+    _staging: Path | None = None  # while saving: the dir transformers writes `checkpoint-N` into
+    ema = None  # train.ema's callback (ema.py), read by the checkpoints
+    sync = None  # distributed.sync's callback (sync.py), read by the checkpoints and the guard
+
+    def __init__(self, *args, **kwargs):
+        self.guard = checkpoints.DivergenceGuard()
+        super().__init__(*args, **kwargs)
+
+    # --- the step ----------------------------------------------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """One micro-batch: forward, loss and backward (TRL's and the Trainer's `training_step`).
+
+        A first optimizer step that runs out of memory with activation checkpointing off, where the memory plan turned
+        it off (`plan.choose_checkpointing`, one process), is the one re-decision a run makes: checkpointing goes on as
+        transformers turns it on, a trained LM head recomputes its chunks, the step's gradients so far are zeroed and
+        its micro-batches run again from the first, counters as before the step. Any other first-step out-of-memory
+        ends the run with one line naming the settings that lower memory. The Trainer's loop, its loss sum and the
+        optimizer step are left as they are."""
+        if self._first is None:
+            self._first = (self.state.global_step, self._step_state(), [])
+        step, before, batches = self._first
+        if self.state.global_step != step:
+            batches.clear()  # past the first step: the Trainer's batches are not held here any longer
+            return self._micro_step(model, inputs, num_items_in_batch)
+        batches.append((inputs, num_items_in_batch))
+        try:
+            return self._micro_step(model, inputs, num_items_in_batch)
+        except torch.OutOfMemoryError:
+            if not self._may_retry():
+                raise UserError(self._lower_memory(step + 1)) from None
+        # Out of the handler: its traceback held the failed pass's tensors
+        self._checkpointing_on(step + 1)
+        self._first = (step, before, [])
+        self._restore(before)
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        for inputs, num_items_in_batch in batches:  # this method again: out of memory now is the one-line error
+            loss = self.training_step(model, inputs, num_items_in_batch)
+        return loss  # the earlier batches' losses are already in the Trainer's sum
+
+    def _micro_step(self, model, inputs, num_items_in_batch):
+        self._micro_batch = inputs
+        self.guard.last_loss = loss = super().training_step(model, inputs, num_items_in_batch)
+        return loss
+
+    def _prepare_inputs(self, inputs):
+        # The sample lengths the collator counted on the CPU (`collate.host_facts`) are handed to per-sample attention
+        # once the batch is on the device, so no step reads them back (a host sync each)
+        return take_batch_lengths(super()._prepare_inputs(inputs))
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        if grad_norm is None or self.args.fp16:
+            return grad_norm
+        return self.guard.norm(grad_norm, self.optimizer, self.state.global_step + 1, self._apart())
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is not None:
+            return super().create_optimizer(model)
+        if optimizer.lora_plus_ratio(self.model) is None:
+            super().create_optimizer(model)
+        else:
+            self.optimizer = optimizer.lora_plus(self, model)
+        if offload.applied(self.args).mode == "optimizer":
+            self.optimizer = offload.HostStep(self.optimizer)
+        return self.optimizer
+
+    def count_tokens(self, model, real: int, slots: int) -> None:
+        """A training micro-batch's real tokens and the slots its batch could hold (host numbers, from the collator)."""
+        if model.training:
+            if self._since_log is None:  # the first training forward starts the clock
+                self._since_log = (time.perf_counter(), self.real_tokens, self.token_slots)
+            self.real_tokens += real
+            self.token_slots += int(slots)
+            # Kept in the TrainerState, so checkpoints carry it and a resumed run counts on from there (the
+            # Trainer itself updates it only with include_num_input_tokens_seen, which counts pads too)
+            self.state.num_input_tokens_seen += real
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        self.guard.check(self._apart())  # a logging step reads values back anyway
+        # ORPO and CPO keep theirs in `_stored_metrics`
+        trl_metrics.read_back([*getattr(self, "_metrics", {}).values(), *getattr(self, "_stored_metrics", {}).values()])
+        if "loss" in logs:  # every process logs the same steps, so the sum below is collective-safe
+            now = time.perf_counter()
+            then, tokens, slots = self._since_log or (now, 0, 0)
+            real, capacity = self._all_processes(self.real_tokens - tokens, self.token_slots - slots)
+            if real and now > then:
+                logs["tokens_per_second"] = round(real / (now - then), 1)
+            if capacity:
+                logs["packing_efficiency"] = round(real / capacity, 4)
+            self._since_log = (now, self.real_tokens, self.token_slots)
+        super().log(logs, start_time)
+
+    def train(self, *args, **kwargs):
+        optimizer.check_deepspeed(self)
+        try:
+            return super().train(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            if self._first is None or self.state.global_step != self._first[0]:
+                raise  # before the first micro-batch, or after the first step: not the first step's memory
+            failed = self._first[0] + 1
+        raise UserError(self._lower_memory(failed)) from None
+
+    # --- what train_results.json reads ---------------------------------------------------------------------------
+
+    def throughput(self, runtime: float) -> dict:
+        real, slots = self._all_processes(self.real_tokens, self.token_slots)
+        return {
+            "train_tokens": real,
+            "train_tokens_per_second": round(real / runtime, 2) if runtime else 0.0,
+            "packing_efficiency": round(real / slots, 4) if slots else 0.0,
+        }
+
+    def retry_metrics(self) -> dict:
+        """The step that ran out of memory and ran again with checkpointing on, if any."""
+        return {RETRIED_AT: self.retried_at} if self.retried_at is not None else {}
+
+    # --- saving ----------------------------------------------------------------------------------------------------
+
+    def _get_output_dir(self, trial) -> str:
+        # transformers' `_save_checkpoint` writes `<this>/checkpoint-N`, and rotates checkpoints in <this>
+        return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Atomic (checkpoints.py): every process writes into `tmp-checkpoint-N/checkpoint-N`, then one rename."""
+        self.guard.check(self._apart())  # a checkpoint never follows a step whose gradient was not finite
+        run_dir = Path(super()._get_output_dir(trial))
+        name = f"checkpoint-{self.state.global_step}"
+        staging, final = run_dir / f"{checkpoints.STAGING}{name}", run_dir / name
+        self._staging = staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging = None
+        if self.ema is not None:  # train.ema, inside the checkpoint (ema.py)
+            self.ema.agree()  # local SGD: the processes' EMAs become one (collective: every process is here)
+            if self.args.should_save:
+                self.ema.save(staging / name)
+        if self.sync is not None:  # distributed.sync: each process's own state (sync.py)
+            self.sync.save(staging / name)
+        if self.state.best_model_checkpoint == str(staging / name):  # the best is this one: name it as it will be
+            self.state.best_model_checkpoint = str(final)
+            if self.args.should_save:
+                self.state.save_to_json(str(staging / name / checkpoints.STATE))
+        self.accelerator.wait_for_everyone()  # every process has written its part (RNG states, sharded states)
+        if self.args.should_save:
+            checkpoints.publish(staging / name, final)
+            staging.rmdir()
+            keep = {final} | ({Path(self.state.best_model_checkpoint)} if self.state.best_model_checkpoint else set())
+            checkpoints.rotate(run_dir, self.args.save_total_limit, keep)
+        self.accelerator.wait_for_everyone()
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None or offload.host_step(self.optimizer) is None or self.args.world_size == 1:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        with optimizer.loaded_on_host():
+            return super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        super()._issue_warnings_after_load(checkpoints.tied_head_expected(load_result, self.accelerator.unwrap_model(self.model)))
+
+    def save_model(self, output_dir=None, _internal_call: bool = False):
+        if not _internal_call and checkpoints.sharded_checkpoints(self):  # the final model, consolidated once
+            self._save(output_dir, state_dict=self.accelerator.get_state_dict(self.model))
+            return
+        super().save_model(output_dir, _internal_call)
+        # PiSSA/OLoRA changed the base weights in memory: the run's final adapter is written as a plain LoRA on the
+        # unchanged base; checkpoints (`_internal_call`) keep peft's own form, which resuming loads into that base
+        initial = getattr(self.model, INITIAL, None)
+        if initial is not None and not _internal_call and self.args.should_save:
+            save_as_plain_lora(output_dir if output_dir is not None else self.args.output_dir, initial)
+
+    def _save(self, output_dir=None, state_dict=None):
+        state_dict = checkpoints.without_tied_head(state_dict, self.accelerator.unwrap_model(self.model))
+        saved = super()._save(output_dir, state_dict=state_dict)
+        follow_umask(Path(output_dir if output_dir is not None else self.args.output_dir))  # safetensors wrote 0600
+        return saved
+
+    # --- helpers -----------------------------------------------------------------------------------------------------
+
+    def _apart(self) -> bool:
+        """Whether the processes' gradient norms differ: local SGD, where each steps on its own gradients."""
+        return self.sync is not None and self.sync.section.sync == "local_sgd"
+
+    def _all_processes(self, real: int, slots: int) -> tuple[int, int]:
+        """Token counts summed over the processes of a launched run (each counts its own batches)."""
+        if self.accelerator.num_processes == 1:
+            return real, slots
+        total = self.accelerator.reduce(torch.tensor([real, slots], device=self.accelerator.device), reduction="sum")
+        return int(total[0]), int(total[1])
+
+    def _may_retry(self) -> bool:
+        return (getattr(self.args, CHECKPOINTING_OFF_BY_PLAN, False) and not self.args.activation_checkpointing
+                and not self.is_deepspeed_enabled)  # DeepSpeed accumulates gradients in its own buffers
+
+    def _checkpointing_on(self, step: int) -> None:
+        """Activation checkpointing as `Trainer.train` turns it on (and TRL, for an adapter), and the LM head's chunks
+        recomputed (`common.plan_lm_head`); said in one line."""
+        kwargs = dict(self.args.activation_checkpointing_kwargs or {})
+        every, offload_ = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+        self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, every_n_layers=every,
+                                                   offload=offload_)
+        if hasattr(self.model, "peft_config"):
+            self.model.enable_input_require_grads()
+        self.args.activation_checkpointing = self.args.gradient_checkpointing = True
+        base = unwrap(self.model)
+        head = ", the LM head's chunks recomputed" if getattr(base, "_erniekit_head_keep_positions", 0) else ""
+        base._erniekit_head_keep_positions = 0
+        self.retried_at = step
+        print(f"out of memory at step {step} with activation checkpointing off (the memory plan said the run fits): "
+              f"turned it on{head}; running the step's batches again")
+
+    def _lower_memory(self, step: int) -> str:
+        args, model = self.args, self.model
+        settings = ["data.max_length", f"train.per_device_train_batch_size (now {args.per_device_train_batch_size}; "
+                    "train.gradient_accumulation_steps keeps the batch)"]
+        if not args.activation_checkpointing:
+            settings.append("train.activation_checkpointing: true")
+        elif not (args.activation_checkpointing_kwargs or {}).get("offload"):
+            settings.append("train.activation_checkpointing_kwargs: {offload: true}")
+        if not hasattr(model, "peft_config"):
+            settings.append("a lora: section (adapters instead of every weight)")
+        elif not getattr(getattr(model, "config", None), "quantization_config", None):
+            settings.append("model.load_in_4bit: true")
+        settings.append("or more GPUs sharding the model (--num-processes N --accelerate-config recipes/accelerate/fsdp2.yaml)")
+        state = "on" if args.activation_checkpointing else "off"
+        return f"out of memory at step {step} (activation checkpointing {state}); these settings lower memory: {', '.join(settings)}"
+
+    def _step_state(self) -> dict:
+        state = {k: copy.deepcopy(self.__dict__[k]) for k in _STEP_STATE if k in self.__dict__}
+        return {**state, "num_input_tokens_seen": self.state.num_input_tokens_seen}
+
+    def _restore(self, saved: dict) -> None:
+        for k in _STEP_STATE:
+            if k in saved:
+                setattr(self, k, copy.deepcopy(saved[k]))
+            else:
+                self.__dict__.pop(k, None)  # back to the class default
+        self.state.num_input_tokens_seen = saved["num_input_tokens_seen"]
+
+
+def real_tokens(inputs: dict, side: str = "") -> int:
+    """The non-pad tokens of a batch (popped): as the collator counted them (`collate.host_facts`), else counted here,
+    a read from the device, for a batch some other collator made."""
+    real = inputs.pop(f"{side}real_tokens", None)
+    if real is None:
+        mask = inputs.get(f"{side}attention_mask")
+        real = int(mask.sum()) if mask is not None else inputs[f"{side}input_ids"].numel()
+    return real
