@@ -303,9 +303,9 @@ def forks(monkeypatch):
     started = []
     real = prepare_module._fork_pool
 
-    def counting(processes):
+    def counting(processes, job):
         started.append(processes)
-        return real(processes)
+        return real(processes, job)
 
     monkeypatch.setattr(prepare_module, "_fork_pool", counting)
     return started

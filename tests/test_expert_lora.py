@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from erniekit_lite.model.expert_lora import MERGED, SPLIT, SplitExperts, set_expert_compute
+from erniekit_lite.model.expert_lora import MERGED, SPLIT, SplitExperts, forget_layouts, set_expert_compute
 from erniekit_lite.model.load import load_model
 from erniekit_lite.model.lora import apply_lora, lora_config, targets_as_written
 from erniekit_lite.recipe import LoraSection
@@ -272,7 +272,8 @@ def test_the_laid_out_factors_follow_every_optimizer_step(tiny_moe_dir, one_thre
     """Split keeps each expert adapter's B (and A, when cast to bf16 experts) laid out from one optimizer step to the
     next. After each of two steps of torch's fused AdamW (which updates the parameters without moving their version
     counter), each over two accumulated micro-batches, and after an in-place edit: the logits equal those with the
-    kept layouts dropped (exactly), and in fp32 the merged path's on the same weights."""
+    kept layouts dropped (exactly), and in fp32 the merged path's on the same weights. A loop of its own: it calls
+    `forget_layouts` after each step, as the project's Trainer does (tests/test_moe_lora.py trains through that)."""
     for dtype in ("float32", "bfloat16"):
         model = apply_lora(load_model(str(tiny_moe_dir), dtype, "sdpa"), LoraSection(r=4))
         random_b(model)
@@ -297,8 +298,37 @@ def test_the_laid_out_factors_follow_every_optimizer_step(tiny_moe_dir, one_thre
             for micro in inputs[2 * step:2 * step + 2]:
                 model(**micro).loss.backward()
             optimizer.step()
+            forget_layouts(model)
             optimizer.zero_grad()
             check(f"after step {step + 1}")
         with torch.no_grad():
             next(p for n, p in model.named_parameters() if "experts" in n and ".lora_B." in n).mul_(3)
         check("after an in-place edit")
+
+
+def test_the_trainer_drops_the_kept_layouts_after_every_optimizer_step(tiny_moe_dir, tmp_path, one_thread):
+    """Through the project's Trainer base (`step.ErnieTrainer`, over a plain transformers Trainer) with torch's fused
+    AdamW: at the start of each of 3 steps the layouts kept from the step before are exactly what laying the updated
+    weights out anew gives."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from erniekit_lite.train.step import ErnieTrainer
+
+    model = apply_lora(load_model(str(tiny_moe_dir), "float32", "sdpa"), LoraSection(r=4, dropout=0.0))
+    probe, fresh = batch(model.config.vocab_size, rows=1, seed=9)["input_ids"], []
+
+    class Probe(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            with torch.no_grad():
+                kept = model(input_ids=probe).logits
+                forget_layouts(model)
+                fresh.append(torch.equal(model(input_ids=probe).logits, kept))
+
+    class Plain(ErnieTrainer, Trainer):
+        pass
+
+    rows = [{k: v[0] for k, v in batch(model.config.vocab_size, rows=1, seed=s).items()} for s in range(3)]
+    args = TrainingArguments(str(tmp_path), max_steps=3, per_device_train_batch_size=1, learning_rate=1e-2, report_to=[],
+                             optim="adamw_torch_fused", save_strategy="no", use_cpu=True, disable_tqdm=True)
+    Plain(model=model, args=args, train_dataset=rows, callbacks=[Probe()]).train()
+    assert fresh == [True, True, True]

@@ -29,7 +29,7 @@ def _data(kind: str, cache_on: bool, documents: str) -> dict:
     return {"train": [str(source)], "max_length": 64, "cache": cache_on}
 
 
-def _prepare(section: dict, tokenizer, kind: str, log):
+def _prepare(section: dict, tokenizer, kind: str, log, beside: Path | None = None):
     """What each kind of data prepared: the token ids and labels (pt: of each packed row; grpo: each prompt's
     messages, answer and length)."""
     from erniekit_lite.data.documents import prepare_documents
@@ -38,7 +38,7 @@ def _prepare(section: dict, tokenizer, kind: str, log):
     from erniekit_lite.recipe import DataSection
 
     prepare_kind = {"sft": prepare, "pairs": prepare_pairs, "pt": prepare_documents, "grpo": prepare_prompts}[kind]
-    data = prepare_kind(DataSection(**section), tokenizer, log=log)
+    data = prepare_kind(DataSection(**section), tokenizer, log=log, beside=beside)
     if kind == "pairs":
         return [[s.input_ids, s.labels] for p in data.train.pairs for s in (p.chosen, p.rejected)]
     if kind == "pt":
@@ -63,13 +63,12 @@ def _counting(counted: list):
 
 def _worker(rank: int, port: int, tokenizer_dir: str, run_dir: str, results: str, documents: str) -> None:
     """One of 2 processes, as `accelerate launch` starts them on one machine (gloo, CPU): accelerate's state first (the
-    Trainer arguments make it in a run), then each scenario's `prepare` inside `handoff.beside`, as run.py calls it."""
+    Trainer arguments make it in a run), then each scenario's `prepare` with `beside=` the run dir, as run.py calls it."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
     from accelerate import PartialState
 
     from erniekit_lite.data import cache
-    from erniekit_lite.data.handoff import beside
     from erniekit_lite.data.tokenize import Tokenizer
     from erniekit_lite.model.load import load_tokenizer
 
@@ -82,8 +81,7 @@ def _worker(rank: int, port: int, tokenizer_dir: str, run_dir: str, results: str
     for name, (kind, cache_on) in SCENARIOS.items():
         counted.clear()
         said = []
-        with beside(Path(run_dir)):
-            items = _prepare(_data(kind, cache_on, documents), tokenizer, kind, said.append)
+        items = _prepare(_data(kind, cache_on, documents), tokenizer, kind, said.append, Path(run_dir))
         out[name] = {"tokenized": sum(counted), "items": items, "said": said}
     Path(results, f"{rank}.json").write_text(json.dumps(out))
     state.wait_for_everyone()

@@ -149,8 +149,8 @@ class PreparedDocuments:
     template: str = "none (raw text)"
 
 
-def prepare_documents(data: DataSection, tokenizer, seed: int = 42, log=print) -> PreparedDocuments:
-    with handoff.session() as hand:
+def prepare_documents(data: DataSection, tokenizer, seed: int = 42, log=print, beside: Path | None = None) -> PreparedDocuments:
+    with handoff.session(beside) as hand:
         return _prepare_documents(data, tokenizer, seed, log, hand)
 
 

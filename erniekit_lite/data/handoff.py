@@ -2,7 +2,7 @@
 the machine's other processes read what it wrote, so a node of 8 processes tokenizes once, not 8 times.
 
 What the others read: the cache entry (data/cache.py, or pt's piece folder) when the main process could write one,
-else a hand-off beside the run dir (`beside`), named per run dir, split and machine, removed once every process has
+else a hand-off beside the run dir (`session(beside=...)`), named per run dir, split and machine, removed once every process has
 read it. A process that finds neither prepares the split itself (same result, only slower). Used by every
 `prepare_*` (sft, pairs, feedback, pt documents, GRPO prompts); outside a launched run all of this is a no-op.
 """
@@ -14,20 +14,6 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-_BESIDE: Path | None = None  # the run dir whose parent takes hand-offs (`beside`)
-_WRITTEN: list[Path] = []  # hand-offs this process wrote during one `session`
-
-
-@contextmanager
-def beside(out: Path):
-    """While in effect, hand-offs go beside the run dir `out` (in its parent: the run dir is claimed only after the
-    data is ready, so a data error leaves nothing in it)."""
-    global _BESIDE
-    before, _BESIDE = _BESIDE, Path(out).expanduser()
-    try:
-        yield
-    finally:
-        _BESIDE = before
 
 
 def launched():
@@ -42,28 +28,30 @@ def launched():
 
 
 @contextmanager
-def session():
-    """One `prepare_*` call. Its hand-offs are removed once every process has read them (a barrier on success; on
-    an error each process is on its own, and a reader that finds no hand-off prepares the split itself). Removing
-    a piece folder that processes have memory-mapped is safe: the mapping outlives the name."""
-    _WRITTEN.clear()
+def session(beside: Path | None = None):
+    """One `prepare_*` call, its hand-offs beside the run dir `beside` (in its parent: the run dir is claimed only
+    after the data is ready, so a data error leaves nothing in it); None: no hand-offs. They are removed once every
+    process has read them (a barrier on success; on an error each process is on its own, and a reader that finds no
+    hand-off prepares the split itself). Removing a piece folder that processes have memory-mapped is safe: the
+    mapping outlives the name."""
+    hand = HandOff(beside)
     try:
-        yield HandOff()
-        state = launched() if _BESIDE is not None else None
-        if state is not None:  # every process, wrote or read: the barrier must be passed by all
-            state.wait_for_everyone()
+        yield hand
+        if hand.state is not None and hand.beside is not None:  # every process, wrote or read: all pass the barrier
+            hand.state.wait_for_everyone()
     finally:
-        for path in _WRITTEN:
+        for path in hand.handed:
             _remove(path)
-        _WRITTEN.clear()
 
 
 class HandOff:
     """The hand-offs of one `session`: each split asks for its own (`next`), in the same order on every process."""
 
-    def __init__(self):
+    def __init__(self, beside: Path | None = None):
         self.state = launched()
+        self.beside = None if beside is None else Path(beside).expanduser()  # the run dir whose parent takes them
         self.splits = 0
+        self.handed: list[Path] = []  # what this process wrote, removed when the session ends
 
     @property
     def writer(self) -> bool:
@@ -97,19 +85,18 @@ class HandOff:
         process's rank; several machines may share the folder); None when this run has none. The writer removes what
         a crashed run left under that name, so it is never read."""
         self.splits += 1
-        if self.state is None or _BESIDE is None:
+        if self.state is None or self.beside is None:
             return None
         machine = self.state.process_index - self.state.local_process_index
-        path = _BESIDE.parent / f".{_BESIDE.name}.data-{self.splits}-m{machine}"
+        path = self.beside.parent / f".{self.beside.name}.data-{self.splits}-m{machine}"
         if self.writer:
             for stale in [path, *path.parent.glob(path.name + ".*")] if path.parent.is_dir() else []:
                 _remove(stale)
         return path
 
-    @staticmethod
-    def written(path: Path) -> None:
+    def written(self, path: Path) -> None:
         """`path` was handed off: removed at the end of the session."""
-        _WRITTEN.append(path)
+        self.handed.append(path)
 
 
 def _remove(path: Path) -> None:

@@ -72,8 +72,9 @@ class PreparedData:
     template: str
 
 
-def prepare(data: DataSection, tokenizer, seed: int = 42, log=print) -> PreparedData:
-    with _gc_paused(), handoff.session() as hand:
+def prepare(data: DataSection, tokenizer, seed: int = 42, log=print, beside: Path | None = None) -> PreparedData:
+    """`beside`: in a launched run, the run dir beside which hand-offs go (data/handoff.py)."""
+    with _gc_paused(), handoff.session(beside) as hand:
         return _prepare(data, tokenizer, seed, log, hand)
 
 
@@ -199,9 +200,9 @@ class PreparedPairs:
     template: str
 
 
-def prepare_pairs(data: DataSection, tokenizer, seed: int = 42, log=print) -> PreparedPairs:
+def prepare_pairs(data: DataSection, tokenizer, seed: int = 42, log=print, beside: Path | None = None) -> PreparedPairs:
     """Preference data -> pairs packed whole into rows of up to 2 x max_length tokens."""
-    with _gc_paused(), handoff.session() as hand:
+    with _gc_paused(), handoff.session(beside) as hand:
         return _prepare_pairs(data, tokenizer, seed, log, hand)
 
 
@@ -386,7 +387,6 @@ def _tokenizer_threads() -> bool:
     return os.environ.get("TOKENIZERS_PARALLELISM", "true").lower() not in ("", "off", "false", "f", "no", "n", "0")
 
 
-_JOB: Callable | None = None  # the forked workers' task: inherited through fork, never pickled
 _FAILED = "erniekit-lite: shard failed"
 
 
@@ -401,7 +401,6 @@ def _in_shards(job: Callable[[int, int], tuple], count: int, num_proc: int | Non
     ~14.5 CPU-s for `datasets.map`, 6.3-6.6 s and ~12.5 CPU-s for this pool. A worker that fails has its range
     run again here, so the error (and its traceback) is exactly what a run in one process gives.
     """
-    global _JOB
     processes = _processes(num_proc, count)
     size = _CHUNK if processes == 1 else max(1, min(_CHUNK, -(-count // (processes * 8))))
     ranges = [(lo, min(count, lo + size)) for lo in range(0, count, size)]
@@ -412,32 +411,34 @@ def _in_shards(job: Callable[[int, int], tuple], count: int, num_proc: int | Non
                 results.append(job(lo, hi))
                 bar.update(hi - lo)
             return results
-        _JOB = job
-        try:
-            with _fork_pool(processes) as pool:
-                for (lo, hi), result in zip(ranges, pool.imap(_run_job, ranges)):
-                    results.append(job(lo, hi) if isinstance(result, str) and result == _FAILED else result)
-                    bar.update(hi - lo)
-        finally:
-            _JOB = None
+        with _fork_pool(processes, job) as pool:
+            for (lo, hi), result in zip(ranges, pool.imap(_run_job, ranges)):
+                results.append(job(lo, hi) if isinstance(result, str) and result == _FAILED else result)
+                bar.update(hi - lo)
     return results
+
+
+def _take_job(job: Callable) -> None:
+    """A forked worker's start: its task, handed over through fork (never pickled), kept in the worker only."""
+    _run_job.job = job
 
 
 def _run_job(bounds: tuple[int, int]):
     try:
-        return _JOB(*bounds)
+        return _run_job.job(*bounds)
     except Exception:  # reported by running the range again in the parent (an exception may not pickle)
         return _FAILED
 
 
 @contextmanager
-def _fork_pool(processes: int):
+def _fork_pool(processes: int, job: Callable):
     # One tokenizer thread per worker: set before forking so the workers inherit it (and tokenizers does not
     # warn about forking after its thread pool started); the parent's own setting is put back right after
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        pool = multiprocessing.get_context("fork").Pool(processes)
+        # fork: the initializer's argument reaches each worker by inheritance, not pickling
+        pool = multiprocessing.get_context("fork").Pool(processes, initializer=_take_job, initargs=(job,))
     finally:
         if before is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
@@ -523,9 +524,10 @@ class PreparedFeedback:
     template: str
 
 
-def prepare_feedback(data: DataSection, tokenizer, seed: int = 42, log=print, kl: bool = True) -> PreparedFeedback:
+def prepare_feedback(data: DataSection, tokenizer, seed: int = 42, log=print, kl: bool = True,
+                     beside: Path | None = None) -> PreparedFeedback:
     """Unpaired feedback (KTO) -> examples packed whole into rows, each with its KL twin when `kl` (data/unpaired.py)."""
-    with _gc_paused(), handoff.session() as hand:
+    with _gc_paused(), handoff.session(beside) as hand:
         return _prepare_feedback(data, tokenizer, seed, log, kl, hand)
 
 

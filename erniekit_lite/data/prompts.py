@@ -25,6 +25,7 @@ import json
 import os
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from erniekit_lite.data import handoff
 from erniekit_lite.data.formats import (
@@ -66,8 +67,8 @@ class PreparedPrompts:
     template: str
 
 
-def prepare_prompts(data: DataSection, tokenizer, seed: int = 42, log=print) -> PreparedPrompts:
-    with handoff.session() as hand:
+def prepare_prompts(data: DataSection, tokenizer, seed: int = 42, log=print, beside: Path | None = None) -> PreparedPrompts:
+    with handoff.session(beside) as hand:
         return _prepare_prompts(data, tokenizer, seed, log, hand)
 
 

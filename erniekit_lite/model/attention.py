@@ -16,7 +16,6 @@ tokens of short samples), where `split`'s backward concatenates the pieces once.
 from __future__ import annotations
 
 import inspect
-import weakref
 
 import torch
 from transformers import AttentionInterface
@@ -25,17 +24,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 NAME = "packed_sdpa"
 VARLEN = "packed_varlen"
 PACKED = (NAME, VARLEN)  # registered without a mask function: batched generation needs plain sdpa instead
-# id of each live cu_seq_lens tensor -> (a weak reference to it, its sample lengths): a batch's examples and KTO's KL
-# twins are two. By identity (a tensor's == compares values); an entry goes when its tensor does
-_bounds: dict[int, tuple[weakref.ref, list[int]]] = {}
+LENGTHS = "erniekit_sample_lengths"  # on a batch's cu_seq_lens tensor: its sample lengths, counted on the host
 
 
 def remember_lengths(cu: torch.Tensor, lengths: list[int]) -> None:
     """Tell `sample_lengths` what `cu` holds, so it never reads the tensor: the collator computes the lengths on the
     CPU (`collate.host_facts`) and the trainer hands them over once the batch is on the GPU (reading a GPU tensor
-    waits for the GPU to catch up)."""
-    key = id(cu)
-    _bounds[key] = (weakref.ref(cu, lambda _: _bounds.pop(key, None)), lengths)
+    waits for the GPU to catch up). They travel with that tensor object (a batch's examples and KTO's KL twins have
+    one each) and go with it."""
+    setattr(cu, LENGTHS, lengths)
 
 
 def take_batch_lengths(batch: dict) -> dict:
@@ -50,8 +47,8 @@ def take_batch_lengths(batch: dict) -> dict:
 
 def sample_lengths(cu: torch.Tensor) -> list[int]:
     """Sample lengths from `cu_seq_lens`: as remembered for this tensor, else read from it once per batch."""
-    ref, lengths = _bounds.get(id(cu), (None, None))
-    if ref is None or ref() is not cu:
+    lengths = getattr(cu, LENGTHS, None)
+    if lengths is None:
         lengths = (cu[1:] - cu[:-1]).tolist()
         remember_lengths(cu, lengths)
     return lengths

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import ParamWrapper
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from erniekit_lite.errors import UserError
 from erniekit_lite.model import expert_4bit
@@ -129,21 +128,25 @@ def operands(wrapper, adapter: str, dtype: torch.dtype):
     return a.transpose(-2, -1), b
 
 
-# Optimizer steps taken in this process, by any torch optimizer: a kept layout is stale after one. The version counter
-# alone does not tell: torch's fused AdamW updates the parameters without moving it
-_steps = [0]
-register_optimizer_step_post_hook(lambda *args: _steps.__setitem__(0, _steps[0] + 1))
+def forget_layouts(model) -> None:
+    """Drop the layouts `LaidOut` keeps for `model`'s expert adapters: after an optimizer step they are stale, and the
+    version counter alone does not tell (torch's fused AdamW updates the parameters without moving it). The project's
+    Trainer calls this after every optimizer step (`step.ErnieTrainer`); a training loop of one's own calls it after
+    its `optimizer.step()`."""
+    for module in model.modules():
+        if isinstance(module, ParamWrapper):
+            module.__dict__.pop("laid_out", None)
 
 
 class LaidOut(torch.autograd.Function):
-    """`lay(weight)`, made once per value of `weight` and kept in `cache`: new after every optimizer step, in-place
-    update (a load, a manual edit: the version counter) or replaced storage. Gradient accumulation and checkpoint
+    """`lay(weight)`, made once per value of `weight` and kept in `cache`: new after every optimizer step (the cache
+    emptied, `forget_layouts`), in-place update (a load, a manual edit: the version counter) or replaced storage. Gradient accumulation and checkpoint
     recomputes reuse the copy; backward maps the gradient back to the weight's layout (`unlay`)."""
 
     @staticmethod
     def forward(ctx, weight, cache, key, lay, unlay):
         ctx.unlay = unlay
-        stamp = (weight.data_ptr(), weight._version, _steps[0])
+        stamp = (weight.data_ptr(), weight._version)
         if key not in cache or cache[key][0] != stamp:
             cache[key] = (stamp, lay(weight))
         return cache[key][1].detach()  # a new tensor each call: the graph hangs on it, not on the kept copy

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Callable
 
 from erniekit_lite import hub
-from erniekit_lite.data import handoff
 from erniekit_lite.model.load import load_tokenizer, tokenizer_path
 from erniekit_lite.model import compile_layers, fused_lora
 from erniekit_lite.model.lora import skip_input_casts
@@ -45,8 +44,8 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
     rundir.check(recipe)  # fail before any slow step
     hub.check(recipe)
     tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
-    with handoff.beside(Path(recipe.output.dir)):  # launched: one process per machine tokenizes
-        data = method.prepare(recipe.data, tokenizer, seed=args.seed, log=log)
+    # launched: one process per machine tokenizes, handing off beside the run dir (data/handoff.py)
+    data = method.prepare(recipe.data, tokenizer, seed=args.seed, log=log, beside=Path(recipe.output.dir))
     log(method.describe(data))
     model = load_for_training(recipe, log, apply_lora=not method.adapter_by_trainer)
 

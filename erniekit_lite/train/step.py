@@ -30,10 +30,13 @@ import time
 from pathlib import Path
 
 import torch
+from peft.tuners.lora.layer import ParamWrapper
+from transformers import TrainerCallback
 
 from erniekit_lite.errors import UserError
 from erniekit_lite.files import follow_umask
 from erniekit_lite.model.attention import take_batch_lengths
+from erniekit_lite.model.expert_lora import forget_layouts
 from erniekit_lite.model.lora import INITIAL, save_as_plain_lora, unwrap
 from erniekit_lite.plan import CHECKPOINTING_OFF_BY_PLAN
 from erniekit_lite.train import checkpoints, offload, optimizer, trl_metrics
@@ -152,6 +155,8 @@ class ErnieTrainer:
 
     def train(self, *args, **kwargs):
         optimizer.check_deepspeed(self)
+        if any(isinstance(m, ParamWrapper) for m in self.model.modules()):  # expert adapters keep per-step layouts
+            self.add_callback(_FreshExpertLayouts(self.model))
         try:
             return super().train(*args, **kwargs)
         except torch.OutOfMemoryError:
@@ -296,6 +301,17 @@ class ErnieTrainer:
             else:
                 self.__dict__.pop(k, None)  # back to the class default
         self.state.num_input_tokens_seen = saved["num_input_tokens_seen"]
+
+
+class _FreshExpertLayouts(TrainerCallback):
+    """After each optimizer step (DeepSpeed's included: its engine steps in backward, before this), the expert
+    adapters' kept layouts are dropped (`expert_lora.forget_layouts`); the next forward lays them out anew."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        forget_layouts(self.model)
 
 
 def real_tokens(inputs: dict, side: str = "") -> int:
