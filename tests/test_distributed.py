@@ -578,3 +578,19 @@ def test_sharded_checkpoints_and_a_final_model_consolidated_once_in_the_recipes_
     from erniekit_lite.train import rundir
 
     assert rundir.not_a_run(out, load(str(out / "recipe.yaml"), [])) is None  # FSDP2's sharded checkpoint: a run
+
+
+def test_ddp_searches_for_unused_parameters_only_where_one_may_go_unused(tmp_path, tiny_own_dir):
+    """A LoRA run's adapters all take part in every step: DDP's search after each forward is off (the 2-process LoRA
+    runs above, dense and MoE, train with it off); full fine-tuning keeps transformers' rule; a recipe's own value stays."""
+    from erniekit_lite.recipe import from_dict
+    from erniekit_lite.trainer_args import training_args
+
+    def setting(lora, **train):
+        recipe = from_dict({"model": {"path": str(tiny_own_dir)}, "data": {"train": [str(ROOT / "recipes" / "data" / "identity.jsonl")]}, "lora": lora,
+                            "train": train, "output": {"dir": str(tmp_path / "out")}})
+        return training_args(recipe, tmp_path / "out").ddp_find_unused_parameters
+
+    assert setting({"r": 4}) is False
+    assert setting(None) is None
+    assert setting({"r": 4}, ddp_find_unused_parameters=True) is True
