@@ -110,6 +110,31 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, capsys, monkeypatch, tin
         assert got["num_tokens"] == ref["num_tokens"], got["step"]  # the token count goes on from the checkpoint
 
 
+FIXTURES = ROOT / "tests" / "fixtures" / "checkpoints"  # written by tests/fixtures/write_checkpoints.py
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_a_checkpoint_written_before_the_trainer_redesign_resumes_as_an_uninterrupted_run_goes_on(tmp_path, capsys, tiny_own_dir, lora):
+    """tests/fixtures/checkpoints holds step 4 of this file's two runs, written at the commit its `written_at.json` names
+    (before the step moved into train/step.py). Resumed from by path into a new run dir, a run at today's code logs
+    steps 1-12 as an uninterrupted one: the same learning rates (rel 1e-9) and token counts, losses, gradient norms and
+    accuracies within rel 1e-4 (the fixture was computed on another CPU, whose float sums may differ in the last bits)."""
+    code, _, err = train(capsys, recipe_file(tmp_path, tiny_own_dir, "reference", lora))
+    assert code == 0, err
+    reference = history(tmp_path / "reference")
+    fixture = FIXTURES / ("lora" if lora else "full") / "checkpoint-4"
+    code, stdout, err = train(capsys, recipe_file(tmp_path, tiny_own_dir, "resumed", lora), f"train.resume_from_checkpoint={fixture}")
+    assert code == 0, err
+    assert f"resuming from {fixture}" in stdout
+    resumed = history(tmp_path / "resumed")
+    assert [h["step"] for h in resumed] == [h["step"] for h in reference] == list(range(1, 13))
+    for ref, got in zip(reference, resumed):
+        assert got["learning_rate"] == pytest.approx(ref["learning_rate"], rel=1e-9), got["step"]
+        for key in ("loss", "grad_norm", "mean_token_accuracy"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-4), (got["step"], key)
+        assert got["num_tokens"] == ref["num_tokens"], got["step"]
+
+
 def test_resume_without_checkpoint_starts_fresh(tmp_path, capsys, tiny_own_dir):
     path, out = recipe_file(tmp_path, tiny_own_dir, "fresh", max_steps=2, save_steps=10), tmp_path / "fresh"
     code, stdout, err = train(capsys, path, "--resume")
