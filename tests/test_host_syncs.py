@@ -10,8 +10,9 @@ still on the host there. Outside the dispatch, `Tensor.tolist` is counted the sa
 back; `.cpu()` and `.numpy()` are not seen); per-sample attention reading its sample lengths
 (`attention.sample_lengths`) is counted separately: each time they were not handed over from the collator.
 
-What remains is TRL's and is named here: its DPO and KTO loss functions test counts as Python bools and index by
-boolean masks for their metrics, and KTO splits each batch by label with `nonzero` (train/trl_metrics.py).
+What remains is TRL's and is named here: its preference loss functions (DPO, KTO, ORPO, SimPO, the reward model) read
+their metrics with `.item()`, test counts as Python bools and index by boolean masks, and KTO splits each batch by
+label with `nonzero`; this project leaves them to TRL (train/trl_metrics.py).
 """
 
 from __future__ import annotations
@@ -88,19 +89,16 @@ def syncs_per_step(tmp_path, monkeypatch, recipe_of, steps: int = 3) -> dict[tup
 
 
 DATA = {"pt": ROOT / "recipes" / "data" / "pt_demo.jsonl", "kto": ROOT / "recipes" / "data" / "identity_kto.jsonl"}
-# TRL's own reads, per micro-batch, in its DPO and KTO loss functions (the module doc): (call, function) -> how many
-TRL_READS = {
-    "dpo": {("aten::_local_scalar_dense", "trl/trainer/dpo_trainer.py"): 4, ("aten::index", "trl/trainer/dpo_trainer.py"): 2},
-    "kto": {("aten::nonzero", "trl/trainer/kto_trainer.py"): 2, ("aten::index", "trl/trainer/kto_trainer.py"): 2},
-}
-KTO_GUARDS = 7  # at most: KTO's `count > 0` tests, one or two each, as the micro-batch holds desirable examples or not
-
-
-def by_kind(counts: dict) -> dict:
-    kinds = collections.Counter()
-    for (call, where, _), n in counts.items():
-        kinds[(call, where.rsplit(":", 1)[0])] += n
-    return kinds
+# TRL 1.16's own reads, per micro-batch, in its preference loss functions (the module doc): the function, and how many
+# of each kind. Its metrics' `.item()`, its `count > 0` tests and boolean-mask sums; KTO's split by label (`nonzero`)
+TRL_LOSS = {"dpo": ("trl/trainer/dpo_trainer.py", "_compute_loss"), "kto": ("trl/trainer/kto_trainer.py", "_compute_loss"),
+            "orpo": ("trl/experimental/orpo/orpo_trainer.py", "get_batch_loss_metrics"),
+            "simpo": ("trl/experimental/cpo/cpo_trainer.py", "get_batch_loss_metrics"),
+            "rm": ("trl/trainer/reward_trainer.py", "compute_loss")}
+SCALAR, INDEX, NONZERO = "aten::_local_scalar_dense", "aten::index", "aten::nonzero"
+TRL_READS = {"dpo": {SCALAR: 15, INDEX: 2}, "kto": {NONZERO: 2, INDEX: 2}, "orpo": {SCALAR: 11}, "simpo": {SCALAR: 9},
+             "rm": {SCALAR: 6}}
+KTO_READS = (10, 14)  # KTO's `.item()`s and `count > 0` tests: 4 of them only when the micro-batch holds that label
 
 
 @pytest.mark.parametrize("lora", [None, {"r": 4}], ids=["full", "lora"])
@@ -109,7 +107,8 @@ def test_a_training_step_reads_nothing_back_from_the_device(tmp_path, monkeypatc
     """Before (issue 44, counted the same way): 8 per step for SFT, 33.5 for DPO LoRA: the LM head's underflow
     branch, the NaN/inf filter, metrics' `.item()`, the divergence guard's `float(grad_norm)`, the boolean masks of
     trained positions, the step's pair counts, TRL's metrics. Now the collators count what the step needs on the CPU
-    and metrics stay on the device until a logging step."""
+    and the project's metrics stay on the device until a logging step; the preference methods' reads are TRL's own,
+    inside its loss function (`TRL_READS`)."""
 
     def recipe_of(path, out, steps):
         data = [str(DATA.get(method, PAIRS if method in ("dpo", "orpo", "simpo", "rm") else IDENTITY))]
@@ -118,17 +117,17 @@ def test_a_training_step_reads_nothing_back_from_the_device(tmp_path, monkeypatc
                                    "per_device_train_batch_size": 1})
 
     counts = syncs_per_step(tmp_path, monkeypatch, recipe_of)
-    if method not in TRL_READS:
+    if method not in TRL_LOSS:
         assert counts == {}
         return
-    trl = {k: n for k, n in counts.items() if k[2] == "_compute_loss" and k[1].startswith(f"trl/trainer/{method}_trainer.py")}
-    assert trl == counts, "calls outside TRL's loss function"
-    kinds = by_kind(counts)
-    guards = kinds.pop(("aten::_local_scalar_dense", f"trl/trainer/{method}_trainer.py"), 0)
+    where, function = TRL_LOSS[method]
+    assert {(k[1].rsplit(":", 1)[0], k[2]) for k in counts} == {(where, function)}, f"calls outside TRL's loss: {counts}"
+    kinds = collections.Counter()
+    for (call, _, _), n in counts.items():
+        kinds[call] += n
     if method == "kto":
-        assert 0 < guards <= KTO_GUARDS, counts
-    else:
-        kinds[("aten::_local_scalar_dense", f"trl/trainer/{method}_trainer.py")] = guards
+        scalar = kinds.pop(SCALAR)
+        assert KTO_READS[0] <= scalar <= KTO_READS[1], counts
     assert kinds == TRL_READS[method], counts
 
 

@@ -113,7 +113,8 @@ def concatenated_forward(self, model, batch):
     if not self.aux_loss_enabled:
         return result
     # TRL's loss adds it; logged as in SFT and DPO (TRL's ORPO and CPO do not log it)
-    self.store_metrics({"aux_loss" if model.training else "eval_aux_loss": out.aux_loss.item()}, "train" if model.training else "eval")
+    # kept on the device until a logging step (trl_metrics.read_back)
+    self.store_metrics({"aux_loss" if model.training else "eval_aux_loss": out.aux_loss.detach()}, "train" if model.training else "eval")
     return result + (out.aux_loss,)
 
 

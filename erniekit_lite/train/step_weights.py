@@ -24,13 +24,11 @@ as a per-pair term: KTO's KL estimate (a clamped mean over the micro-batch's KL 
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
 from erniekit_lite.train import ragged_gather
 from erniekit_lite.train.step import ErnieTrainer, real_tokens
-from erniekit_lite.train.trl_metrics import metrics_on_device
 
 
 class PairTrainer(ErnieTrainer):
@@ -99,8 +97,7 @@ class PairTrainer(ErnieTrainer):
         rows = inputs.pop("row_units", None)  # the collator's pairs (examples) per row, for `ragged_gather`
         last = (self._micro_batch is self._last_batch) if model.training else self.accelerator.gradient_state.end_of_dataloader
         self._last_rows = rows if last else None
-        with metrics_on_device() if model.training else contextlib.nullcontext():
-            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if return_outputs:
             return self.weigh(out[0], inputs), out[1]
         return self.weigh(out, inputs)
