@@ -107,7 +107,6 @@ def test_packed_rewards_equal_each_sequence_alone(arch, tiny_dense_dir, tiny_moe
     model = reward.load_model(str(model_dir), "float32", "packed_sdpa").eval()
     model.score.weight.data.normal_(0, 1)  # rewards of order 1..10, so a wrong position shows
     model.config.pad_token_id = tokenizer.pad_token_id
-    reward.add_pair_forward(model)
     rows = [vars(row) for row in data.train.rows]
     assert len(rows) > 1 and all(len(row["seq_lengths"]) > 2 for row in rows)  # several rows of several pairs
     packed = PackedPairCollator(r.data.max_length)(rows)

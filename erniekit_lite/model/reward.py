@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForSequenceClassification, Ernie4_5Config, Ernie4_5_MoeConfig
+from transformers import AutoConfig, AutoModelForSequenceClassification, Ernie4_5Config, Ernie4_5_MoeConfig
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from transformers.models.ernie4_5.modeling_ernie4_5 import Ernie4_5PreTrainedModel
@@ -43,12 +43,20 @@ from erniekit_lite.errors import UserError
 from erniekit_lite.model.lora import HEAD, unwrap  # HEAD: `score`, transformers' name in every GenericForSequenceClassification
 
 
+def forward(self, *args, **kwargs):
+    """transformers' forward; a pair batch of data/pairs.py (`logp_index` among its keys) is scored by `pair_rewards`
+    instead, in TRL's RewardTrainer layout (what its `compute_loss` reads from `outputs.logits`)."""
+    if "logp_index" not in kwargs:  # TRL's own collator's batches, a plain `model(input_ids=...)`
+        return GenericForSequenceClassification.forward(self, *args, **kwargs)
+    return SequenceClassifierOutputWithPast(logits=pair_rewards(self, kwargs))
+
+
 class Ernie4_5ForSequenceClassification(GenericForSequenceClassification, Ernie4_5PreTrainedModel):
-    pass
+    forward = forward
 
 
 class Ernie4_5_MoeForSequenceClassification(GenericForSequenceClassification, Ernie4_5_MoePreTrainedModel):
-    pass
+    forward = forward
 
 
 CLASSES = {Ernie4_5Config: Ernie4_5ForSequenceClassification, Ernie4_5_MoeConfig: Ernie4_5_MoeForSequenceClassification}
@@ -63,13 +71,14 @@ class AutoRewardModel:
 
     @staticmethod
     def from_pretrained(path, **kwargs):
-        with _new_head_expected():
-            return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False))
+        with _new_head_expected():  # these classes even where transformers has its own: they score pair batches
+            return CLASSES.get(type(config), AutoModelForSequenceClassification).from_pretrained(path, num_labels=1, **kwargs)
 
     @staticmethod
     def from_config(config, **kwargs):
         config.num_labels = 1
-        return AutoModelForSequenceClassification.from_config(config, **kwargs)
+        return AutoModelForSequenceClassification.from_config(config, **kwargs)  # the memory plan's shapes alone
 
 
 @contextlib.contextmanager
@@ -139,25 +148,6 @@ def is_reward_run(path: str) -> bool:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Rewards
-
-
-def add_pair_forward(model) -> None:
-    """Wrap `model.forward` (the sequence-classification model, under any peft wrapper) so that pair batches of
-    data/pairs.py are scored by `pair_rewards`; any other call (TRL's own collator's batches, a plain
-    `model(input_ids=...)`) is transformers' forward."""
-    import types
-
-    if getattr(model, "_erniekit_pair_forward", False):
-        return
-    inner = model.forward
-
-    def forward(self, *args, **kwargs):
-        if "logp_index" not in kwargs:  # not a batch of our pair collators
-            return inner(*args, **kwargs)
-        return SequenceClassifierOutputWithPast(logits=pair_rewards(self, kwargs))
-
-    model.forward = types.MethodType(forward, model)
-    model._erniekit_pair_forward = True
 
 
 def pair_rewards(model, batch: dict) -> torch.Tensor:

@@ -3,7 +3,7 @@
 TRL keeps all of it: the loss (-log sigmoid(r_chosen - r_rejected), plus `center_rewards_coefficient` x mean(r^2)
 when set), the metrics (accuracy, margin, min/mean/max reward, num_tokens) and the training loop. Its
 `compute_loss` calls `model(**inputs)` and splits `outputs.logits` [2B, 1] into chosen and rejected halves; we change
-only what feeds it: the model's forward (model/reward.add_pair_forward) scores the pair rows of data/pairs.py,
+only what feeds it: the model class's forward (model/reward.py) scores the pair rows of data/pairs.py,
 packed (one forward over the row, per-sample attention, the reward at each sequence's last token) or padded, in that
 layout. TRL's own tokenization (`_prepare_dataset`) is skipped: the rows are tokenized and packed already, exactly as
 for DPO (the same formats and template).
@@ -24,7 +24,7 @@ from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator
 from erniekit_lite.data.prepare import describe_pairs, prepare_pairs
 from erniekit_lite.errors import UserError
 from erniekit_lite.model.lora import unwrap
-from erniekit_lite.model.reward import HEAD, add_pair_forward, check_start, is_reward_run
+from erniekit_lite.model.reward import HEAD, check_start, is_reward_run
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import run as runner
 from erniekit_lite.train.common import trainer_inputs
@@ -45,8 +45,7 @@ class ErnieRewardTrainer(PairTrainer, RewardTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        base = unwrap(self.model)
-        add_pair_forward(base)
+        base = unwrap(self.model)  # model/reward.py's class: its forward scores our pair batches
         # TRL casts every trainable parameter of a quantized model to bf16 (for QLoRA's adapters); the head's trained copy
         # computes on the body's output, in the model's dtype, as peft made it (the adapters keep TRL's and our bf16)
         dtype = base.get_input_embeddings().weight.dtype
