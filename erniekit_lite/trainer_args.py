@@ -50,10 +50,11 @@ def training_args(recipe: Recipe, out: Path):
                                 "for unused parameters (train/sync.py); leave it out")
         settings["ddp_bucket_cap_mb"] = 1 << 20  # MiB: every gradient in one bucket
         settings["ddp_find_unused_parameters"] = False
-    elif recipe.lora is not None and "ddp_find_unused_parameters" not in recipe.train:
-        # Every adapter takes part in every forward (split expert LoRA gives an expert without tokens a zero gradient):
-        # DDP's walk of the autograd graph after each forward, and the used-parameter map it reads back, buy nothing.
-        # Full fine-tuning keeps transformers' rule (on without activation checkpointing)
+    elif "ddp_find_unused_parameters" not in recipe.train:
+        # Every trained parameter takes part in every step: adapters, split expert LoRA (an expert without tokens gets a
+        # zero gradient), the fused expert stacks of full fine-tuning, a reward head. DDP's walk of the autograd graph
+        # after each forward, and the used-parameter map it reads back, buy nothing (transformers turns it on for any
+        # run without activation checkpointing)
         settings["ddp_find_unused_parameters"] = False
     if recipe.model.compile_layers and settings.get("torch_compile"):
         raise UserError("model.compile_layers: train.torch_compile compiles the whole model as well; choose one")

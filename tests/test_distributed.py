@@ -580,9 +580,10 @@ def test_sharded_checkpoints_and_a_final_model_consolidated_once_in_the_recipes_
     assert rundir.not_a_run(out, load(str(out / "recipe.yaml"), [])) is None  # FSDP2's sharded checkpoint: a run
 
 
-def test_ddp_searches_for_unused_parameters_only_where_one_may_go_unused(tmp_path, tiny_own_dir):
-    """A LoRA run's adapters all take part in every step: DDP's search after each forward is off (the 2-process LoRA
-    runs above, dense and MoE, train with it off); full fine-tuning keeps transformers' rule; a recipe's own value stays."""
+def test_ddp_does_not_search_for_unused_parameters_unless_the_recipe_asks(tmp_path, tiny_own_dir):
+    """Every trained parameter takes part in every step, so DDP's search after each forward is off (the 2-process runs
+    above, full and LoRA, dense and MoE, train with it off; an unused one would stop them at their second step); a
+    recipe's own value stays."""
     from erniekit_lite.recipe import from_dict
     from erniekit_lite.trainer_args import training_args
 
@@ -592,5 +593,5 @@ def test_ddp_searches_for_unused_parameters_only_where_one_may_go_unused(tmp_pat
         return training_args(recipe, tmp_path / "out").ddp_find_unused_parameters
 
     assert setting({"r": 4}) is False
-    assert setting(None) is None
+    assert setting(None) is False
     assert setting({"r": 4}, ddp_find_unused_parameters=True) is True

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,3 +158,92 @@ def test_metrics_kept_on_the_device_are_read_back_exactly_integers_as_integers()
     read_back(list(metrics.values()))
     assert metrics["train"] == {"num_tokens": [123456789], "rewards/margins": [0.25, 0.5]}
     assert type(metrics["train"]["num_tokens"][0]) is int
+
+
+# In each launched process (LOCAL_RANK set): the same counting as `syncs_per_step`, over optimizer steps 2 and 3 of 4
+# (from the start of step 2 to the start of step 4: the step's callbacks and the next batch's fetch included, no
+# logging step in between), written to $COUNT_SYNCS/<rank>.json
+IN_EACH_PROCESS = """
+import os
+if os.environ.get("LOCAL_RANK") is not None and os.environ.get("COUNT_SYNCS"):
+    import collections, json, sys, traceback
+    sys.path.insert(0, os.environ["COUNT_SYNCS_TESTS"])
+    import torch
+    from transformers import TrainerCallback
+    from test_host_syncs import LENGTHS_READ, ON_THE_HOST, Syncs
+    from erniekit_lite.model import attention
+    from erniekit_lite.train import callbacks
+
+    syncs, on, steps = Syncs(), [False], (1, 3)  # global steps done when counting starts and stops
+
+    class Window(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == steps[0]:
+                syncs.__enter__()
+                on[0] = True
+            elif state.global_step == steps[1] and on[0]:
+                syncs.__exit__(None, None, None)
+                on[0] = False
+
+    to_list, lengths = torch.Tensor.tolist, attention.sample_lengths
+
+    def tolist(tensor):
+        stack = traceback.extract_stack()[:-1]
+        if on[0] and not any(host in f.filename for f in stack for host in ON_THE_HOST):
+            where = stack[-1]
+            syncs.calls[("Tensor.tolist", f"{where.filename.split('site-packages/')[-1]}:{where.lineno}", where.name)] += 1
+        return to_list(tensor)
+
+    def sample_lengths(cu):
+        if on[0] and getattr(cu, attention.LENGTHS, None) is None:
+            syncs.calls[(LENGTHS_READ, "", "")] += 1
+        return lengths(cu)
+
+    torch.Tensor.tolist, attention.sample_lengths = tolist, sample_lengths
+    train = callbacks.train
+
+    def counting(trainer, out, resume=None):
+        trainer.add_callback(Window())
+        result = train(trainer, out, resume)
+        per_step = {" | ".join(k): n / (steps[1] - steps[0]) for k, n in syncs.calls.items()}
+        with open(os.path.join(os.environ["COUNT_SYNCS"], os.environ["RANK"] + ".json"), "w") as f:
+            json.dump(per_step, f)
+        return result
+
+    callbacks.train = counting
+"""
+
+
+@pytest.mark.slow  # one launch of 2 processes per case (~15 s on 2 idle cores)
+@pytest.mark.parametrize("case", ["sft-lora", "moe-full", "dpo-lora"])
+def test_two_processes_read_nothing_back_but_trls_own_metrics(tmp_path, tiny_own_dir, tiny_moe_dir, case):
+    """In each of 2 gloo processes (DDP), steps read what one process reads: SFT nothing (the stop-on-signal flag is
+    summed in host memory, DDP does not search for unused parameters), DPO only inside TRL's own loss function (its
+    metrics, and gathering them: the ragged gather reads the processes' pair counts there)."""
+    import json
+
+    from test_distributed import GLOO_AT_EXIT, head_chunks_env, train_cli, write_data
+
+    method, kind = {"sft-lora": ("sft", "lora"), "moe-full": ("sft", "full"), "dpo-lora": ("dpo", "lora")}[case]
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    data = PAIRS if method == "dpo" else write_data(tmp_path / "data.jsonl")
+    path = write_recipe(tmp_path / "recipe.yaml", tiny_moe_dir if case == "moe-full" else tiny_own_dir, method=method,
+                        lora={"r": 4, "alpha": 8, "dropout": 0.0} if kind == "lora" else None, out=tmp_path / "run",
+                        data={"train": [str(data)], "max_length": 64 if method == "sft" else 128},
+                        train={"max_steps": 4, "logging_steps": 1000, "save_strategy": "no", "learning_rate": 1e-3,
+                               "per_device_train_batch_size": 1, "activation_checkpointing": False, "seed": 0})
+    env = head_chunks_env(tmp_path / "hook", GLOO_AT_EXIT + IN_EACH_PROCESS)
+    done = train_cli(tmp_path, str(path), "--num-processes", "2",
+                     env={**env, "COUNT_SYNCS": str(counts), "COUNT_SYNCS_TESTS": str(Path(__file__).parent)})
+    assert done.returncode == 0, done.stderr[-4000:]
+    for rank in (0, 1):
+        per_step = json.loads((counts / f"{rank}.json").read_text())
+        if method == "sft":
+            assert per_step == {}, (rank, per_step)
+            continue
+        where, function = TRL_LOSS[method]
+        trl = {k for k in per_step if k.split(" | ")[1].startswith(where) and k.endswith(function)}
+        # TRL's metric gathers go through the ragged gather (train/ragged_gather.py), which reads the processes' counts
+        gathers = {k for k in per_step if k.startswith("Tensor.tolist | ") and "ragged_gather.py:" in k and k.endswith(" | gather_ragged")}
+        assert trl and gathers and set(per_step) == trl | gathers, (rank, per_step)

@@ -136,6 +136,7 @@ class StopOnSignal(TrainerCallback):
     def __init__(self):
         self.signal: int | None = None  # the signal this process received
         self.stopped = False  # training stopped early because some process was signalled
+        self._group = None  # launched: the processes' group over host memory (gloo) the flag is summed in
 
     @contextlib.contextmanager
     def installed(self):
@@ -156,6 +157,13 @@ class StopOnSignal(TrainerCallback):
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        import torch
+
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # every process, at the same point
+            gloo = torch.distributed.get_backend() == "gloo"
+            self._group = torch.distributed.group.WORLD if gloo else torch.distributed.new_group(backend="gloo")
+
     def on_step_end(self, args, state, control, **kwargs):
         if self._anywhere():
             control.should_save = True
@@ -166,13 +174,13 @@ class StopOnSignal(TrainerCallback):
         """Whether any process was signalled: all must stop after the same step, or a collective would hang."""
         import torch
 
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        if self._group is None:
             return self.signal is not None
-        from accelerate import PartialState
-
-        flag = torch.tensor([1 if self.signal is not None else 0], device=PartialState().device)
-        torch.distributed.all_reduce(flag)
-        return bool(flag.item())
+        # Summed in host memory over gloo (under NCCL a group of its own): reading a GPU tensor every step would wait
+        # for the device to finish the step's work; `.numpy()` reads the host tensor where it lies
+        flag = torch.tensor([1 if self.signal is not None else 0])
+        torch.distributed.all_reduce(flag, group=self._group)
+        return bool(flag.numpy()[0])
 
 
 def train(trainer, out: Path, resume_from_checkpoint=None):
