@@ -31,6 +31,8 @@ def training_args(recipe: Recipe, out: Path):
         "save_strategy": "steps",
         "save_total_limit": 2,
         "dataloader_pin_memory": cuda,
+        # accelerate's dataloader copies each pinned batch to the GPU without making the host wait for the copy
+        **({"accelerator_config": {"non_blocking": True}} if cuda else {}),
         # transformers' default reads every micro-batch's loss back to test it for NaN/inf (two host syncs each);
         # a non-finite loss makes a non-finite gradient norm, which the divergence guard stops on (checkpoints.py)
         "logging_nan_inf_filter": False,
