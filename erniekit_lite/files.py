@@ -13,6 +13,7 @@ shared cache's other users or the user's group out while every other file follow
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -93,17 +94,31 @@ def _alive(pid: int) -> bool:
 
 
 def replace_dir(staging: Path, target: Path) -> None:
-    """`staging`, complete, becomes `target`; an old `target` is moved aside first and deleted last."""
+    """`staging`, complete, becomes `target`; an old `target` is moved aside first and deleted last. Two writers of
+    one target (two merges of one run): each moves aside what holds the name when it renames, so the last one's stays
+    and nothing is left beside it."""
     follow_umask(staging)
-    aside = None
-    if target.exists():
-        aside = unique(target, "replaced")
-        target.rename(aside)
+    asides = []
     try:
-        staging.rename(target)
+        while True:
+            if target.exists():
+                aside = unique(target, "replaced")
+                try:
+                    target.rename(aside)
+                    asides.append(aside)
+                except FileNotFoundError:  # another writer moved it aside first
+                    pass
+            try:
+                staging.rename(target)
+                break
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                # another writer's folder took the name in between: it goes aside too, and this one in
     except BaseException:
-        if aside is not None:
-            aside.rename(target)  # the old one back under its name
+        if asides and not target.exists():
+            asides[0].rename(target)  # the old one back under its name
+            asides.pop(0)
         raise
-    if aside is not None:
-        shutil.rmtree(aside)
+    for aside in asides:
+        shutil.rmtree(aside, ignore_errors=True)
