@@ -695,12 +695,12 @@ def graph_breaks(results: Results, assets: Path, tmp: Path, args, batch, labels,
     from erniekit_lite.model.load import load_model, resolve_attention
     from erniekit_lite.model.lora import apply_lora
     from erniekit_lite.recipe import LoraSection
-    from erniekit_lite.train.scoring import add_scoring_forward
+    from erniekit_lite.train import scored
 
     impl = resolve_attention("auto", packing=True)
     model = apply_lora(load_model(str(write_model(assets, "0.3b", tmp, layers=2, smoke=args.smoke)), "bfloat16", impl).to(device),
                        LoraSection(r=8, dropout=0.0))
-    add_scoring_forward(model.get_base_model())
+    scored.take(model.get_base_model())
 
     def step(batch, labels):
         scores = model(**batch, score_labels=labels)

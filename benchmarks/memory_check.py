@@ -228,13 +228,14 @@ def measure(case: Case) -> dict:
     """One case: estimate (from the same model, as validate does on the meta device) and measurements."""
     from erniekit_lite.model.lora import unwrap
     from erniekit_lite.train import scoring
+    from erniekit_lite.train.scored import take as take_scoring
 
     config, model = build(case)
     model = adapt(model, case)
     base = unwrap(model)
     if case.checkpointing:
         base.activation_checkpointing_enable()  # what Trainer does (non-reentrant; input grads for LoRA)
-    scoring.add_scoring_forward(base)
+    take_scoring(base)
     model.train()
     inputs, labels, scored = packed_inputs(case)
     old_chunk = scoring.MAX_CHUNK_ELEMENTS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -175,3 +176,18 @@ def identity_run(tmp: Path, model_dir: Path) -> Path:
                                  "save_steps": 150, "seed": 0})
     assert main(["train", str(recipe)]) == 0
     return tmp / "run"
+
+
+@contextlib.contextmanager
+def trls_own_head(model, outputs: tuple):
+    """TRL's fused LM head back on `model` (the causal LM, under no wrapper) while TRL's own padded batches run, as
+    TRL's DPO/KTO `__init__` puts it on; the project's trainers take it off (erniekit_lite/train/scored.py)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from erniekit_lite.train import scored
+
+    add_fused_lm_head(model, outputs=outputs)
+    try:
+        yield
+    finally:
+        scored.without_trl_head(model)

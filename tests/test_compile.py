@@ -62,10 +62,10 @@ def test_a_compiled_packed_lora_step_breaks_only_where_it_must(tiny_dense_dir, e
     from erniekit_lite.model.load import load_model
     from erniekit_lite.model.lora import apply_lora
     from erniekit_lite.recipe import LoraSection
-    from erniekit_lite.train.scoring import add_scoring_forward
+    from erniekit_lite.train import scored
 
     model = apply_lora(load_model(str(tiny_dense_dir), "float32", "packed_sdpa"), LoraSection(r=4, dropout=0.0))
-    add_scoring_forward(model.get_base_model())
+    scored.take(model.get_base_model())
 
     def step(batch, labels):
         scores = model(**batch, score_labels=labels)

@@ -10,6 +10,7 @@ from erniekit_lite.data.pairs import PackedPairCollator, Pair, pack_pairs
 from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import IGNORE, Sample, Tokenizer
 from erniekit_lite.model.load import load_model
+from helpers import trls_own_head
 
 PROMPTS = [("Who are you?", "I am a tiny ERNIE model.", "No."), ("2+2?", "4", "Five, probably, or maybe six."), ("写诗", "春风拂面。", "不会。")]
 
@@ -36,10 +37,12 @@ def _logp_alone(model, sample: Sample) -> float:
 def _trl_patched(model):
     from trl.trainer.utils import add_fused_lm_head
 
-    from erniekit_lite.train.dpo_trainer import add_packed_forward
+    from erniekit_lite.train import scored
 
+    # as the DPO trainer leaves it: TRL's fused head put on in its `__init__`, then taken off for our class's forward
+    scored.take(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
-    add_packed_forward(model)
+    scored.without_trl_head(model)
     return model
 
 
@@ -106,6 +109,8 @@ def test_dpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_token
     dataset = Dataset.from_dict({"input_ids": [r.input_ids for r in rows], "labels": [r.labels for r in rows], "seq_lengths": [r.seq_lengths for r in rows]})
     args = DPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, loss_type=loss_type, beta=0.1, max_length=None)
     trainer = ErnieDPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=ernie_tokenizer, data_collator=PackedPairCollator(256))
+    # no forward on the instance (TRL's fused head taken off): the class's own scores (erniekit_lite/train/scored.py)
+    assert "forward" not in vars(model.get_base_model()) and type(model.get_base_model()).__module__ == "erniekit_lite.train.scored"
     with torch.no_grad():  # move the policy away from the reference (the trained LoRA B starts at zero)
         for name, p in model.named_parameters():
             if "lora_B" in name and p.requires_grad:
@@ -123,7 +128,8 @@ def test_dpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_token
         trainer._metrics["eval"].clear()
         return loss.item(), metrics, [p.grad.clone() for p in trained]
 
-    trl_loss, trl_metrics, trl_grads = loss_and_grads(padded)
+    with trls_own_head(model.get_base_model(), ("log_probs", "entropy", "mean_logits", "is_top1")):
+        trl_loss, trl_metrics, trl_grads = loss_and_grads(padded)
     our_loss, our_metrics, our_grads = loss_and_grads(packed)
     assert abs(trl_loss - our_loss) <= 1e-5
     assert max((a - b).abs().max().item() for a, b in zip(trl_grads, our_grads)) <= 1e-5

@@ -315,11 +315,12 @@ def padded_group(generator, prompts=(5, 3, 7, 4), completions=(4, 6, 2, 5), voca
 
 @pytest.mark.parametrize("arch, temperature", [("dense", 1.0), ("dense", 0.7), ("moe", 0.7)])
 def test_packed_completion_logps_equal_each_sequence_alone(request, arch, temperature):
-    from erniekit_lite.train.grpo_scoring import MARK, add_packed_scoring, packed_inputs, to_layout
+    from erniekit_lite.train import scored
+    from erniekit_lite.train.grpo_scoring import MARK, packed_inputs, to_layout
 
     model_dir = request.getfixturevalue("tiny_own_dir" if arch == "dense" else "tiny_moe_dir")
     model = load_model(str(model_dir), attn_implementation="packed_sdpa").eval()
-    add_packed_scoring(model)
+    scored.take(model)
     ids, mask, C = padded_group(torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = model(**packed_inputs(ids, mask, C), temperature=temperature, entropy=True, **{MARK: True})

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_cli, write_recipe
+from helpers import run_cli, trls_own_head, write_recipe
 
 from erniekit_lite.data.formats import Conversation, Feedback, Skip, Turn, detect_feedback_format, to_feedback
 from erniekit_lite.data.load import Record
@@ -157,10 +157,12 @@ def test_one_example_alone_pairs_with_itself_and_apo_rows_hold_no_twins(examples
 def _trl_patched(model):
     from trl.trainer.utils import add_fused_lm_head
 
-    from erniekit_lite.train.pair_scoring import add_packed_forward
+    from erniekit_lite.train import scored
 
+    # as the KTO trainer leaves it: TRL's fused head put on in its `__init__`, then taken off for our class's forward
+    scored.take(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits"))
-    add_packed_forward(model)
+    scored.without_trl_head(model)
     return model
 
 
@@ -227,6 +229,8 @@ def test_kto_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_token
     trainer = ErnieKTOTrainer(model=model, args=args, train_dataset=rows_dataset(rows), processing_class=ernie_tokenizer,
                               data_collator=PackedFeedbackCollator(50))
     assert (args.per_device_train_batch_size, args.train_sampling_strategy) == (1, "sequential")  # the caller's, kept
+    # no forward on the instance (TRL's fused head taken off): the class's own scores (erniekit_lite/train/scored.py)
+    assert "forward" not in vars(model.get_base_model()) and type(model.get_base_model()).__module__ == "erniekit_lite.train.scored"
     with torch.no_grad():  # move the policy away from its reference (the "ref" adapter, a copy of the initial one)
         for name, p in model.named_parameters():
             if "lora_B" in name and p.requires_grad:
@@ -246,7 +250,8 @@ def test_kto_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_token
         trainer._metrics["eval"].clear()
         return loss.item(), metrics, [p.grad.clone() for p in trained]
 
-    trl_loss, trl_metrics, trl_grads = loss_and_grads(padded)
+    with trls_own_head(model.get_base_model(), ("log_probs", "entropy", "mean_logits")):
+        trl_loss, trl_metrics, trl_grads = loss_and_grads(padded)
     our_loss, our_metrics, our_grads = loss_and_grads(packed)
     assert abs(trl_loss - our_loss) <= 1e-5
     assert max((a - b).abs().max().item() for a, b in zip(trl_grads, our_grads)) <= 1e-5

@@ -11,7 +11,7 @@ from erniekit_lite.data.packing import best_fit_decreasing, efficiency, one_per_
 from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import IGNORE, Tokenizer
 from erniekit_lite.model.load import load_model
-from erniekit_lite.train.scoring import add_scoring_forward
+from erniekit_lite.train import scored
 
 CONVS = [
     Conversation([Turn("Who are you?", "I am a tiny ERNIE.")], "You are helpful."),
@@ -78,7 +78,7 @@ def test_packed_row_with_kv_cache_leaks_across_samples(tiny_dense_dir, samples):
 
 def _row_loss(model, batch) -> tuple[torch.Tensor, int]:
     """Summed loss and trained-token count, through the trainers' scoring path."""
-    add_scoring_forward(model)
+    scored.take(model)
     batch = dict(batch)
     batch.pop("token_slots")
     labels = batch.pop("labels")
@@ -125,7 +125,7 @@ def test_scored_loss_and_grads_equal_full_logits(tiny_dense_dir, samples, monkey
     model = load_model(str(tiny_dense_dir), "float32", "packed_sdpa")
     if head == "frozen":
         model.get_output_embeddings().weight.requires_grad_(False)  # tied: the input embeddings freeze too
-    add_scoring_forward(model)
+    scored.take(model)
     batch = PackedCollator(512)([vars(r) for r in pack(samples, 512)])
     batch.pop("token_slots")
     labels = batch.pop("labels")

@@ -48,6 +48,10 @@ def load_for_training(recipe: Recipe, log=print, apply_lora: bool = True):
     if recipe.method == "rm":  # the base's body under a new one-output `score` head
         from erniekit_lite.model.reward import load_model as load
     model = load(recipe.model.path, recipe.model.dtype, attn, recipe.model.trust_remote_code, load_in_4bit=recipe.model.load_in_4bit)
+    if recipe.method != "rm":  # a causal LM: its forward scores our batches (train/scored.py), before TRL wraps it
+        from erniekit_lite.train import scored
+
+        scored.take(unwrap(model))
     if recipe.lora is not None and hasattr(model, "peft_config"):
         raise UserError("lora: model.path is already a LoRA output dir; omit lora: to keep training that adapter")
     if recipe.lora is not None and apply_lora:

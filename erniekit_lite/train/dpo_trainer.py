@@ -13,7 +13,7 @@ from __future__ import annotations
 from trl import DPOTrainer
 
 from erniekit_lite.model.lora import unwrap
-from erniekit_lite.train.pair_scoring import add_packed_forward
+from erniekit_lite.train import scored
 from erniekit_lite.train.step_weights import PairTrainer
 
 
@@ -24,12 +24,13 @@ class ErnieDPOTrainer(PairTrainer, DPOTrainer):
         self._install_packed_forward()
 
     def _install_packed_forward(self) -> None:
-        # Called again from `_precompute_ref_logps`, which TRL runs inside `__init__`, after its own patching
+        # TRL's fused head off, ours scores (train/scored.py); a reference TRL built gets our class. Called again from
+        # `_precompute_ref_logps`, which TRL runs inside `__init__`, after its own fused head went on
         policy = unwrap(self.model)
         for model in (policy, self.ref_model):
-            if model is not None and not getattr(model, "_erniekit_packed", False):
-                add_packed_forward(model)
-                model._erniekit_packed = True
+            if model is not None:
+                scored.take(model)
+                scored.without_trl_head(model)
         if "sft" in getattr(self, "loss_types", ()):  # a per-token term: weighed by the step's chosen tokens (step_weights.py)
             weight = self.loss_weights[self.loss_types.index("sft")]
             policy._erniekit_chosen_nll = lambda value: setattr(self, "_token_term", (weight, value))

@@ -16,8 +16,6 @@ states are divided instead: head(h / T) = head(h) / T.
 
 from __future__ import annotations
 
-import types
-
 import torch
 
 from erniekit_lite.data.collate import bounds, labelled_positions
@@ -39,22 +37,10 @@ def packed_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_
     return {"input_ids": input_ids[real][None], "position_ids": positions, "labels": labels[real][None], **varlen}
 
 
-def add_packed_scoring(model) -> None:
-    """Let `model(..., grpo_completion_start=...)` run `completion_scores`; any other call is the model's own forward
-    (generation, TRL's padded scoring). Wrapped around the forward so FSDP / DDP / PEFT wrappers still run."""
-    if getattr(model, "_erniekit_grpo", False):
-        return
-    inner = model.forward
+def check_head(model) -> None:
+    """The packed scoring divides hidden states by the temperature (the module doc): the LM head must have no bias."""
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         raise ValueError("GRPO's packed scoring divides hidden states by the temperature, which needs an LM head without bias")
-
-    def forward(self, *args, **kwargs):
-        if MARK not in kwargs:
-            return inner(*args, **kwargs)
-        return completion_scores(self, **kwargs)
-
-    model.forward = types.MethodType(forward, model)
-    model._erniekit_grpo = True
 
 
 def completion_scores(model, *, labels, temperature: float = 1.0, entropy: bool = False, aux: bool = False,

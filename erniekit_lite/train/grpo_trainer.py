@@ -39,7 +39,8 @@ from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import Tokenizer
 from erniekit_lite.model.attention import PACKED
 from erniekit_lite.model.lora import unwrap
-from erniekit_lite.train.grpo_scoring import MARK, add_packed_scoring, packed_inputs, to_layout
+from erniekit_lite.train import scored
+from erniekit_lite.train.grpo_scoring import MARK, check_head, packed_inputs, to_layout
 from erniekit_lite.train.step import ErnieTrainer
 
 GENERATION_STATE = "grpo_generation_state_{}.pt"  # in a checkpoint, per process index
@@ -57,9 +58,13 @@ class ErnieGRPOTrainer(ErnieTrainer, GRPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._render = Tokenizer(self.processing_class, template_for(self.processing_class))
-        for model in (_inner(self.model), self.ref_model):
-            if model is not None:
-                add_packed_scoring(model)  # after TRL's fused-LM-head patch, which stays for its own padded path
+        check_head(_inner(self.model))
+        # Our forward under TRL's fused head (which stays for TRL's own padded path): a policy loaded for training has
+        # our class already (TRL's head wraps it); a reference TRL built from the path gets it, and TRL's head again
+        head = {"temperature": self.temperature, "cast_lm_head_to_fp32": self.args.cast_lm_head_to_fp32}
+        _score_under_trl_head(_inner(self.model), outputs=("log_probs", "entropy"), **head)
+        if self.ref_model is not None:
+            _score_under_trl_head(self.ref_model, **head)
 
     def _get_train_sampler(self, dataset=None):
         sampler = super()._get_train_sampler(dataset)
@@ -125,6 +130,18 @@ class ErnieGRPOTrainer(ErnieTrainer, GRPOTrainer):
             seen = self.state.num_input_tokens_seen
             super().count_tokens(model, real, slots)
             self.state.num_input_tokens_seen = seen
+
+
+def _score_under_trl_head(model, **head) -> None:
+    """`model` scores GRPO's packed batches in its forward (train/scored.py) with TRL's fused head around it, as
+    TRL's `__init__` put it (`add_fused_lm_head(model, **head)`)."""
+    if getattr(type(model), scored.SCORED, False):
+        return  # its class was ours before TRL's head went on: the head wraps our forward
+    from trl.trainer.utils import add_fused_lm_head
+
+    scored.without_trl_head(model)
+    scored.take(model)
+    add_fused_lm_head(model, **head)
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from erniekit_lite.model.lora import unwrap
-from erniekit_lite.train.pair_scoring import add_packed_forward
+from erniekit_lite.train import scored
 from erniekit_lite.train.step import real_tokens
 from erniekit_lite.train.step_weights import PairTrainer
 
@@ -59,11 +59,12 @@ class ErnieKTOTrainer(PairTrainer, KTOTrainer):
         self._install_packed_forward()
 
     def _install_packed_forward(self) -> None:
-        # Called again from `_precompute_ref_logps`, which TRL runs inside `__init__`, after its own patching
+        # TRL's fused head off, ours scores (train/scored.py); a reference TRL built gets our class. Called again from
+        # `_precompute_ref_logps`, which TRL runs inside `__init__`, after its own fused head went on
         for model in (unwrap(self.model), self.ref_model):
-            if model is not None and not getattr(model, "_erniekit_packed", False):
-                add_packed_forward(model)
-                model._erniekit_packed = True
+            if model is not None:
+                scored.take(model)
+                scored.without_trl_head(model)
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         return dataset  # already tokenized, paired with KL twins and packed by erniekit_lite.data.unpaired

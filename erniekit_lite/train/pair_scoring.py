@@ -9,24 +9,10 @@ values into TRL's [2B, L-1] layout with `logp_index`; each trainer reads its per
 
 from __future__ import annotations
 
-import types
-
 import torch
 from trl.trainer.utils import FusedCausalLMOutput
 
 from erniekit_lite.train.scoring import score
-
-
-def add_packed_forward(model) -> None:
-    """Wrap `model.forward` (for DPO, after TRL's fused-LM-head patch) so pair batches are scored by `pair_scores`."""
-    inner = model.forward
-
-    def forward(self, *args, **kwargs):
-        if "logp_index" not in kwargs:  # generation, or TRL's own padded batches
-            return inner(*args, **kwargs)
-        return pair_scores(self, kwargs)
-
-    model.forward = types.MethodType(forward, model)
 
 
 def pair_scores(model, kwargs: dict) -> FusedCausalLMOutput:

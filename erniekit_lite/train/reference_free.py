@@ -37,7 +37,7 @@ from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import dpo
 from erniekit_lite.train import run as runner
 from erniekit_lite.train.common import trainer_inputs
-from erniekit_lite.train.pair_scoring import add_packed_forward
+from erniekit_lite.train import scored
 from erniekit_lite.train.step_weights import PairTrainer
 
 with warnings.catch_warnings():
@@ -85,7 +85,7 @@ def set_up(trainer, kwargs: dict) -> None:
     trainer.router_aux_loss_coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
     trainer.aux_loss_enabled = hasattr(config, "output_router_logits") and trainer.router_aux_loss_coef != 0.0
     trainer.aux_loss_coef = trainer.router_aux_loss_coef  # what TRL's `get_batch_loss_metrics` adds the aux loss with
-    add_packed_forward(unwrap(trainer.model))
+    scored.take(unwrap(trainer.model))  # pair batches scored in its forward (train/scored.py; TRL put no head on)
 
 
 def concatenated_forward(self, model, batch):

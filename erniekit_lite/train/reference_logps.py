@@ -179,12 +179,14 @@ def _jsonable(value):
 
 
 def _model_class(model) -> type:
-    """The model's own class: FSDP2's `fully_shard` swaps it for a subclass `FSDP<name>(FSDPModule, <name>)`, which
-    must not change the key (a 1-process run and an FSDP2 launch score the same values)."""
+    """The model's own class: FSDP2's `fully_shard` swaps it for a subclass `FSDP<name>(FSDPModule, <name>)`, and the
+    scoring forward (train/scored.py) is a subclass too, in either order; neither may change the key (a 1-process run
+    and an FSDP2 launch score the same values)."""
     from torch.distributed.fsdp import FSDPModule
 
-    cls = type(model)
-    return cls.__bases__[-1] if issubclass(cls, FSDPModule) else cls
+    from erniekit_lite.train.scored import SCORED
+
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule) and not vars(cls).get(SCORED))
 
 
 def _code_digest() -> str:

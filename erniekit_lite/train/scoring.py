@@ -1,7 +1,7 @@
 """Per-token log-probabilities at trained positions only, with bounded LM-head memory and no recompute.
 
 ERNIE 4.5's LM head has 103k rows, so for small models it is most of the compute, and full logits for an 8k-token
-row take gigabytes. `model(..., score_labels=labels)` runs the backbone once, keeps the hidden states of positions
+row take gigabytes. `score` (the forward's `score_labels=` path, train/scored.py) runs the backbone once, keeps the hidden states of positions
 whose next token is trained, and scores them in chunks of at most `MAX_CHUNK_ELEMENTS` logits. How the gradient
 gets back to the hidden states depends on whether the head trains:
 
@@ -22,7 +22,6 @@ as for any forward. SFT and DPO both read their losses and metrics from these sc
 from __future__ import annotations
 
 import math
-import types
 from dataclasses import dataclass
 
 import torch
@@ -41,21 +40,6 @@ class Scores:
     is_top1: torch.Tensor  # [n] bool
     aux_loss: torch.Tensor | None  # MoE router load-balancing loss, when requested
     router_logits: tuple | None = None  # MoE: [tokens, experts] per MoE layer, when requested or tracked
-
-
-def add_scoring_forward(model) -> None:
-    """Let `model(..., score_labels=labels)` return `Scores`; any other call is the model's own forward."""
-    if getattr(model, "_erniekit_scoring", False):
-        return
-    inner = model.forward
-
-    def forward(self, *args, score_labels=None, score_extras=False, score_router_logits=False, **kwargs):
-        if score_labels is None:
-            return inner(*args, **kwargs)
-        return score(self, score_labels, kwargs, score_extras, score_router_logits)
-
-    model.forward = types.MethodType(forward, model)
-    model._erniekit_scoring = True
 
 
 def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True, router_logits: bool = False) -> Scores:

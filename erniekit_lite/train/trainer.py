@@ -13,17 +13,14 @@ from __future__ import annotations
 import torch
 from trl import SFTTrainer
 
-from erniekit_lite.model.lora import unwrap
 from erniekit_lite.train.router_losses import RouterLosses
-from erniekit_lite.train.scoring import add_scoring_forward
 from erniekit_lite.train.step import ErnieTrainer, real_tokens
 
 
 class ErnieSFTTrainer(ErnieTrainer, SFTTrainer):
     def __init__(self, *args, **kwargs):
         self.router = RouterLosses()  # its coefficients set by `common.watch_moe` for a MoE model
-        super().__init__(*args, **kwargs)
-        add_scoring_forward(unwrap(self.model))
+        super().__init__(*args, **kwargs)  # the model scores `score_labels=` in its forward (train/scored.py)
 
     def _get_num_items_in_batch(self, batch_samples: list, device):
         self.router.count_step(batch_samples, self.args, self.accelerator, device)
