@@ -121,4 +121,4 @@ def replace_dir(staging: Path, target: Path) -> None:
             asides.pop(0)
         raise
     for aside in asides:
-        shutil.rmtree(aside, ignore_errors=True)
+        shutil.rmtree(aside)  # a failure here raises, and leaves the old one beside the new
