@@ -21,16 +21,12 @@ class ErnieDPOTrainer(PairTrainer, DPOTrainer):
     def __init__(self, *args, reference_cache: bool = True, **kwargs):
         self.reference_cache = reference_cache  # read by the reference precompute, which runs inside TRL's __init__
         super().__init__(*args, **kwargs)
-        self._install_packed_forward()
+        self._score_ourselves()
 
-    def _install_packed_forward(self) -> None:
-        # TRL's fused head off, ours scores (train/scored.py); a reference TRL built gets our class. Called again from
-        # `_precompute_ref_logps`, which TRL runs inside `__init__`, after its own fused head went on
+    def _score_ourselves(self) -> None:
+        # Called again from `_precompute_ref_logps`, which TRL runs inside `__init__`, after its own fused head went on
         policy = unwrap(self.model)
-        for model in (policy, self.ref_model):
-            if model is not None:
-                scored.take(model)
-                scored.without_trl_head(model)
+        scored.instead_of_trl_head(policy, self.ref_model)  # a reference TRL built gets our class too
         if "sft" in getattr(self, "loss_types", ()):  # a per-token term: weighed by the step's chosen tokens (step_weights.py)
             weight = self.loss_weights[self.loss_types.index("sft")]
             policy._erniekit_chosen_nll = lambda value: setattr(self, "_token_term", (weight, value))
@@ -40,7 +36,7 @@ class ErnieDPOTrainer(PairTrainer, DPOTrainer):
         the processes and cached (reference_logps.py)."""
         from erniekit_lite.train import reference_logps
 
-        self._install_packed_forward()
+        self._score_ourselves()
 
         def score(model, batch):
             chosen, rejected = self.compute_ref_log_probs(model, batch)

@@ -56,15 +56,11 @@ class ErnieKTOTrainer(PairTrainer, KTOTrainer):
         finally:
             args.per_device_train_batch_size, args.train_sampling_strategy = requested
         self._train_batch_size = args.train_batch_size  # the Trainer read it while TRL's values were in place
-        self._install_packed_forward()
+        self._score_ourselves()
 
-    def _install_packed_forward(self) -> None:
-        # TRL's fused head off, ours scores (train/scored.py); a reference TRL built gets our class. Called again from
-        # `_precompute_ref_logps`, which TRL runs inside `__init__`, after its own fused head went on
-        for model in (unwrap(self.model), self.ref_model):
-            if model is not None:
-                scored.take(model)
-                scored.without_trl_head(model)
+    def _score_ourselves(self) -> None:
+        # Called again from `_precompute_ref_logps`, which TRL runs inside `__init__`, after its own fused head went on
+        scored.instead_of_trl_head(unwrap(self.model), self.ref_model)  # a reference TRL built gets our class too
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         return dataset  # already tokenized, paired with KL twins and packed by erniekit_lite.data.unpaired
@@ -119,7 +115,7 @@ class ErnieKTOTrainer(PairTrainer, KTOTrainer):
         order); sharded over the processes and cached (reference_logps.py)."""
         from erniekit_lite.train import reference_logps
 
-        self._install_packed_forward()
+        self._score_ourselves()
 
         def score(model, batch):
             examples, twins = self.compute_ref_log_probs(model, batch)

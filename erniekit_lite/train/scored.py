@@ -53,6 +53,15 @@ def take(model) -> None:
     model.__class__ = scored_class(type(model))
 
 
+def instead_of_trl_head(*models) -> None:
+    """Each of `models` (None skipped) scores in its class's forward, ours, with TRL's fused head taken off (DPO,
+    KTO: see the module doc)."""
+    for model in models:
+        if model is not None:
+            take(model)
+            without_trl_head(model)
+
+
 def without_trl_head(model) -> None:
     """TRL's fused-LM-head wrapper taken off `model`'s instance (DPO, KTO: see the module doc); its class's forward,
     ours, runs again. A no-op where TRL put none."""

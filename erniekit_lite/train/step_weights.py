@@ -24,7 +24,6 @@ as a per-pair term: KTO's KL estimate (a clamped mean over the micro-batch's KL 
 
 from __future__ import annotations
 
-
 import torch
 
 from erniekit_lite.train import ragged_gather
