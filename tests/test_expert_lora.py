@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from erniekit_lite.model.expert_lora import MERGED, SPLIT, SplitExperts, forget_layouts, set_expert_compute
+from erniekit_lite.model.expert_lora import MERGED, SPLIT, SplitExperts, forget_layouts, layout_holders, set_expert_compute
 from erniekit_lite.model.load import load_model
 from erniekit_lite.model.lora import apply_lora, lora_config, targets_as_written
 from erniekit_lite.recipe import LoraSection
@@ -298,7 +298,7 @@ def test_the_laid_out_factors_follow_every_optimizer_step(tiny_moe_dir, one_thre
             for micro in inputs[2 * step:2 * step + 2]:
                 model(**micro).loss.backward()
             optimizer.step()
-            forget_layouts(model)
+            forget_layouts(layout_holders(model))
             optimizer.zero_grad()
             check(f"after step {step + 1}")
         with torch.no_grad():
@@ -321,7 +321,7 @@ def test_the_trainer_drops_the_kept_layouts_after_every_optimizer_step(tiny_moe_
         def on_step_begin(self, args, state, control, model=None, **kwargs):
             with torch.no_grad():
                 kept = model(input_ids=probe).logits
-                forget_layouts(model)
+                forget_layouts(layout_holders(model))
                 fresh.append(torch.equal(model(input_ids=probe).logits, kept))
 
     class Plain(ErnieTrainer, Trainer):

@@ -128,14 +128,18 @@ def operands(wrapper, adapter: str, dtype: torch.dtype):
     return a.transpose(-2, -1), b
 
 
-def forget_layouts(model) -> None:
-    """Drop the layouts `LaidOut` keeps for `model`'s expert adapters: after an optimizer step they are stale, and the
-    version counter alone does not tell (torch's fused AdamW updates the parameters without moving it). The project's
-    Trainer calls this after every optimizer step (`step.ErnieTrainer`); a training loop of one's own calls it after
-    its `optimizer.step()`."""
-    for module in model.modules():
-        if isinstance(module, ParamWrapper):
-            module.__dict__.pop("laid_out", None)
+def layout_holders(model) -> list:
+    """The modules of `model` whose expert adapters `LaidOut` may keep layouts for (found once, not per step)."""
+    return [module for module in model.modules() if isinstance(module, ParamWrapper)]
+
+
+def forget_layouts(holders: list) -> None:
+    """Drop the layouts kept by `holders` (`layout_holders`): after an optimizer step they are stale, and the version
+    counter alone does not tell (torch's fused AdamW updates the parameters without moving it). The project's Trainer
+    calls this after every optimizer step (`step.ErnieTrainer`); a training loop of one's own calls it after its
+    `optimizer.step()`."""
+    for module in holders:
+        module.__dict__.pop("laid_out", None)
 
 
 class LaidOut(torch.autograd.Function):

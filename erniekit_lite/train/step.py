@@ -14,8 +14,8 @@ TRL's trainer class; the method adds its loss and its data, nothing else. Per op
 4. the optimizer (`create_optimizer`: LoRA+ when the adapter asks, the host step under `train.offload: optimizer`);
 5. the callbacks at step end, in the order `train/run.py` adds them: weight EMA (after any sync, so it reads averaged
    weights), the slow-link sync, the first-step and stop-on-signal bookkeeping;
-6. `log` at logging steps only: the divergence guard read, TRL's metrics kept on the device read in one transfer
-   (`trl_metrics.read_back`), real-token rates.
+6. `log` at logging steps only: the divergence guard read, the project's metrics kept on the device read in one
+   transfer (`trl_metrics.read_back`), real-token rates.
 
 Checkpoints are atomic (`checkpoints.py`: written into `tmp-checkpoint-N/`, renamed whole), and a PiSSA/OLoRA
 adapter is saved as a plain LoRA at the end (`lora.save_as_plain_lora`). Everything else (schedule, accumulation,
@@ -30,13 +30,12 @@ import time
 from pathlib import Path
 
 import torch
-from peft.tuners.lora.layer import ParamWrapper
 from transformers import TrainerCallback
 
 from erniekit_lite.errors import UserError
 from erniekit_lite.files import follow_umask
 from erniekit_lite.model.attention import take_batch_lengths
-from erniekit_lite.model.expert_lora import forget_layouts
+from erniekit_lite.model.expert_lora import forget_layouts, layout_holders
 from erniekit_lite.model.lora import INITIAL, save_as_plain_lora, unwrap
 from erniekit_lite.plan import CHECKPOINTING_OFF_BY_PLAN
 from erniekit_lite.train import checkpoints, offload, optimizer, trl_metrics
@@ -155,8 +154,9 @@ class ErnieTrainer:
 
     def train(self, *args, **kwargs):
         optimizer.check_deepspeed(self)
-        if any(isinstance(m, ParamWrapper) for m in self.model.modules()):  # expert adapters keep per-step layouts
-            self.add_callback(_FreshExpertLayouts(self.model))
+        holders = layout_holders(self.model)  # expert adapters keep layouts from one optimizer step to the next
+        if holders:
+            self.add_callback(_FreshExpertLayouts(holders))
         try:
             return super().train(*args, **kwargs)
         except torch.OutOfMemoryError:
@@ -307,11 +307,11 @@ class _FreshExpertLayouts(TrainerCallback):
     """After each optimizer step (DeepSpeed's included: its engine steps in backward, before this), the expert
     adapters' kept layouts are dropped (`expert_lora.forget_layouts`); the next forward lays them out anew."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, holders: list):
+        self.holders = holders
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        forget_layouts(self.model)
+        forget_layouts(self.holders)
 
 
 def real_tokens(inputs: dict, side: str = "") -> int:
