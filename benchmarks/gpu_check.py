@@ -289,7 +289,7 @@ def planned(recipe, checkpointing: bool | None = None, head_kept: bool = False) 
     for the choices the run made: activation checkpointing (`checkpointing`; None: as the recipe's arguments say)
     and a trained LM head's chunks kept for backward (`head_kept`), both of which `train` decides on the GPU."""
     from erniekit_lite import memory
-    from erniekit_lite.plan import architecture, memory_estimate
+    from erniekit_lite.run_plan import architecture, memory_estimate
     from erniekit_lite.trainer_args import training_args
 
     import torch
@@ -1006,7 +1006,7 @@ def offload_section(results: Results, assets: Path, tmp: Path, args) -> None:
     import torch
 
     from erniekit_lite import memory
-    from erniekit_lite.plan import architecture, memory_estimate
+    from erniekit_lite.run_plan import architecture, memory_estimate
     from erniekit_lite.trainer_args import training_args
 
     layers = max(int(x) for x in args.moe_layers.split(","))

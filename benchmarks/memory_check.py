@@ -404,7 +404,8 @@ def shipped_estimates() -> None:
     import os
 
     from erniekit_lite import recipe as recipes
-    from erniekit_lite.plan import architecture, memory_estimate, without_gpu_settings
+    from erniekit_lite.plan import without_gpu_settings
+    from erniekit_lite.run_plan import architecture, memory_estimate
     from erniekit_lite.trainer_args import training_args
     from erniekit_lite import memory
 

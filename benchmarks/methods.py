@@ -1,7 +1,7 @@
 """Every training method on one small LoRA run: real tokens/s and peak RSS, next to DPO's.
 
     python benchmarks/methods.py [--steps 4] [--batch 2] [--max-length 1024] [--rounds 3] [--samples 80]
-                                 [--modes sft,pt,dpo,kto,orpo,simpo,rm] [--threads N]
+                                 [--modes sft,pt,dpo,kto,orpo,simpo,rm,sft-peft,dpo-peft] [--threads N]
 
 Setup (every method; benchmarks/_common.py and runners/erniekit.py): the tiny random ERNIE 4.5 dense model (hidden
 256, 4 layers, the REAL 101k-token tokenizer), written once; LoRA r16 (alpha 32) on the seven projections; fp32;
@@ -13,7 +13,9 @@ first `--samples` records of LLaMA-Factory's dpo_en_demo (sharegpt preference fo
 - sft: each prompt with its chosen answer (sharegpt), max_length 2 x `--max-length`, so rows hold as many tokens;
 - pt: each conversation's text (turns and the chosen answer, blank-line separated) as one document, pieces of
   2 x `--max-length` tokens.
-Every method trains `--batch` packed rows per step for `--steps` steps. Settings: dpo sigmoid, beta 0.1, its
+Every method trains `--batch` packed rows per step for `--steps` steps. `sft-peft` and `dpo-peft` (not run unless
+named) are sft and dpo with the adapters through peft's own Linear forward, the fused LoRA path
+(model/fused_lora.py) switched off: whether fusing pays on this CPU. Settings: dpo sigmoid, beta 0.1, its
 reference the policy with the adapter disabled (a no-grad forward of the same rows every step); kto beta 0.1 (KL
 twins scored without grad, reference as dpo); orpo beta 0.1; simpo beta 2.0, simpo_gamma 1.0, cpo_alpha 0; rm:
 TRL's RewardTrainer (score head trained in full).
@@ -45,17 +47,18 @@ import _common as C  # noqa: E402
 
 sys.path.insert(0, str(C.ROOT))  # run from a checkout without installing
 
-MODES = ["sft", "pt", "dpo", "kto", "orpo", "simpo", "rm"]
+MODES = ["sft", "pt", "dpo", "kto", "orpo", "simpo", "rm", "sft-peft", "dpo-peft"]
+DEFAULT = MODES[:7]  # the -peft twins run when named
 PAIRS = ("dpo", "orpo", "simpo", "rm")  # read the pairs as they are
 TRAIN = {"sft": {}, "pt": {}, "dpo": {}, "kto": {"beta": 0.1}, "orpo": {"beta": 0.1},  # dpo: runners/erniekit.py's
          "simpo": {"beta": 2.0, "simpo_gamma": 1.0}, "rm": {}}
 DATA_FORMAT = {"sft": "sharegpt", "pt": None, "dpo": "sharegpt", "kto": "sharegpt", "orpo": "sharegpt", "simpo": "sharegpt",
-               "rm": "sharegpt"}
+               "rm": "sharegpt", "sft-peft": "sharegpt", "dpo-peft": "sharegpt"}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    C.add_common_args(p, steps=4, batch=2, samples=80, modes=MODES, lf=False)
+    C.add_common_args(p, steps=4, batch=2, samples=80, modes=DEFAULT, lf=False)
     return p.parse_args(argv)
 
 
@@ -74,10 +77,16 @@ def write_forms(records: list[dict], tmp: Path) -> dict[str, Path]:
     paths["sft"].write_text(json.dumps(sft, ensure_ascii=False), encoding="utf-8")
     paths["kto"].write_text(json.dumps(kto, ensure_ascii=False), encoding="utf-8")
     paths["pt"].write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in pt), encoding="utf-8")
-    return {m: paths["pairs" if m in PAIRS else m] for m in MODES}
+    forms = {m: paths["pairs" if m in PAIRS else m] for m in DEFAULT}
+    return {**forms, "sft-peft": forms["sft"], "dpo-peft": forms["dpo"]}
+
+
+def method(mode: str) -> str:
+    return mode.removesuffix("-peft")
 
 
 def max_length(mode: str, args) -> int:
+    mode = method(mode)
     # Pair and KTO rows hold two sequences of up to max_length each; sft/pt rows one sample or piece: the same row size
     return args.max_length if mode in PAIRS or mode == "kto" else 2 * args.max_length
 
@@ -101,8 +110,8 @@ def main(argv=None) -> int:
             return sys.executable, "../methods", {
                 "model_dir": str(model_dir), "data_path": str(data[mode]), "data_format": DATA_FORMAT[mode],
                 "out_dir": str(tmp / f"run-{mode}-{rnd}"), "max_length": max_length(mode, args), "lora_r": args.lora_r,
-                "method": mode, "packing": True, "batch": args.batch, "steps": args.steps, "beta": 0.1,
-                "loss_type": "sigmoid", "train": TRAIN[mode], "verbose": args.verbose}
+                "method": method(mode), "peft_lora": mode.endswith("-peft"), "packing": True, "batch": args.batch,
+                "steps": args.steps, "beta": 0.1, "loss_type": "sigmoid", "train": TRAIN[method(mode)], "verbose": args.verbose}
 
         for line in C.describe_header(f"Every method, one small LoRA run each (erniekit-lite, packed rows); tiny ERNIE 4.5 dense "
                                       f"(hidden {args.hidden_size}, {args.layers} layers, real tokenizer), LoRA r{args.lora_r} x7, "
@@ -170,6 +179,10 @@ def run(p: dict, probe) -> dict:
     from erniekit_lite.train import method_runner
 
     train = method_runner(p["method"])
+    if p.get("peft_lora"):
+        from erniekit_lite.model import fused_lora
+
+        fused_lora.fuse = lambda model: (0, {})  # every adapter keeps peft's forward (this child process only)
     raw = base.recipe_dict(p)
     raw["train"].update(p["train"])
     if p["data_format"] is None:

@@ -1,16 +1,15 @@
-"""`validate`: check a recipe and its data without training, and describe the run it would make.
-
-Training asks the plan (activation checkpointing, keeping the LM head's chunks); the plan never imports
-`erniekit_lite.train` (tests/test_layout.py)."""
+"""`validate`: check a recipe and its data without training, and describe the run it would make: the memory plan for
+a GPU, and the run plan `train` would resolve on this machine (run_plan.py, whose estimates both use); it never
+imports `erniekit_lite.train` (tests/test_layout.py)."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-from erniekit_lite import memory
+from erniekit_lite import memory, run_plan, words
 from erniekit_lite.recipe import Recipe, own_train
-from erniekit_lite import words
+from erniekit_lite.run_plan import architecture, choose_offload, fits, gpu_free, host_available, memory_estimate
 
 
 def plan(recipe: Recipe, log=print) -> dict:
@@ -72,10 +71,16 @@ def plan(recipe: Recipe, log=print) -> dict:
         info["memory_gb_head_kept"] = round(kept.total / memory.GIB, 2)
         log(f"  LM head trains: the estimate recomputes its logit chunks in backward; keeping them instead (what train "
             f"does when the device has room, a third less LM-head compute) needs {kept.total / memory.GIB:.1f} GiB")
-    log(compile_layers.describe(recipe, args.torch_compile_backend))
+    log(compile_layers.describe(recipe.model.compile_layers, args.torch_compile_backend))
     if not cuda:
         log(f"  this machine has no CUDA GPU: `train` here runs on its CPU with mixed precision: {cpu_precision(recipe)} "
             "(the plan above is for the GPU run)")
+    # The plan `train` resolves and runs, as it would resolve it on this machine (train/run.py prints the same lines)
+    launch = "fsdp" if offload == "parameters" else "plain"  # `train` launches FSDP2 itself for parameters
+    ran = run_plan.resolve(recipe, args, gpu_free() if cuda else host_available(), lambda *a: None, cuda, launch, arch,
+                           host_check=False)
+    for line in ran.lines(" on this machine"):
+        log(line)
     if gpu is None or (recipe.lora is None and gpu == memory.GPUS_GB[-1]):
         for n in (2, 4, 8, 16, 32, 64):
             per_device = memory.sharded_total(est, arch["memory"], run, n)
@@ -253,138 +258,8 @@ def without_gpu_settings(recipe: Recipe) -> Recipe:
     return changed
 
 
-def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: bool = False, offload: str = "none",
-                    processes: int = 1):
-    """Peak accelerator memory per device (memory.py) for the run this recipe makes, on a CUDA GPU.
-
-    `head_keep`: a trained LM head keeps its chunks' buffers instead of recomputing them (`head_keep_positions`).
-    `offload`: train.offload as applied (none, optimizer, parameters), `processes` the FSDP2 processes sharing it.
-    """
-    from erniekit_lite.model.load import resolve_attention
-    from erniekit_lite.trainer_args import PAIR_METHODS
-
-    capacity = recipe.data.max_length * (2 if recipe.method in PAIR_METHODS else 1)  # preference rows hold whole pairs
-    tokens = args.per_device_train_batch_size * capacity
-    if cuda:
-        autocast = bool(args.bf16 or args.fp16)
-    else:  # the GPU default is bf16 autocast (training_args): assume it unless the recipe turns it off
-        autocast = bool(recipe.train.get("bf16", True) or recipe.train.get("fp16", False))
-    attn = recipe.model.attn_implementation
-    if attn == "auto":
-        attn = resolve_attention(attn, recipe.data.packing) if cuda else "sdpa"  # flash-attn may not be installed there
-    kwargs = dict(args.activation_checkpointing_kwargs or {})
-    scored = 0 if recipe.method == "rm" else tokens  # an upper bound: every position trained (rm: no LM head, one score per sequence)
-    generation = {}
-    if recipe.method in ("dpo", "kto"):
-        reference = "adapter" if recipe.lora is not None else "precomputed" if args.precompute_ref_log_probs else "copy"
-    elif recipe.method == "grpo":
-        # a packed row of prompts and completions; the head runs at completion positions only
-        capacity = recipe.data.max_length + args.max_completion_length
-        tokens, scored = args.per_device_train_batch_size * capacity, args.per_device_train_batch_size * args.max_completion_length
-        reference = "none" if args.beta == 0 else "adapter" if recipe.lora is not None else "copy"
-        if not (args.use_vllm and args.vllm_mode == "server"):  # the server generates on its own GPUs
-            generation = {"generate_sequences": args.generation_batch_size // max(1, args.world_size),
-                          "generate_length": capacity}
-    else:
-        reference = "none"
-    run = memory.Run(
-        tokens=tokens,
-        scored=scored,
-        **generation,
-        dtype_bytes=2 if recipe.model.dtype in ("bfloat16", "float16") else 4,
-        autocast=autocast,
-        load_in_4bit=recipe.model.load_in_4bit,
-        checkpointing=bool(args.activation_checkpointing),
-        every_n_layers=int(kwargs.get("every_n_layers", 1) or 1),
-        offload=bool(kwargs.get("offload", False)),
-        # PyTorch's varlen kernel keeps what flash attention keeps (its output is o_proj's input, no copy)
-        attention="flash" if attn.startswith("flash") or attn == "packed_varlen" else "eager" if attn == "eager" else "sdpa",
-        row_length=capacity,
-        optim=str(getattr(args.optim, "value", args.optim)),
-        method=recipe.method,
-        reference=reference,
-        chunk_elements=memory.MAX_CHUNK_ELEMENTS,
-        head_keep=head_keep,
-        ema=bool(recipe.train.get("ema")),
-        host_offload=offload,
-        processes=processes,
-        sync=recipe.distributed.sync,
-    )
-    return memory.estimate(arch["shape"], arch["memory"], run), run
-
-
-def architecture(path: str, recipe: Recipe) -> dict:
-    """Parameter counts from the config alone: the model is built on the meta device, no weights are read."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from erniekit_lite.errors import UserError
-    from erniekit_lite.model.load import MODEL_FOLDER, QUICKSTART_MODEL, UNREACHABLE, check_source, missing_source, one_line
-
-    folder = Path(path).expanduser()
-    if folder.is_dir() and not (folder / "config.json").is_file():  # transformers: "Should have a `model_type` key"
-        raise UserError(f"model.path: {path}: no config.json in this folder; {MODEL_FOLDER}")
-    offline = "" if Path(path) == Path(QUICKSTART_MODEL) else "; offline, a folder holding the model's config.json is enough for the memory plan"
-    try:
-        check_source(path)  # an adapter's base may be a Hub id: one quick request, not from_pretrained's retries
-        config = AutoConfig.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code)
-    except UserError as e:  # no such folder, and a Hub id that cannot be one, that the Hub lacks, or no Hub to ask
-        raise UserError(f"{e}{offline if UNREACHABLE in str(e) else ''}") from None
-    except (OSError, ValueError) as e:
-        missing = missing_source(path, e)
-        if missing:
-            raise UserError(f"{missing}{offline if UNREACHABLE in missing else ''}") from None
-        raise UserError(f"model.path: {path}: could not read the model config: {one_line(e)}") from None
-    auto = AutoModelForCausalLM
-    if recipe.method == "rm":  # the base's body under a new one-output `score` head (model/reward.py)
-        from erniekit_lite.model.reward import AutoRewardModel as auto, check_start
-
-        check_start(recipe.model.path)
-    with torch.device("meta"):
-        model = auto.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
-    total = sum(p.numel() for p in model.parameters())
-    trainable = total
-    if recipe.lora is not None:
-        from erniekit_lite.model.lora import apply_lora
-
-        model = apply_lora(model, recipe.lora)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    from erniekit_lite.model.lora import groups_line, unwrap
-
-    return {
-        "groups": groups_line(model),
-        "class": type(unwrap(model)).__name__,
-        "parameters": total,
-        "trainable": trainable,
-        "shape": memory.Shape.from_config(config),
-        "memory": memory.params_of(model, recipe.lora.dropout if recipe.lora is not None else 0.0),
-    }
-
-
-# The share of a device's (free) memory a plan may take, for every choice made against it (offload, activation
-# checkpointing, keeping the LM head's chunks): the estimate's fragmentation allowance is itself a guess
-HEADROOM = 0.85
-OFFLOAD_APPLIED = "erniekit_offload"  # the Trainer arguments' attribute holding train.offload as applied (train/offload.py)
-
-
-def fits(est, device_bytes: int) -> bool:
-    return est.total <= HEADROOM * device_bytes
-
-
 def device_name(device_bytes: int, cuda: bool) -> str:
     return f"this GPU's {device_bytes / memory.GIB:.0f} GiB free" if cuda else memory.a_gpu(device_bytes // memory.GIB)
-
-
-def gpu_free() -> int:
-    import torch
-
-    return torch.cuda.mem_get_info()[0]
-
-
-def host_available() -> int:
-    import psutil
-
-    return psutil.virtual_memory().available
 
 
 def host_line(need: int) -> str:
@@ -393,18 +268,6 @@ def host_line(need: int) -> str:
     have = host_available()
     verdict = "fits" if need <= have else "does not fit: `train` would refuse here"
     return f"host memory: {memory.size(need)} per process; this machine has {memory.size(have)} available ({verdict})"
-
-
-def choose_offload(recipe: Recipe, args, arch: dict, device_bytes: int, host_bytes: int, modes: tuple[str, ...],
-                   processes: int = 1, cuda: bool = True):
-    """`train.offload: auto`: the first of `modes` whose plan fits the device (`HEADROOM` of `device_bytes`)
-    and the host (`host_bytes`: what one process may take there); the last when none does. `processes`: the FSDP2
-    processes the state is sharded over. (mode, estimate, run)."""
-    for mode in modes:
-        est, run = memory_estimate(recipe, args, arch, cuda, offload=mode, processes=processes)
-        if fits(est, device_bytes) and est.host <= host_bytes:
-            break
-    return mode, est, run
 
 
 def propose_offload(recipe: Recipe, args, arch: dict, est, device_bytes: int, cuda: bool, log=print) -> str | None:
@@ -425,56 +288,3 @@ def propose_offload(recipe: Recipe, args, arch: dict, est, device_bytes: int, cu
     return proposed
 
 
-# Set on the Trainer arguments when the plan turned checkpointing off: a first step that runs out of memory then turns
-# it back on and runs that batch again (train/step.py, `ErnieTrainer.training_step`)
-CHECKPOINTING_OFF_BY_PLAN = "erniekit_checkpointing_off_by_plan"
-
-
-def choose_checkpointing(recipe: Recipe, args, free_bytes: int, log=print) -> None:
-    """Single-GPU runs whose recipe leaves activation checkpointing unset: off when the plan fits without it in the
-    memory free on the device before the model loads (`free_bytes`: another process on the card counts).
-
-    TRL turns it on by default, which recomputes every layer's forward in backward (about a third more compute)
-    even where memory is plentiful, e.g. ERNIE-4.5-0.3B on one 80 GB GPU. A recipe that sets
-    `train.activation_checkpointing` either way is left alone, and so are multi-process runs. A plan that never met
-    this GPU may be low: turned off here, checkpointing comes back on if the first step runs out of memory.
-    """
-    if "activation_checkpointing" in recipe.train or "gradient_checkpointing" in recipe.train or args.world_size > 1:
-        return
-    if not args.activation_checkpointing:
-        return
-    from erniekit_lite.model.load import adapter_base
-
-    arch = architecture(adapter_base(recipe.model.path) or recipe.model.path, recipe)
-    args.activation_checkpointing = False
-    est, _ = memory_estimate(recipe, args, arch, cuda=True)
-    if fits(est, free_bytes):
-        log(f"activation checkpointing off: the run needs about {est.total / memory.GIB:.1f} GiB without it, "
-            f"{free_bytes / memory.GIB:.0f} GiB free on this GPU (set train.activation_checkpointing to choose)")
-        setattr(args, CHECKPOINTING_OFF_BY_PLAN, True)
-    else:
-        args.activation_checkpointing = True
-
-
-def head_keep_positions(recipe: Recipe, args, free_bytes: int, log=print) -> int:
-    """Full fine-tuning trains the LM head (ERNIE ties it to the embeddings). Its chunks' fp32 buffers can stay
-    alive for backward (no recompute: a third less LM-head compute) or be recomputed there (one chunk's memory).
-    Keep them when the plan with them kept fits in the memory still free once the model is loaded; the positions
-    returned are the most a micro-batch can score (0: recompute). Runs of several processes always recompute, so
-    every rank makes the same choice (and the plan below is not the sharded one)."""
-    from erniekit_lite.model.load import adapter_base
-
-    if args.world_size > 1:
-        log("LM head: trained; its chunks are recomputed in backward (several processes: one choice for all ranks)")
-        return 0
-    arch = architecture(adapter_base(recipe.model.path) or recipe.model.path, recipe)
-    # the run's own precision (cuda=True reads it from args; the CPU planning default assumes the GPU's autocast)
-    est, run = memory_estimate(recipe, args, arch, cuda=True, head_keep=True)
-    need = est.total - est.weights  # the weights are already in memory, so not in `free_bytes`
-    if need <= HEADROOM * free_bytes:
-        log(f"LM head: trained; its chunks are kept for backward, not recomputed (the step needs about "
-            f"{need / memory.GIB:.1f} GiB more than the weights, {free_bytes / memory.GIB:.0f} GiB free)")
-        return run.tokens
-    log(f"LM head: trained; its chunks are recomputed in backward (keeping them needs about {need / memory.GIB:.1f} "
-        f"GiB more than the weights, {free_bytes / memory.GIB:.0f} GiB free)")
-    return 0

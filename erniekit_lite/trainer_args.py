@@ -116,7 +116,11 @@ def router_losses(recipe: Recipe, moe: bool) -> tuple[dict[str, float], str | No
         return coefs, None
     if not coefs:
         return coefs, None
+    return coefs, router_line(coefs)
+
+
+def router_line(coefs: dict[str, float]) -> str:
     z, orthogonal = coefs["router_z_loss_coef"], coefs["router_orthogonal_loss_coef"]
-    return coefs, ("moe: router z-loss " + (f"coefficient {z:g}, logged as z_loss" if z else "off") + ", orthogonal loss "
-                   + (f"coefficient {orthogonal:g}, logged as orthogonal_loss" if orthogonal else "off")
-                   + " (train.router_z_loss_coef, train.router_orthogonal_loss_coef)")
+    return ("moe: router z-loss " + (f"coefficient {z:g}, logged as z_loss" if z else "off") + ", orthogonal loss "
+            + (f"coefficient {orthogonal:g}, logged as orthogonal_loss" if orthogonal else "off")
+            + " (train.router_z_loss_coef, train.router_orthogonal_loss_coef)")

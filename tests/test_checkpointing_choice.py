@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from erniekit_lite import memory
-from erniekit_lite.plan import CHECKPOINTING_OFF_BY_PLAN, HEADROOM, architecture, choose_checkpointing, memory_estimate
+from erniekit_lite.run_plan import CHECKPOINTING_OFF_BY_PLAN, HEADROOM, architecture, choose_checkpointing, memory_estimate
 from erniekit_lite.recipe import from_dict
 from erniekit_lite.trainer_args import training_args
 
@@ -37,12 +37,12 @@ def test_turned_off_only_when_the_run_fits_without_it(tiny_dense_dir, tmp_path):
     args = training_args(recipe, tmp_path / "out")
     assert args.activation_checkpointing  # TRL's default
     need = _needed_without(recipe, args)
-    said = []
-    choose_checkpointing(recipe, args, int(need / HEADROOM) + memory.GIB, said.append)
+    said, arch = [], architecture(recipe.model.path, recipe)
+    choose_checkpointing(recipe, args, arch, int(need / HEADROOM) + memory.GIB, said.append)
     assert args.activation_checkpointing is False and "activation checkpointing off" in said[0]
     assert getattr(args, CHECKPOINTING_OFF_BY_PLAN) is True  # a first step out of memory turns it back on (test_oom_retry.py)
     args = training_args(recipe, tmp_path / "out")
-    choose_checkpointing(recipe, args, int(need / HEADROOM) - 1, said.append)
+    choose_checkpointing(recipe, args, arch, int(need / HEADROOM) - 1, said.append)
     assert args.activation_checkpointing is True and len(said) == 1
     assert not hasattr(args, CHECKPOINTING_OFF_BY_PLAN)
 
@@ -51,14 +51,15 @@ def test_turned_off_only_when_the_run_fits_without_it(tiny_dense_dir, tmp_path):
 def test_a_recipes_own_choice_is_kept(tiny_dense_dir, tmp_path, setting):
     recipe = _recipe(tiny_dense_dir, tmp_path, activation_checkpointing=setting)
     args = training_args(recipe, tmp_path / "out")
-    choose_checkpointing(recipe, args, 10**15)
+    choose_checkpointing(recipe, args, architecture(recipe.model.path, recipe), 10**15)
     assert args.activation_checkpointing is setting
 
 
 def test_trained_lm_head_keeps_its_chunks_only_when_the_plan_fits(tiny_dense_dir, tmp_path):
-    """Full fine-tuning: the head's chunk buffers stay for backward when the plan with them kept fits the free
-    memory (the positions a micro-batch can score), else every chunk is recomputed (0)."""
-    from erniekit_lite.plan import head_keep_positions
+    """Full fine-tuning: the head's chunk buffers stay for backward when the plan with them kept, weights included,
+    fits the memory free before the model loads (the positions a micro-batch can score), else every chunk is
+    recomputed (0)."""
+    from erniekit_lite.run_plan import head_keep_positions
 
     recipe = _recipe(tiny_dense_dir, tmp_path).model_copy(update={"lora": None})
     args = training_args(recipe, tmp_path / "out")
@@ -67,9 +68,9 @@ def test_trained_lm_head_keeps_its_chunks_only_when_the_plan_fits(tiny_dense_dir
     recompute, _ = memory_estimate(recipe, args, arch, cuda=True, head_keep=False)
     assert keep.logits >= 4 * run.tokens * arch["shape"].vocab > 10 * recompute.logits  # every chunk's fp32 buffer
     assert keep.total > recompute.total
-    said, need = [], keep.total - keep.weights  # the weights are already loaded when free memory is read
-    assert head_keep_positions(recipe, args, int(need / HEADROOM) + 1, said.append) == 4 * 1024
-    assert head_keep_positions(recipe, args, int(need / HEADROOM) - 1, said.append) == 0
+    said, need = [], keep.total  # decided in the run plan, before the weights load
+    assert head_keep_positions(recipe, args, arch, int(need / HEADROOM) + 1, said.append) == 4 * 1024
+    assert head_keep_positions(recipe, args, arch, int(need / HEADROOM) - 1, said.append) == 0
     assert "kept for backward" in said[0] and "recomputed in backward" in said[1]
 
 

@@ -108,4 +108,4 @@ def test_the_key_is_checked_and_sharded_parameters_are_refused(tmp_path, tiny_ow
     assert recipe.train["ema"] == {"decay": 0.9, "start": 0}
     sharded = SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None)), is_fsdp_enabled=True)
     with pytest.raises(UserError, match=r"^train.ema: the parameters are sharded across processes \(FSDP, ZeRO-3\)"):
-        setup(sharded, recipe)
+        setup(sharded, SimpleNamespace(ema=recipe.train["ema"], sync=recipe.distributed))  # the run plan's fields

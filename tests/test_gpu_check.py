@@ -131,7 +131,7 @@ def test_the_plan_compared_is_the_one_for_what_the_run_chose(tiny_dense_dir, tmp
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_check
 
-    from erniekit_lite.plan import choose_checkpointing, head_keep_positions
+    from erniekit_lite.run_plan import architecture, choose_checkpointing, head_keep_positions
     from erniekit_lite.recipe import from_dict
     from erniekit_lite.trainer_args import training_args
 
@@ -139,8 +139,9 @@ def test_the_plan_compared_is_the_one_for_what_the_run_chose(tiny_dense_dir, tmp
                         "max_length": 1024}, "train": {"per_device_train_batch_size": 2}, "output": {"dir": str(tmp_path / "out")}})
     said: list[str] = []
     args = training_args(recipe, tmp_path / "out")
-    choose_checkpointing(recipe, args, 10**15, said.append)  # a GPU with memory to spare (stand-in: no GPU here)
-    assert head_keep_positions(recipe, args, 10**15, said.append) > 0
+    arch = architecture(str(tiny_dense_dir), recipe)
+    choose_checkpointing(recipe, args, arch, 10**15, said.append)  # a GPU with memory to spare (stand-in: no GPU here)
+    assert head_keep_positions(recipe, args, arch, 10**15, said.append) > 0
     assert gpu_check.run_choices(said) == (False, True)
     assert gpu_check.run_choices([]) == (None, False)  # nothing said: the recipe's own setting held
     ran, defaults = gpu_check.planned(recipe, False, True), gpu_check.planned(recipe)

@@ -89,8 +89,21 @@ def test_no_module_imports_itself_through_others():
 
 def test_the_plan_never_imports_training():
     graph = import_graph()
-    assert not {m for m in reachable(graph, "erniekit_lite.plan") if m.startswith("erniekit_lite.train.")}
-    assert "erniekit_lite.plan" in reachable(graph, "erniekit_lite.train.sft")  # training asks the plan
+    for plan in ("erniekit_lite.plan", "erniekit_lite.run_plan"):
+        assert not {m for m in reachable(graph, plan) if m.startswith("erniekit_lite.train.")}
+    assert "erniekit_lite.run_plan" in reachable(graph, "erniekit_lite.train.sft")  # training executes the run plan
+
+
+def test_the_model_modules_take_the_plan_not_the_recipe():
+    """Under model/ nothing imports the recipe module but for a section's type (lora.py: LoraSection); the run plan
+    (run_plan.py) is what `train` hands on."""
+    import ast
+
+    for path in sorted((ROOT / "erniekit_lite" / "model").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "erniekit_lite.recipe":
+                assert {a.name for a in node.names} <= {"LoraSection", "mutates_base"}, path.name
+            assert not (isinstance(node, ast.Name) and node.id == "Recipe"), f"{path.name}:{node.lineno}"
 
 
 def test_only_the_cli_command_imports_the_web_ui():

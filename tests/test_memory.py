@@ -183,8 +183,11 @@ def test_validate_of_a_full_fine_tune_gives_both_lm_head_plans(tmp_path, tiny_ow
 
     lines = []
     info = plan(recipes.load(_recipe(tmp_path, tiny_own_dir, lora=False), ["train.bf16=false"]), log=lines.append)
-    said = [line for line in lines if "LM head trains" in line]
+    said = [line for line in lines if "LM head trains:" in line]
     assert len(said) == 1 and f"needs {info['memory_gb_head_kept']:.1f} GiB" in said[0]
+    # and the run plan `train` would resolve on this machine (the tiny model fits the host: its chunks are kept)
+    ran = lines[lines.index(next(line for line in lines if line.startswith("run plan on this machine (sft)"))) + 1]
+    assert "LM head trains, chunks kept for backward (up to 256 positions)" in ran
     assert info["memory_gb_head_kept"] >= info["memory_gb"]
 
 

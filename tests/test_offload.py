@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from erniekit_lite import memory, plan
+from erniekit_lite import memory, plan, run_plan
 from erniekit_lite.errors import UserError
 from erniekit_lite.recipe import RecipeError, load
 from conftest import SHARED, SHARED_HOW, needs
@@ -116,6 +116,39 @@ def test_host_step_keeps_the_groups_and_resumes_bf16_weights_from_fp32_masters()
     assert all(torch.equal(a, b) for a, b in zip(bf16, again))
 
 
+def test_the_guard_checks_the_host_steps_norm_after_its_one_wait():
+    """Under the host step the divergence guard reads no norm itself: the norm rides to the host with the gradients
+    and is checked in `step` before anything is applied (a finite one steps; a non-finite one stops the run with the
+    weights and the optimizer's state untouched)."""
+    import torch
+
+    from erniekit_lite.train.checkpoints import Diverged, DivergenceGuard
+    from erniekit_lite.train.offload import HostStep
+
+    param = torch.nn.Parameter(torch.ones(3))
+    step, guard = HostStep(torch.optim.AdamW([param], lr=0.1)), DivergenceGuard()
+    guard.last_loss = torch.tensor(2.0)
+    reads = []
+
+    class Norm(torch.Tensor):  # a norm that says when it is read as a number
+        def __float__(self):
+            reads.append(1)
+            return super().__float__()
+
+    param.grad = torch.full((3,), 0.5)
+    finite = torch.tensor(0.8).as_subclass(Norm)
+    assert guard.norm(finite, step, step=1, apart=False) is finite and reads == []
+    step.step()
+    assert reads == [] and not torch.equal(param.detach(), torch.ones(3))
+    before, state = param.detach().clone(), {k: v.clone() for k, v in step.state[step.pairs[0][1]].items()}
+    guard.norm(torch.tensor(float("inf")).as_subclass(Norm), step, step=2, apart=False)
+    param.grad = torch.full((3,), float("inf"))
+    with pytest.raises(Diverged, match="step 2: gradient norm inf, loss 2.0"):
+        step.step()
+    assert reads == [] and torch.equal(param.detach(), before)
+    assert all(torch.equal(v, state[k]) for k, v in step.state[step.pairs[0][1]].items())
+
+
 def test_offload_refused_in_one_line_where_it_cannot_apply(tmp_path, tiny_own_dir, monkeypatch, capsys):
     """A 4-bit base, local SGD and an unknown mode are refused by the recipe check, naming the key; a run whose
     offloaded state would not fit the host by `train`, before the model loads; a bitsandbytes optimizer, optimizer
@@ -134,21 +167,22 @@ def test_offload_refused_in_one_line_where_it_cannot_apply(tmp_path, tiny_own_di
         load(path, ["train.offload=cpu"])
 
     monkeypatch.setattr(plan, "host_available", lambda: 10**6)  # 1 MB free: the host step's 2.2 MB does not fit
-    monkeypatch.setattr(offload, "host_available", lambda: 10**6)
+    monkeypatch.setattr(run_plan, "host_available", lambda: 10**6)
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert "train.offload: optimizer needs about 2.1 MiB of host memory per process (1 on this machine), and 1.0 MiB is available" in err
     assert err.count("\n") == 1 and not (tmp_path / "optimizer").exists()  # nothing claimed
 
     with pytest.raises(UserError, match="train.optim adamw_bnb_8bit is not one: use adamw_torch_fused"):
-        offload.resolve(load(path, ["train.optim=adamw_bnb_8bit"]), training_args(load(path, ["train.optim=adamw_bnb_8bit"]), tmp_path), 0)
+        r = load(path, ["train.optim=adamw_bnb_8bit"])
+        run_plan.resolve_offload(r, training_args(r, tmp_path), None, 0, print, True, "plain")
     args = type("Args", (), {"world_size": 2})()
     for env, mode, said in ((("ACCELERATE_USE_FSDP", "true"), "optimizer", "use train.offload: parameters"),
                             (("ACCELERATE_USE_DEEPSPEED", "true"), "parameters", "DeepSpeed offloads through its own config"),
                             (("ACCELERATE_USE_FSDP", "false"), "parameters", "runs under FSDP2, which `erniekit-lite train` launches")):
         monkeypatch.setenv(*env)
         with pytest.raises(UserError, match=said):
-            offload.resolve(load(path, [f"train.offload={mode}"]), args, 0)
+            run_plan.resolve_offload(load(path, [f"train.offload={mode}"]), args, None, 0, print, True, run_plan.strategy())
         monkeypatch.delenv(env[0])
     config = tmp_path / "zero.yaml"
     config.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n")
@@ -157,10 +191,10 @@ def test_offload_refused_in_one_line_where_it_cannot_apply(tmp_path, tiny_own_di
 
 
 def test_auto_takes_the_first_mode_that_fits_the_device_and_the_host(tmp_path, tiny_own_dir):
-    """`auto`'s choice (plan.choose_offload, what `train` runs on its GPU's free memory): none when the plan fits 85%
+    """`auto`'s choice (run_plan.choose_offload, what `train` runs on its GPU's free memory): none when the plan fits 85%
     of the device, optimizer when only it does, and the last one tried when the host cannot hold the one that fits;
     on a machine without a GPU `train` resolves auto to none and says so."""
-    from erniekit_lite.plan import architecture, memory_estimate
+    from erniekit_lite.run_plan import architecture, memory_estimate
     from erniekit_lite.train import offload
     from erniekit_lite.trainer_args import training_args
 
@@ -169,14 +203,15 @@ def test_auto_takes_the_first_mode_that_fits_the_device_and_the_host(tmp_path, t
     none, _ = memory_estimate(r, args, arch, cuda=True)
     opt, _ = memory_estimate(r, args, arch, cuda=True, offload="optimizer")
     assert opt.total < none.total and opt.host == 16 * arch["trainable"] and none.host == 0
-    choose = lambda device, host: plan.choose_offload(r, args, arch, device, host, ("none", "optimizer"))[0]  # noqa: E731
+    choose = lambda device, host: run_plan.choose_offload(r, args, arch, device, host, ("none", "optimizer"))[0]  # noqa: E731
     assert choose(int(none.total / 0.85) + 1, 0) == "none"
     squeezed = int(opt.total / 0.85) + 1  # fits with the optimizer state on the host, not without
     assert squeezed < none.total / 0.85
     assert choose(squeezed, opt.host) == "optimizer"
     assert choose(squeezed, opt.host - 1) == "optimizer"  # the last tried: train's host check then refuses it
     said = []
-    assert offload.resolve(r, args, squeezed, said.append) == "none" and offload.applied(args).mode == "none"
+    assert run_plan.resolve_offload(r, args, arch, squeezed, said.append, cuda=False, how="plain") == run_plan.Applied("none", 0)
+    assert offload.applied(args).mode == "none"
     assert said == ["train.offload: auto: none (no GPU: everything is in host memory already)"]
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from erniekit_lite.plan import choose_checkpointing
+from erniekit_lite.run_plan import architecture, choose_checkpointing
 from erniekit_lite.train import callbacks, run as runner
 from erniekit_lite.train.step import RETRIED_AT
 from helpers import run_cli, write_recipe
@@ -28,9 +28,9 @@ def plan_with_room(monkeypatch):
     """Stand-in for a GPU with memory to spare: the plan turns checkpointing off, as on such a GPU."""
     real = runner.run_arguments
 
-    def planned(recipe, out, log=print):
-        args = real(recipe, out, log)
-        choose_checkpointing(recipe, args, 10**15, log)
+    def planned(recipe, out):
+        args = real(recipe, out)
+        choose_checkpointing(recipe, args, architecture(recipe.model.path, recipe), 10**15, print)
         return args
 
     monkeypatch.setattr(runner, "run_arguments", planned)
@@ -58,7 +58,7 @@ def seen_at_the_end(monkeypatch) -> SimpleNamespace:
     def spy(trainer, out, metrics, expert_load=None):
         seen.checkpointing = trainer.args.activation_checkpointing
         seen.layers = trainer.model.is_gradient_checkpointing
-        seen.head_keep = trainer.model._erniekit_head_keep_positions
+        seen.head_keep = trainer.model.head_keep_positions
         return save_final(trainer, out, metrics, expert_load)
 
     monkeypatch.setattr(callbacks, "save_final", spy)

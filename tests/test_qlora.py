@@ -351,7 +351,7 @@ def test_validate_plans_the_4bit_weights_loaded(arch, tmp_path, capsys, tiny_own
     (absmax, codes, the experts' statistics). Within 1%."""
     from erniekit_lite import recipe as recipes
     from erniekit_lite.model.expert_4bit import stack_bytes
-    from erniekit_lite.plan import architecture, memory_estimate
+    from erniekit_lite.run_plan import architecture, memory_estimate
     from erniekit_lite.trainer_args import training_args
 
     path = tiny_own_dir if arch == "dense" else tiny_moe_dir

@@ -138,6 +138,7 @@ def test_loss_metrics_and_gradients_equal_trls_own_reward_trainer(arch, lora, ti
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
+    from erniekit_lite import run_plan
     from erniekit_lite.model.load import load_tokenizer
     from erniekit_lite.train import rm
     from erniekit_lite.train.common import load_for_training
@@ -147,10 +148,11 @@ def test_loss_metrics_and_gradients_equal_trls_own_reward_trainer(arch, lora, ti
     r = _recipe(model_dir, tmp_path, lora=lora, train={"center_rewards_coefficient": 0.01, "seed": 0, "bf16": False})
     tokenizer = load_tokenizer(str(model_dir))
     data = prepare_pairs(r.data, tokenizer, log=lambda *a: None)
-    ours_model = load_for_training(r, log=lambda *a: None)
+    args = training_args(r, tmp_path / "ours")
+    ours_model = load_for_training(run_plan.resolve(r, args, 10**12, log=lambda *a: None), log=lambda *a: None)
     theirs_model = copy.deepcopy(ours_model)
     unwrap(theirs_model).set_attn_implementation("sdpa")
-    ours = rm.build_trainer(ours_model, tokenizer, training_args(r, tmp_path / "ours"), data, r)
+    ours = rm.build_trainer(ours_model, tokenizer, args, data, r)
 
     pairs = data.train.pairs
     theirs = RewardTrainer(

@@ -184,14 +184,14 @@ def test_sharded_runs_and_single_processes_are_told(capsys):
     from erniekit_lite.recipe import DistributedSection
     from erniekit_lite.train.sync import setup
 
-    recipe = SimpleNamespace(distributed=DistributedSection(sync="local_sgd", sync_every=2))
+    plan = SimpleNamespace(sync=DistributedSection(sync="local_sgd", sync_every=2))  # the run plan's field
     for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         trainer = SimpleNamespace(accelerator=SimpleNamespace(distributed_type=kind))
         with pytest.raises(UserError, match=f"^distributed.sync: local_sgd changes how DDP synchronises, and this run shards with {kind.value}"):
-            setup(trainer, recipe)
+            setup(trainer, plan)
     said = []
     single = SimpleNamespace(accelerator=SimpleNamespace(distributed_type=DistributedType.NO))
-    assert setup(single, recipe, said.append) is None and not hasattr(single, "sync")
+    assert setup(single, plan, said.append) is None and not hasattr(single, "sync")
     assert said == [said[0]] and said[0].endswith(": one process, nothing to synchronise")
 
 

@@ -32,9 +32,9 @@ def compile_layers(model, backend: str | None = None) -> int:
     return len(layers)
 
 
-def describe(recipe, backend: str | None) -> str:
-    """The plan's and the run's line: on or off, and why."""
-    if recipe.model.compile_layers:
+def describe(on: bool, backend: str | None) -> str:
+    """The plan's and the run's line: on or off (model.compile_layers), and why."""
+    if on:
         return (f"compile: each decoder layer through torch.compile (backend {backend or 'inductor'}, dynamic row "
                 "length; model.compile_layers)")
     return "compile: off (model.compile_layers; off by default until a GPU measurement shows compiled layers faster)"

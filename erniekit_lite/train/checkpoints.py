@@ -92,7 +92,9 @@ class DivergenceGuard:
     With torch's fused Adam/AdamW (the Trainer's default optimizer) the check stays on the device: a non-finite norm
     sets the optimizer's `found_inf`, which skips that step's update in the kernel (weights, moments and step count
     untouched, as under a loss scaler), and the first such step is noted on the device; the run stops at the next
-    logging step or checkpoint, naming it (`check`). Any other optimizer: the norm is read on the host at every step.
+    logging step or checkpoint, naming it (`check`). The host step (`train.offload: optimizer`, which waits for the
+    device once a step anyway): the norm travels to the host with the gradients and is checked there, before the step.
+    Any other optimizer: the norm is read on the host at every step.
     `apart`: local SGD, where each process's norm is its own (all stop together, or the others wait in a collective).
     """
 
@@ -113,6 +115,9 @@ class DivergenceGuard:
             before = torch.zeros_like(noted) if self.noted is None else self.noted
             self.noted = torch.where(bad & (before[0] == 0), noted, before)
             return grad_norm
+        if isinstance(grad_norm, torch.Tensor) and hasattr(optimizer, "check_norm") and not apart:
+            optimizer.check_norm(grad_norm, lambda norm: self._finite(norm, step))  # read with its own wait (offload.py)
+            return grad_norm
         finite = math.isfinite(float(grad_norm))
         if apart:
             flag = torch.tensor([0.0 if finite else 1.0], device=grad_norm.device if torch.is_tensor(grad_norm) else "cpu")
@@ -122,6 +127,10 @@ class DivergenceGuard:
         if not finite:
             raise Diverged(step, float(grad_norm), float(self.last_loss))
         return grad_norm
+
+    def _finite(self, norm: float, step: int) -> None:
+        if not math.isfinite(norm):
+            raise Diverged(step, norm, float(self.last_loss))
 
     def check(self, apart: bool) -> None:
         """Stops the run at the first step whose gradient norm was noted not finite (a read from the device)."""

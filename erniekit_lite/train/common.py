@@ -5,28 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
-from erniekit_lite.model.load import load_model, resolve_attention
-from erniekit_lite.model.lora import groups_line, is_moe, unwrap
-from erniekit_lite.plan import choose_checkpointing, gpu_free, head_keep_positions, host_available
+from erniekit_lite.model.load import load_model
+from erniekit_lite.model.lora import groups_line, unwrap
 from erniekit_lite.recipe import Recipe
-from erniekit_lite.trainer_args import router_losses, training_args
+from erniekit_lite.run_plan import RunPlan, gpu_free, host_available
+from erniekit_lite.trainer_args import router_line, training_args
 
 
-def run_arguments(recipe: Recipe, out: Path, log=print):
-    """The recipe's Trainer arguments for this run: sharding kept on a multi-process CPU run, on a GPU activation
-    checkpointing chosen by what the plan needs against the memory free now, and train.offload resolved and checked
-    against the host's memory (train/offload.py)."""
-    import torch
-
-    from erniekit_lite.train import distribution, offload
+def run_arguments(recipe: Recipe, out: Path):
+    """The recipe's Trainer arguments for this run, with sharding kept on a multi-process CPU run."""
+    from erniekit_lite.train import distribution
 
     if distribution.enabled():
         distribution.sharding_on_cpu()  # before the arguments make accelerate's state
-    args = training_args(recipe, out)
-    if torch.cuda.is_available():
-        choose_checkpointing(recipe, args, free_memory(), log)
-    offload.resolve(recipe, args, free_memory(), log)  # with checkpointing decided: it comes before any offload
-    return args
+    return training_args(recipe, out)
 
 
 def free_memory() -> int:
@@ -37,58 +29,42 @@ def free_memory() -> int:
     return gpu_free() if torch.cuda.is_available() else host_available()
 
 
-def load_for_training(recipe: Recipe, log=print, apply_lora: bool = True):
-    """The model to train; with `apply_lora=False` the caller hands the LoRA config to the trainer instead."""
-    from transformers import TrainingArguments, set_seed
+def load_for_training(plan: RunPlan, log=print, apply_lora: bool = True):
+    """The model the plan names, to train; with `apply_lora=False` the caller hands the LoRA config to the trainer."""
+    from transformers import set_seed
 
     # New adapters start from random weights: seeded here, they follow train.seed (the Trainer seeds only later)
-    set_seed(recipe.train.get("seed", TrainingArguments.seed))
-    attn = resolve_attention(recipe.model.attn_implementation, recipe.data.packing)
+    set_seed(plan.seed)
     load = load_model
-    if recipe.method == "rm":  # the base's body under a new one-output `score` head
+    if plan.method == "rm":  # the base's body under a new one-output `score` head
         from erniekit_lite.model.reward import load_model as load
-    model = load(recipe.model.path, recipe.model.dtype, attn, recipe.model.trust_remote_code, load_in_4bit=recipe.model.load_in_4bit)
-    if recipe.method != "rm":  # a causal LM: its forward scores our batches (train/scored.py), before TRL wraps it
+    model = load(plan.source, plan.dtype, plan.attention, plan.trust_remote_code, load_in_4bit=plan.load_in_4bit)
+    if plan.method != "rm":  # a causal LM: its forward scores our batches (train/scored.py), before TRL wraps it
         from erniekit_lite.train import scored
 
-        scored.take(unwrap(model))
-    if recipe.lora is not None and hasattr(model, "peft_config"):
+        scored.take(unwrap(model), plan.head_keep_positions)
+    if plan.lora is not None and hasattr(model, "peft_config"):
         raise UserError("lora: model.path is already a LoRA output dir; omit lora: to keep training that adapter")
-    if recipe.lora is not None and apply_lora:
+    if plan.lora is not None and apply_lora:
         from erniekit_lite.model.lora import apply_lora as add_adapters
 
-        model = add_adapters(model, recipe.lora)
-    if recipe.lora is None or apply_lora:
+        model = add_adapters(model, plan.lora)
+    if plan.lora is None or apply_lora:
         log(describe_model(model))
     return model
 
 
-def plan_lm_head(trainer, recipe: Recipe, log=print) -> None:
-    """A trained LM head (full fine-tuning): keep or recompute its chunks, as the memory plan allows (scoring.py).
-    A frozen head (LoRA) needs no choice: its gradient is taken in forward."""
-    from erniekit_lite.train.scoring import head_trains
-
-    model = unwrap(trainer.model)
-    head = model.get_output_embeddings()
-    if head is None or not head_trains(head):
-        return
-
-    model._erniekit_head_keep_positions = head_keep_positions(recipe, trainer.args, free_memory(), log)
-
-
-def watch_moe(trainer, recipe: Recipe, log=print):
+def watch_moe(trainer, plan: RunPlan, log=print):
     """MoE runs: say how the router is trained and start recording expert load (None for dense models)."""
-    moe = is_moe(trainer.model)
-    coefs, line = router_losses(recipe, moe)
-    if not moe:
+    if not plan.moe:
         return None
     aux = f"coefficient {trainer.router_aux_loss_coef:g}, logged as aux_loss" if trainer.aux_loss_enabled else "off"
     router = "trained" if any(p.requires_grad for n, p in trainer.model.named_parameters() if ".mlp.gate." in n) else "frozen"
     log(f"moe: router {router}, router aux loss {aux} (train.router_aux_loss_coef; 0 turns it off)")
-    if line:
-        trainer.router.z_coef, trainer.router.orthogonal_coef = coefs["router_z_loss_coef"], coefs["router_orthogonal_loss_coef"]
-        log(line)
-    if not recipe.output.expert_load:
+    if plan.router:
+        trainer.router.z_coef, trainer.router.orthogonal_coef = plan.router["router_z_loss_coef"], plan.router["router_orthogonal_loss_coef"]
+        log(router_line(plan.router))
+    if not plan.expert_load:
         return None
     from erniekit_lite.train.expert_load import save_callback, track
 

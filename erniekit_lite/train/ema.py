@@ -28,11 +28,11 @@ RUN_FACTS = ("distributed", "epoch", "total_flos", "train_runtime", "train_sampl
              "train_steps_per_second", "train_tokens", "train_tokens_per_second", "packing_efficiency")
 
 
-def setup(trainer, recipe, log=print) -> WeightEma | None:
+def setup(trainer, plan, log=print) -> WeightEma | None:
     """`train.ema`: the callback on the trainer (`trainer.ema`, which the checkpoints and the final save read)."""
     from erniekit_lite.errors import UserError
 
-    settings = recipe.train.get("ema")
+    settings = plan.ema
     if not settings:
         return None
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
@@ -42,12 +42,12 @@ def setup(trainer, recipe, log=print) -> WeightEma | None:
     ema = WeightEma(settings["decay"], settings["start"])
     # local SGD: each process keeps the EMA of its own parameters; their mean, taken when the EMA is saved, is the EMA
     # of the processes' mean parameters (the EMA is linear), the model every process holds at each averaging
-    ema.across = recipe.distributed.sync == "local_sgd" and trainer.accelerator.num_processes > 1
+    ema.across = plan.sync.sync == "local_sgd" and trainer.accelerator.num_processes > 1
     trainer.ema = ema
     trainer.add_callback(ema)
     trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     log(f"ema: decay {ema.decay:g} from step {ema.start}, an fp32 copy of the {trained:,} trained parameters "
-        f"({trained * 4 / 2**20:,.1f} MiB), in every checkpoint; {Path(recipe.output.dir) / DIR} at the end (train.ema)")
+        f"({trained * 4 / 2**20:,.1f} MiB), in every checkpoint; {plan.out / DIR} at the end (train.ema)")
     return ema
 
 

@@ -56,7 +56,7 @@ def completion_scores(model, *, labels, temperature: float = 1.0, entropy: bool 
     if temperature != 1.0:
         hidden = hidden / temperature
     log_probs, entropies, *_ = head_scores(model.get_output_embeddings(), hidden, targets, entropy,
-                                           getattr(model, "_erniekit_head_keep_positions", 0))
+                                           getattr(model, "head_keep_positions", 0))
     aux_loss = None
     if aux:
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func

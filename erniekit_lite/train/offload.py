@@ -10,7 +10,7 @@
   --num-processes says more; `--fsdp_offload_params true`, which also gives the process group the CPU backend
   that clipping and sharded checkpoints need on CUDA).
 - `auto`: decided when the run starts, on the GPU it runs on: the first of none and optimizer (under FSDP2, none and
-  parameters) whose plan fits the memory free there and the host's; on a machine without a GPU, none.
+  parameters) whose plan fits the memory free there and the host's; on a machine without a GPU, none. Decided by the run plan (run_plan.py) before the model loads.
 
 DeepSpeed has its own offload (`offload_optimizer_device`, `offload_param_device` in its config), so train.offload
 refuses to run under it. The plan (memory.py) counts the host memory each mode takes; a run that would not fit the
@@ -19,100 +19,23 @@ host is refused before the model loads.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 
 from erniekit_lite import memory
 from erniekit_lite.errors import UserError
-from erniekit_lite.plan import OFFLOAD_APPLIED, architecture, choose_offload, fits, host_available, memory_estimate
-from erniekit_lite.recipe import Recipe, own_train
-
-
-@dataclass(frozen=True)
-class Applied:
-    mode: str  # none | optimizer | parameters
-    host_bytes: int  # what the plan says the offloaded state takes on the host, per process
-
-
-def strategy() -> str:
-    """How the launcher set this process up: fsdp, deepspeed, or plain (one process or DDP); read from the variables
-    `accelerate launch` sets, since the arguments are built before accelerate's state."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
-        return "deepspeed"
-    return "fsdp" if os.environ.get("ACCELERATE_USE_FSDP") == "true" else "plain"
-
-
-def resolve(recipe: Recipe, args, free_bytes: int, log=print) -> str:
-    """train.offload as this run applies it, kept on the Trainer arguments (`OFFLOAD_APPLIED`); refuses, in one line,
-    a mode the launch cannot apply and a run whose offloaded state would not fit the host."""
-    mode = own_train(recipe, "offload")
-    if mode == "none":
-        return mode
-    how = strategy()
-    if how == "deepspeed":
-        raise UserError(f"train.offload: {mode}: DeepSpeed offloads through its own config (offload_optimizer_device, "
-                        "offload_param_device); set it there and leave train.offload at none")
-    if mode == "optimizer" and how == "fsdp":
-        raise UserError("train.offload: optimizer: FSDP keeps the optimizer state with its shards; use train.offload: "
-                        "parameters (FSDP2's CPU offload), or run without --accelerate-config")
-    if mode == "parameters" and how != "fsdp":
-        raise UserError("train.offload: parameters runs under FSDP2, which `erniekit-lite train` launches itself; this "
-                        "process was started another way: use `accelerate launch --use_fsdp --fsdp_version 2 "
-                        "--fsdp_offload_params true ...` or `erniekit-lite train`")
-    if mode == "optimizer":
-        check_optimizer(args)
-    from erniekit_lite.model.load import adapter_base
-
-    arch = architecture(adapter_base(recipe.model.path) or recipe.model.path, recipe)
-    processes = args.world_size if how == "fsdp" else 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the processes on this machine share its memory
-    host = host_available()
-    if mode == "auto":
-        if not torch.cuda.is_available():
-            log("train.offload: auto: none (no GPU: everything is in host memory already)")
-            return "none"
-        modes = ("none", "parameters") if how == "fsdp" else ("none", "optimizer")
-        mode, est, _ = choose_offload(recipe, args, arch, free_bytes, host // local, modes, processes)
-        log(f"train.offload: auto: {mode} (the plan needs {memory.size(est.total)} on this GPU, {memory.size(free_bytes)} "
-            "free" + (f"; {memory.size(est.host)} of host memory per process)" if est.host else ")"))
-        if not fits(est, free_bytes) and how != "fsdp":
-            log("train.offload: auto: the plan does not fit even so; train.offload: parameters (FSDP2's CPU offload, "
-                "launched by `train`) holds only the layers in flight on the GPU (`erniekit-lite validate` shows it)")
-        if mode == "none":
-            return mode
-    else:
-        est, _ = memory_estimate(recipe, args, arch, cuda=True, offload=mode, processes=processes)
-    if est.host * local > host:
-        raise UserError(f"train.offload: {mode} needs about {memory.size(est.host)} of host memory per process "
-                        f"({local} on this machine), and {memory.size(host)} is available; free memory, run fewer "
-                        "processes per machine, or shard over more (`erniekit-lite validate` shows the plan)")
-    setattr(args, OFFLOAD_APPLIED, Applied(mode, est.host))
-    return mode
-
-
-def check_optimizer(args) -> None:
-    """The host step runs torch's own optimizers (their state made lazily, on the masters): said before the model loads."""
-    from transformers import Trainer
-
-    cls, _ = Trainer.get_optimizer_cls_and_kwargs(args)
-    if not getattr(cls, "__module__", "").startswith("torch.optim"):
-        raise UserError(f"train.offload: optimizer steps torch's own optimizers on the CPU; train.optim "
-                        f"{getattr(args.optim, 'value', args.optim)} is not one: use adamw_torch_fused (the default), "
-                        "adamw_torch or sgd")
+from erniekit_lite.run_plan import OFFLOAD_APPLIED, Applied
 
 
 def applied(args) -> Applied:
     return getattr(args, OFFLOAD_APPLIED, None) or Applied("none", 0)
 
 
-def setup(trainer, log=print) -> None:
+def setup(trainer, offload: Applied, log=print) -> None:
     """Before training: FSDP2's policy checked (and made unpinned on CPU, where pinning needs an accelerator), and a
     callback that records what the offloaded state holds on the host (train_results.json, `distributed.offload`)."""
     from transformers import TrainerCallback
 
-    mode = applied(trainer.args).mode
+    mode = offload.mode
     if mode == "none":
         return
     if mode == "parameters":
@@ -124,7 +47,7 @@ def setup(trainer, log=print) -> None:
                             "(or fsdp_offload_params: true in its accelerate config)")
         if not torch.cuda.is_available() and plugin.cpu_offload.pin_memory:
             plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
-    planned = applied(trainer.args).host_bytes
+    planned = offload.host_bytes
     log(f"train.offload: {mode}: in host memory {memory.HOST_HELD[mode]}, about {memory.size(planned)} per process by "
         "the plan")
 
@@ -201,6 +124,8 @@ class HostStep(torch.optim.Optimizer):
                 self.pairs.append((p, master, torch.empty_like(master, pin_memory=pin)))
             group["params"] = masters
         self.stepped = False
+        self._norm = torch.empty(1, dtype=torch.float32, device="cpu", pin_memory=pin)
+        self._norm_check = None  # (the step's gradient norm on the device, what checks it on the host)
 
     @property
     def param_groups(self):
@@ -214,8 +139,16 @@ class HostStep(torch.optim.Optimizer):
     def defaults(self):
         return self.inner.defaults
 
+    def check_norm(self, grad_norm: torch.Tensor, check) -> None:
+        """`check(norm as a float)` runs in the next `step` before anything is applied: the norm is copied with the
+        gradients and read after the one wait the step makes anyway (the divergence guard, checkpoints.py)."""
+        self._norm_check = (grad_norm, check)
+
     @torch.no_grad()
     def step(self, closure=None):
+        norm_check, self._norm_check = self._norm_check, None
+        if norm_check is not None:
+            self._norm.copy_(norm_check[0].detach().float().reshape(1), non_blocking=True)
         for p, master, grad in self.pairs:
             if p.grad is None:  # not used this step: the inner optimizer skips it
                 master.grad = None
@@ -224,6 +157,8 @@ class HostStep(torch.optim.Optimizer):
             master.grad = grad
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # the gradients have arrived (one wait per optimizer step)
+        if norm_check is not None:
+            norm_check[1](float(self._norm))  # a host buffer: no wait of its own; raises before any update
         self.inner.step()
         for p, master, _ in self.pairs:
             p.copy_(master, non_blocking=True)

@@ -1,4 +1,5 @@
-"""A training run, read top to bottom: check the run dir, tokenize and pack, load the model, train, save.
+"""A training run, read top to bottom: resolve the plan, check the run dir, tokenize and pack, load the model, train,
+save.
 
 SFT and preference tuning run the same steps; a `Method` (sft.py, dpo.py) names the few that differ.
 """
@@ -9,13 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from erniekit_lite import hub
-from erniekit_lite.model.load import load_tokenizer, tokenizer_path
+from erniekit_lite import hub, run_plan
+from erniekit_lite.model.load import load_tokenizer
 from erniekit_lite.model import compile_layers, fused_lora
 from erniekit_lite.model.lora import skip_input_casts
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import callbacks, distribution, ema, offload, rundir, sync
-from erniekit_lite.train.common import describe_model, load_for_training, plan_lm_head, run_arguments, watch_moe
+from erniekit_lite.train.common import describe_model, free_memory, load_for_training, run_arguments, watch_moe
 
 
 @dataclass(frozen=True)
@@ -40,14 +41,18 @@ def loss_line(metrics: dict, history: list[dict]) -> str:
 
 
 def run(recipe: Recipe, method: Method, log=print) -> Path:
-    args = run_arguments(recipe, Path(recipe.output.dir), log)
+    args = run_arguments(recipe, Path(recipe.output.dir))
+    # Everything decided before the first step, once (run_plan.py); what follows executes it
+    plan = run_plan.resolve(recipe, args, free_memory(), log)
+    for line in plan.lines():
+        log(line)
     rundir.check(recipe)  # fail before any slow step
     hub.check(recipe)
-    tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
+    tokenizer = load_tokenizer(plan.tokenizer, plan.trust_remote_code)
     # launched: one process per machine tokenizes, handing off beside the run dir (data/handoff.py)
-    data = method.prepare(recipe.data, tokenizer, seed=args.seed, log=log, beside=Path(recipe.output.dir))
+    data = method.prepare(recipe.data, tokenizer, seed=args.seed, log=log, beside=plan.out)
     log(method.describe(data))
-    model = load_for_training(recipe, log, apply_lora=not method.adapter_by_trainer)
+    model = load_for_training(plan, log, apply_lora=not method.adapter_by_trainer)
 
     # Claimed only now, so a recipe or data mistake never leaves a half-made run dir behind
     claimed = rundir.claim(recipe, log)
@@ -59,16 +64,15 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
         fused = fused_lora.describe(*fused_lora.fuse(trainer.model))
         if fused:
             log(fused)
-        if recipe.model.compile_layers:
-            compile_layers.compile_layers(trainer.model, args.torch_compile_backend)
-            log(compile_layers.describe(recipe, args.torch_compile_backend))
-        plan_lm_head(trainer, recipe, log)
+        if plan.compile_layers:
+            compile_layers.compile_layers(trainer.model, plan.compile_backend)
+            log(compile_layers.describe(plan.compile_layers, plan.compile_backend))
         distribution.units_of_one_dtype(trainer)
         distribution.report(trainer, log)
-        expert_load = watch_moe(trainer, recipe, log)
-        ema.setup(trainer, recipe, log)
-        sync.setup(trainer, recipe, log)
-        offload.setup(trainer, log)
+        expert_load = watch_moe(trainer, plan, log)
+        ema.setup(trainer, plan, log)
+        sync.setup(trainer, plan, log)
+        offload.setup(trainer, plan.offload, log)
         if method.adapter_by_trainer and recipe.lora is not None:
             log(describe_model(trainer.model))  # the adapter exists only now
         result = callbacks.train(trainer, out, args.resume_from_checkpoint)

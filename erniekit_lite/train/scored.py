@@ -44,13 +44,17 @@ def scored_class(cls: type) -> type:
             return grpo_scoring.completion_scores(self, **kwargs)
         return parent(self, *args, **kwargs)
 
-    return type(cls.__name__, (cls,), {"forward": forward, SCORED: True, "__module__": __name__,
-                                       "__qualname__": cls.__qualname__})
+    # head_keep_positions: a trained LM head keeps its chunks for backward up to this many positions (the run plan's
+    # choice; 0: recomputed); the first step's out-of-memory retry sets it to 0 (train/step.py)
+    return type(cls.__name__, (cls,), {"forward": forward, SCORED: True, "head_keep_positions": 0,
+                                       "__module__": __name__, "__qualname__": cls.__qualname__})
 
 
-def take(model) -> None:
+def take(model, head_keep_positions: int = 0) -> None:
     """`model` (the causal LM itself, under no peft or accelerate wrapper) scores in its forward from now on."""
     model.__class__ = scored_class(type(model))
+    if head_keep_positions:
+        model.head_keep_positions = head_keep_positions
 
 
 def instead_of_trl_head(*models) -> None:

@@ -13,7 +13,7 @@ gets back to the hidden states depends on whether the head trains:
 - trained head (full fine-tuning): each chunk keeps its softmax buffer for backward, which also yields the head's
   weight gradient. With several chunks either all buffers are kept (no recompute) or each chunk is checkpointed
   (recomputed in backward, one chunk's memory), as `keep_positions` allows; the trainer sets it from the memory
-  plan (`plan.head_keep_positions`).
+  plan (`run_plan.head_keep_positions`).
 
 The head is always called as a module, never read through its weight, so FSDP and ZeRO-3 gather its parameters
 as for any forward. SFT and DPO both read their losses and metrics from these scores.
@@ -59,7 +59,7 @@ def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True, router
     hidden = out.last_hidden_state[keep] if positions is None else out.last_hidden_state.flatten(0, 1).index_select(0, positions)
     head = model.get_output_embeddings()
     log_probs, entropy, log_sum_sq, mean_logits, is_top1 = head_scores(
-        head, hidden, targets, extras, getattr(model, "_erniekit_head_keep_positions", 0)
+        head, hidden, targets, extras, getattr(model, "head_keep_positions", 0)
     )
     aux = None
     if moe:

@@ -37,7 +37,7 @@ from erniekit_lite.files import follow_umask
 from erniekit_lite.model.attention import take_batch_lengths
 from erniekit_lite.model.expert_lora import forget_layouts, layout_holders
 from erniekit_lite.model.lora import INITIAL, save_as_plain_lora, unwrap
-from erniekit_lite.plan import CHECKPOINTING_OFF_BY_PLAN
+from erniekit_lite.run_plan import CHECKPOINTING_OFF_BY_PLAN
 from erniekit_lite.train import checkpoints, offload, optimizer, trl_metrics
 
 # What a micro-batch's training step adds to, put back before the first step's batches run again: the real-token
@@ -70,7 +70,7 @@ class ErnieTrainer:
         """One micro-batch: forward, loss and backward (TRL's and the Trainer's `training_step`).
 
         A first optimizer step that runs out of memory with activation checkpointing off, where the memory plan turned
-        it off (`plan.choose_checkpointing`, one process), is the one re-decision a run makes: checkpointing goes on as
+        it off (`run_plan.resolve`, one process), is the one re-decision a run makes: checkpointing goes on as
         transformers turns it on, a trained LM head recomputes its chunks, the step's gradients so far are zeroed and
         its micro-batches run again from the first, counters as before the step. Any other first-step out-of-memory
         ends the run with one line naming the settings that lower memory. The Trainer's loop, its loss sum and the
@@ -259,7 +259,7 @@ class ErnieTrainer:
 
     def _checkpointing_on(self, step: int) -> None:
         """Activation checkpointing as `Trainer.train` turns it on (and TRL, for an adapter), and the LM head's chunks
-        recomputed (`common.plan_lm_head`); said in one line."""
+        recomputed (`run_plan.RunPlan.head_keep_positions`); said in one line."""
         kwargs = dict(self.args.activation_checkpointing_kwargs or {})
         every, offload_ = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
         self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, every_n_layers=every,
@@ -268,8 +268,9 @@ class ErnieTrainer:
             self.model.enable_input_require_grads()
         self.args.activation_checkpointing = self.args.gradient_checkpointing = True
         base = unwrap(self.model)
-        head = ", the LM head's chunks recomputed" if getattr(base, "_erniekit_head_keep_positions", 0) else ""
-        base._erniekit_head_keep_positions = 0
+        head = ", the LM head's chunks recomputed" if getattr(base, "head_keep_positions", 0) else ""
+        if head:
+            base.head_keep_positions = 0
         self.retried_at = step
         print(f"out of memory at step {step} with activation checkpointing off (the memory plan said the run fits): "
               f"turned it on{head}; running the step's batches again")

@@ -37,11 +37,11 @@ from erniekit_lite.errors import UserError
 FILE = "sync-rank{}.pt"
 
 
-def setup(trainer, recipe, log=print):
+def setup(trainer, plan, log=print):
     """`distributed.sync` on the trainer (`trainer.sync`, which checkpoints and resume read); None for every_step."""
     from accelerate.utils import DistributedType
 
-    section = recipe.distributed
+    section = plan.sync
     if section.sync == "every_step":
         return None
     kind = trainer.accelerator.distributed_type

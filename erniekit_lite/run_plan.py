@@ -1,0 +1,386 @@
+"""The run's plan: everything `train` decides before its first step, resolved once, before the model loads.
+
+`resolve` reads the recipe, the Trainer arguments built from it and the memory free on this machine, and returns one
+frozen `RunPlan`: where the weights and tokenizer come from, the architecture, attention, activation checkpointing,
+whether a trained LM head keeps its chunks, train.offload, distributed.sync, compiled layers, the adapters, the router
+losses, EMA. `train` (train/run.py) executes it; `validate` prints it for this machine beside its GPU plan. Nothing
+later re-decides, with one exception that says so when it happens: a first step that runs out of memory with activation
+checkpointing off, where this plan turned it off, turns it back on (train/step.py).
+
+The decisions themselves and their memory estimates are plan.py's (`choose_checkpointing`, `choose_offload`,
+`head_keep_positions`); this module puts them in order and keeps what they decided.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from erniekit_lite import memory
+from erniekit_lite.errors import UserError
+from erniekit_lite.recipe import DistributedSection, LoraSection, Recipe, own_train
+
+
+@dataclass(frozen=True)
+class Applied:
+    mode: str  # none | optimizer | parameters
+    host_bytes: int  # what the plan says the offloaded state takes on the host, per process
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    method: str
+    out: Path
+    source: str  # model.path: a Hub id, a model folder, or a LoRA run's output folder
+    base: str | None  # that run's base model, when model.path is an adapter
+    tokenizer: str  # where the tokenizer is read (an adapter folder without one: its base)
+    architecture: str  # the model class, read from config.json alone
+    moe: bool
+    dtype: str
+    load_in_4bit: bool
+    trust_remote_code: bool
+    attention: str  # model.attn_implementation, `auto` resolved for this machine
+    seed: int  # train.seed: new adapters start from it
+    lora: LoraSection | None
+    checkpointing: bool  # activation checkpointing, as the run applies it
+    checkpointing_by_plan: bool  # turned off here because the plan fits: the first step's one allowed re-decision
+    head_trains: bool  # full fine-tuning of a causal LM: the LM head (tied to the embeddings) trains
+    head_keep_positions: int  # a trained head keeps its chunks for backward up to this many positions (0: recompute)
+    offload: Applied
+    sync: DistributedSection
+    compile_layers: bool
+    compile_backend: str | None
+    router: dict  # the MoE router's z-loss and orthogonal-loss coefficients the method takes ({} for none)
+    ema: dict | None  # train.ema: decay and start step
+    expert_load: bool  # MoE: expert load recorded (output.expert_load)
+
+    def lines(self, where: str = "") -> list[str]:
+        """The plan as `train` prints it, and `validate` (`where`: " on this machine")."""
+        source = self.source + (f" (an adapter on {self.base})" if self.base else "")
+        adapters = (f"LoRA r={self.lora.r}" + (f", routed experts {self.lora.expert_compute}" if self.moe and
+                    self.lora.routed_experts else "")) if self.lora is not None else "full fine-tuning"
+        head = ("trains, chunks " + (f"kept for backward (up to {self.head_keep_positions:,} positions)"
+                                     if self.head_keep_positions else "recomputed in backward")) if self.head_trains else "frozen"
+        checkpointing = "on" if self.checkpointing else "off" + (" (the plan fits without it; back on if the first step runs "
+                                                                  "out of memory)" if self.checkpointing_by_plan else "")
+        offload = self.offload.mode + (f" ({memory.size(self.offload.host_bytes)} per process on the host)"
+                                       if self.offload.mode != "none" else "")
+        return [
+            f"run plan{where} ({self.method}): {self.architecture} from {source}, tokenizer {self.tokenizer}; {self.dtype} weights"
+            + (" (4-bit NF4 base)" if self.load_in_4bit else "") + f", attention {self.attention}, {adapters}",
+            f"  activation checkpointing {checkpointing}; LM head {head}; train.offload {offload}; "
+            f"compile {'on (' + (self.compile_backend or 'inductor') + ')' if self.compile_layers else 'off'}; "
+            f"sync {self.sync.sync}" + (f"; ema decay {self.ema['decay']:g} from step {self.ema['start']}" if self.ema else "")
+            + ("; router " + ", ".join(f"{k.removeprefix('router_').removesuffix('_coef')} {v:g}" for k, v in self.router.items())
+               if self.router else ""),
+        ]
+
+
+def strategy() -> str:
+    """How the launcher set this process up: fsdp, deepspeed, or plain (one process or DDP); read from the variables
+    `accelerate launch` sets, since the arguments are built before accelerate's state."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+        return "deepspeed"
+    return "fsdp" if os.environ.get("ACCELERATE_USE_FSDP") == "true" else "plain"
+
+
+def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None = None, launch: str | None = None,
+            arch: dict | None = None, host_check: bool = True) -> RunPlan:
+    """The plan of the run `recipe` makes with the Trainer arguments `args` on this machine, `free_bytes` free on the
+    device it trains on (a GPU's free memory; on CPU the host's available memory). Each decision is logged as made.
+    `args` takes the checkpointing decision (the Trainer and TRL read it there). `launch`: how this process was
+    started (`strategy()`); `validate` says how `train` would launch it, hands in the `arch` it read, and turns
+    `host_check` off (it says whether the host fits, and never refuses for it)."""
+    import torch
+
+    from erniekit_lite.model.load import adapter_base, resolve_attention, tokenizer_path
+    from erniekit_lite.trainer_args import router_losses
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    base = adapter_base(recipe.model.path)
+    arch = arch or architecture(base or recipe.model.path, recipe)  # the config read once; the model built on meta
+    moe = arch["shape"].experts > 0
+    router, _ = router_losses(recipe, moe)
+    if cuda:
+        choose_checkpointing(recipe, args, arch, free_bytes, log)
+    offload = resolve_offload(recipe, args, arch, free_bytes, log, cuda, launch or strategy(), host_check)
+    head_trains = recipe.lora is None and recipe.method != "rm"  # LoRA leaves ERNIE's tied head frozen; rm has none
+    return RunPlan(
+        method=recipe.method,
+        out=Path(recipe.output.dir),
+        source=recipe.model.path,
+        base=base,
+        tokenizer=tokenizer_path(recipe.model.path),
+        architecture=arch["class"],
+        moe=moe,
+        dtype=recipe.model.dtype,
+        load_in_4bit=recipe.model.load_in_4bit,
+        trust_remote_code=recipe.model.trust_remote_code,
+        attention=resolve_attention(recipe.model.attn_implementation, recipe.data.packing),
+        seed=args.seed,
+        lora=recipe.lora,
+        checkpointing=bool(args.activation_checkpointing),
+        checkpointing_by_plan=bool(getattr(args, CHECKPOINTING_OFF_BY_PLAN, False)),
+        head_trains=head_trains,
+        head_keep_positions=head_keep_positions(recipe, args, arch, free_bytes, log) if head_trains else 0,
+        offload=offload,
+        sync=recipe.distributed,
+        compile_layers=recipe.model.compile_layers,
+        compile_backend=args.torch_compile_backend,
+        router={k: v for k, v in router.items() if moe},
+        ema=recipe.train.get("ema"),
+        expert_load=moe and recipe.output.expert_load,
+    )
+
+
+def resolve_offload(recipe: Recipe, args, arch: dict, free_bytes: int, log, cuda: bool, how: str,
+                    host_check: bool = True) -> Applied:
+    """train.offload as this run applies it, also kept on the Trainer arguments (`OFFLOAD_APPLIED`, which the
+    optimizer reads); refuses, in one line, a mode the launch cannot apply and a run whose offloaded state would not
+    fit the host."""
+    mode = own_train(recipe, "offload")
+    if mode == "none":
+        return Applied("none", 0)
+    if how == "deepspeed":
+        raise UserError(f"train.offload: {mode}: DeepSpeed offloads through its own config (offload_optimizer_device, "
+                        "offload_param_device); set it there and leave train.offload at none")
+    if mode == "optimizer" and how == "fsdp":
+        raise UserError("train.offload: optimizer: FSDP keeps the optimizer state with its shards; use train.offload: "
+                        "parameters (FSDP2's CPU offload), or run without --accelerate-config")
+    if mode == "parameters" and how != "fsdp":
+        raise UserError("train.offload: parameters runs under FSDP2, which `erniekit-lite train` launches itself; this "
+                        "process was started another way: use `accelerate launch --use_fsdp --fsdp_version 2 "
+                        "--fsdp_offload_params true ...` or `erniekit-lite train`")
+    if mode == "optimizer":
+        check_optimizer(args)
+    processes = args.world_size if how == "fsdp" else 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the processes on this machine share its memory
+    host = host_available()
+    if mode == "auto":
+        if not cuda:
+            log("train.offload: auto: none (no GPU: everything is in host memory already)")
+            return Applied("none", 0)
+        modes = ("none", "parameters") if how == "fsdp" else ("none", "optimizer")
+        mode, est, _ = choose_offload(recipe, args, arch, free_bytes, host // local, modes, processes)
+        log(f"train.offload: auto: {mode} (the plan needs {memory.size(est.total)} on this GPU, {memory.size(free_bytes)} "
+            "free" + (f"; {memory.size(est.host)} of host memory per process)" if est.host else ")"))
+        if not fits(est, free_bytes) and how != "fsdp":
+            log("train.offload: auto: the plan does not fit even so; train.offload: parameters (FSDP2's CPU offload, "
+                "launched by `train`) holds only the layers in flight on the GPU (`erniekit-lite validate` shows it)")
+        if mode == "none":
+            return Applied("none", 0)
+    else:
+        est, _ = memory_estimate(recipe, args, arch, cuda=True, offload=mode, processes=processes)
+    if host_check and est.host * local > host:
+        raise UserError(f"train.offload: {mode} needs about {memory.size(est.host)} of host memory per process "
+                        f"({local} on this machine), and {memory.size(host)} is available; free memory, run fewer "
+                        "processes per machine, or shard over more (`erniekit-lite validate` shows the plan)")
+    applied = Applied(mode, est.host)
+    setattr(args, OFFLOAD_APPLIED, applied)
+    return applied
+
+
+def check_optimizer(args) -> None:
+    """The host step runs torch's own optimizers (their state made lazily, on the masters): said before the model loads."""
+    from transformers import Trainer
+
+    cls, _ = Trainer.get_optimizer_cls_and_kwargs(args)
+    if not getattr(cls, "__module__", "").startswith("torch.optim"):
+        raise UserError(f"train.offload: optimizer steps torch's own optimizers on the CPU; train.optim "
+                        f"{getattr(args.optim, 'value', args.optim)} is not one: use adamw_torch_fused (the default), "
+                        "adamw_torch or sgd")
+
+
+# --- the estimates and choices behind each decision (validate, plan.py, prints the same) ----------------------
+
+
+def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: bool = False, offload: str = "none",
+                    processes: int = 1):
+    """Peak accelerator memory per device (memory.py) for the run this recipe makes, on a CUDA GPU.
+
+    `head_keep`: a trained LM head keeps its chunks' buffers instead of recomputing them (`head_keep_positions`).
+    `offload`: train.offload as applied (none, optimizer, parameters), `processes` the FSDP2 processes sharing it.
+    """
+    from erniekit_lite.model.load import resolve_attention
+    from erniekit_lite.trainer_args import PAIR_METHODS
+
+    capacity = recipe.data.max_length * (2 if recipe.method in PAIR_METHODS else 1)  # preference rows hold whole pairs
+    tokens = args.per_device_train_batch_size * capacity
+    if cuda:
+        autocast = bool(args.bf16 or args.fp16)
+    else:  # the GPU default is bf16 autocast (training_args): assume it unless the recipe turns it off
+        autocast = bool(recipe.train.get("bf16", True) or recipe.train.get("fp16", False))
+    attn = recipe.model.attn_implementation
+    if attn == "auto":
+        attn = resolve_attention(attn, recipe.data.packing) if cuda else "sdpa"  # flash-attn may not be installed there
+    kwargs = dict(args.activation_checkpointing_kwargs or {})
+    scored = 0 if recipe.method == "rm" else tokens  # an upper bound: every position trained (rm: no LM head, one score per sequence)
+    generation = {}
+    if recipe.method in ("dpo", "kto"):
+        reference = "adapter" if recipe.lora is not None else "precomputed" if args.precompute_ref_log_probs else "copy"
+    elif recipe.method == "grpo":
+        # a packed row of prompts and completions; the head runs at completion positions only
+        capacity = recipe.data.max_length + args.max_completion_length
+        tokens, scored = args.per_device_train_batch_size * capacity, args.per_device_train_batch_size * args.max_completion_length
+        reference = "none" if args.beta == 0 else "adapter" if recipe.lora is not None else "copy"
+        if not (args.use_vllm and args.vllm_mode == "server"):  # the server generates on its own GPUs
+            generation = {"generate_sequences": args.generation_batch_size // max(1, args.world_size),
+                          "generate_length": capacity}
+    else:
+        reference = "none"
+    run = memory.Run(
+        tokens=tokens,
+        scored=scored,
+        **generation,
+        dtype_bytes=2 if recipe.model.dtype in ("bfloat16", "float16") else 4,
+        autocast=autocast,
+        load_in_4bit=recipe.model.load_in_4bit,
+        checkpointing=bool(args.activation_checkpointing),
+        every_n_layers=int(kwargs.get("every_n_layers", 1) or 1),
+        offload=bool(kwargs.get("offload", False)),
+        # PyTorch's varlen kernel keeps what flash attention keeps (its output is o_proj's input, no copy)
+        attention="flash" if attn.startswith("flash") or attn == "packed_varlen" else "eager" if attn == "eager" else "sdpa",
+        row_length=capacity,
+        optim=str(getattr(args.optim, "value", args.optim)),
+        method=recipe.method,
+        reference=reference,
+        chunk_elements=memory.MAX_CHUNK_ELEMENTS,
+        head_keep=head_keep,
+        ema=bool(recipe.train.get("ema")),
+        host_offload=offload,
+        processes=processes,
+        sync=recipe.distributed.sync,
+    )
+    return memory.estimate(arch["shape"], arch["memory"], run), run
+
+
+def architecture(path: str, recipe: Recipe) -> dict:
+    """Parameter counts from the config alone: the model is built on the meta device, no weights are read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from erniekit_lite.model.load import MODEL_FOLDER, QUICKSTART_MODEL, UNREACHABLE, check_source, missing_source, one_line
+
+    folder = Path(path).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file():  # transformers: "Should have a `model_type` key"
+        raise UserError(f"model.path: {path}: no config.json in this folder; {MODEL_FOLDER}")
+    offline = "" if Path(path) == Path(QUICKSTART_MODEL) else "; offline, a folder holding the model's config.json is enough for the memory plan"
+    try:
+        check_source(path)  # an adapter's base may be a Hub id: one quick request, not from_pretrained's retries
+        config = AutoConfig.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code)
+    except UserError as e:  # no such folder, and a Hub id that cannot be one, that the Hub lacks, or no Hub to ask
+        raise UserError(f"{e}{offline if UNREACHABLE in str(e) else ''}") from None
+    except (OSError, ValueError) as e:
+        missing = missing_source(path, e)
+        if missing:
+            raise UserError(f"{missing}{offline if UNREACHABLE in missing else ''}") from None
+        raise UserError(f"model.path: {path}: could not read the model config: {one_line(e)}") from None
+    auto = AutoModelForCausalLM
+    if recipe.method == "rm":  # the base's body under a new one-output `score` head (model/reward.py)
+        from erniekit_lite.model.reward import AutoRewardModel as auto, check_start
+
+        check_start(recipe.model.path)
+    with torch.device("meta"):
+        model = auto.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = total
+    if recipe.lora is not None:
+        from erniekit_lite.model.lora import apply_lora
+
+        model = apply_lora(model, recipe.lora)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    from erniekit_lite.model.lora import groups_line, unwrap
+
+    return {
+        "groups": groups_line(model),
+        "class": type(unwrap(model)).__name__,
+        "parameters": total,
+        "trainable": trainable,
+        "shape": memory.Shape.from_config(config),
+        "memory": memory.params_of(model, recipe.lora.dropout if recipe.lora is not None else 0.0),
+    }
+
+
+# The share of a device's (free) memory a plan may take, for every choice made against it (offload, activation
+# checkpointing, keeping the LM head's chunks): the estimate's fragmentation allowance is itself a guess
+HEADROOM = 0.85
+
+
+OFFLOAD_APPLIED = "erniekit_offload"  # the Trainer arguments' attribute holding train.offload as applied (train/offload.py)
+
+
+def fits(est, device_bytes: int) -> bool:
+    return est.total <= HEADROOM * device_bytes
+
+
+def gpu_free() -> int:
+    import torch
+
+    return torch.cuda.mem_get_info()[0]
+
+
+def host_available() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def choose_offload(recipe: Recipe, args, arch: dict, device_bytes: int, host_bytes: int, modes: tuple[str, ...],
+                   processes: int = 1, cuda: bool = True):
+    """`train.offload: auto`: the first of `modes` whose plan fits the device (`HEADROOM` of `device_bytes`)
+    and the host (`host_bytes`: what one process may take there); the last when none does. `processes`: the FSDP2
+    processes the state is sharded over. (mode, estimate, run)."""
+    for mode in modes:
+        est, run = memory_estimate(recipe, args, arch, cuda, offload=mode, processes=processes)
+        if fits(est, device_bytes) and est.host <= host_bytes:
+            break
+    return mode, est, run
+
+
+# Set on the Trainer arguments when the plan turned checkpointing off: a first step that runs out of memory then turns
+# it back on and runs that batch again (train/step.py, `ErnieTrainer.training_step`)
+CHECKPOINTING_OFF_BY_PLAN = "erniekit_checkpointing_off_by_plan"
+
+
+def choose_checkpointing(recipe: Recipe, args, arch: dict, free_bytes: int, log=print) -> None:
+    """Single-GPU runs whose recipe leaves activation checkpointing unset: off when the plan fits without it in the
+    memory free on the device before the model loads (`free_bytes`: another process on the card counts).
+
+    TRL turns it on by default, which recomputes every layer's forward in backward (about a third more compute)
+    even where memory is plentiful, e.g. ERNIE-4.5-0.3B on one 80 GB GPU. A recipe that sets
+    `train.activation_checkpointing` either way is left alone, and so are multi-process runs. A plan that never met
+    this GPU may be low: turned off here, checkpointing comes back on if the first step runs out of memory.
+    """
+    if "activation_checkpointing" in recipe.train or "gradient_checkpointing" in recipe.train or args.world_size > 1:
+        return
+    if not args.activation_checkpointing:
+        return
+    args.activation_checkpointing = False
+    est, _ = memory_estimate(recipe, args, arch, cuda=True)
+    if fits(est, free_bytes):
+        log(f"activation checkpointing off: the run needs about {est.total / memory.GIB:.1f} GiB without it, "
+            f"{free_bytes / memory.GIB:.0f} GiB free on this GPU (set train.activation_checkpointing to choose)")
+        setattr(args, CHECKPOINTING_OFF_BY_PLAN, True)
+    else:
+        args.activation_checkpointing = True
+
+
+def head_keep_positions(recipe: Recipe, args, arch: dict, free_bytes: int, log=print) -> int:
+    """Full fine-tuning trains the LM head (ERNIE ties it to the embeddings). Its chunks' fp32 buffers can stay
+    alive for backward (no recompute: a third less LM-head compute) or be recomputed there (one chunk's memory).
+    Keep them when the plan with them kept, weights included, fits in the memory free before the model loads
+    (`free_bytes`); the positions returned are the most a micro-batch can score (0: recompute). Runs of several
+    processes always recompute, so every rank makes the same choice (and the plan below is not the sharded one)."""
+    if args.world_size > 1:
+        log("LM head: trained; its chunks are recomputed in backward (several processes: one choice for all ranks)")
+        return 0
+    # the run's own precision (cuda=True reads it from args; the CPU planning default assumes the GPU's autocast)
+    est, run = memory_estimate(recipe, args, arch, cuda=True, head_keep=True)
+    if fits(est, free_bytes):
+        log(f"LM head: trained; its chunks are kept for backward, not recomputed (the run needs about "
+            f"{est.total / memory.GIB:.1f} GiB with them kept, {free_bytes / memory.GIB:.0f} GiB free)")
+        return run.tokens
+    log(f"LM head: trained; its chunks are recomputed in backward (keeping them needs about {est.total / memory.GIB:.1f} "
+        f"GiB, {free_bytes / memory.GIB:.0f} GiB free)")
+    return 0
