@@ -1061,14 +1061,15 @@ COMPILED = [("2a", "ernie-4.5-0.3b/sft.yaml", "0.3b", "sft.json"),
             ("5.Nq", "ernie-4.5-21b-a3b/sft-qlora.yaml", "21b-a3b", "sft.json")]
 
 
-def compiled_section(results: Results, assets: Path, tmp: Path, args) -> None:
+def compiled_section(results: Results, assets: Path, tmp: Path, args, sections: tuple[str, ...] | None = None) -> None:
     """9. Each recipe of COMPILED with `model.compile_layers: true`, in its own child process (a compile that hangs
     or fails cannot take the rest) capped at an equal part of what is left of the section's share (at least 45 s;
     none starts past the share): real tokens/s next to the eager figure this call measured (the section named; n/a
-    when it did not run), compile time inside the warm-up steps. Smoke: the 0.3B LoRA recipe alone."""
+    when it did not run), compile time inside the warm-up steps. `sections`: those of COMPILED to run (default all).
+    Smoke: the 0.3B LoRA recipe alone."""
     eager = {row["section"]: row for row in results.data.get("training", [])}
     cut = int(args.moe_layers.split(",")[0])
-    cases = [c for c in COMPILED if c[0] == "2b"] if args.smoke else COMPILED
+    cases = [c for c in COMPILED if (sections is None or c[0] in sections) and (not args.smoke or c[0] == "2b")]
     end = args.until("compiled")
     lines = ["| section | recipe | eager real tokens/s | compiled real tokens/s | compiled / eager | child |",
              "| --- | --- | ---: | ---: | ---: | --- |"]

@@ -202,7 +202,7 @@ def _train(args) -> int:
         from erniekit_lite.launch import launch
         from erniekit_lite.train import rundir
 
-        rundir.check(r)  # said once, before any process starts (each would say it, then torch its traceback)
+        rundir.check(rundir.target(r))  # said once, before any process starts (each would say it, then torch its traceback)
         return launch(args.recipe, overrides, args.num_processes, args.accelerate_config, machines, parameters)
     _quiet_libraries()
     from erniekit_lite.launch import begin_process_group, end_process_group, print_on_main

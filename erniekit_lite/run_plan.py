@@ -19,7 +19,7 @@ from pathlib import Path
 
 from erniekit_lite import memory
 from erniekit_lite.errors import UserError
-from erniekit_lite.recipe import DistributedSection, LoraSection, Recipe, own_train
+from erniekit_lite.recipe import DataSection, DistributedSection, LoraSection, Recipe, RewardEntry, own_train
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,10 @@ class RunPlan:
     router: dict  # the MoE router's z-loss and orthogonal-loss coefficients the method takes ({} for none)
     ema: dict | None  # train.ema: decay and start step
     expert_load: bool  # MoE: expert load recorded (output.expert_load)
+    # what the method's trainer reads of the recipe as written
+    data: DataSection  # rows (max_length, packing), the reference cache, the system prompt
+    rewards: tuple[RewardEntry, ...]  # GRPO's rewards
+    sample_prompts: tuple[str, ...]  # answered after training (output.sample_prompts)
 
     def lines(self, where: str = "") -> list[str]:
         """The plan as `train` prints it, and `validate` (`where`: " on this machine")."""
@@ -131,6 +135,9 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
         router={k: v for k, v in router.items() if moe},
         ema=recipe.train.get("ema"),
         expert_load=moe and recipe.output.expert_load,
+        data=recipe.data,
+        rewards=tuple(recipe.rewards or ()),
+        sample_prompts=tuple(recipe.output.sample_prompts),
     )
 
 

@@ -217,7 +217,7 @@ def test_output_dir_of_another_run_is_refused(tmp_path, capsys, tiny_own_dir):
     with_eval = with_eval.model_copy(update={"data": with_eval.data.model_copy(update={"eval": [Source(path=str(out / "eval.jsonl"))]})})
     with pytest.raises(UserError, match="^" + re.escape(f"output.overwrite: {out} is not an earlier run: it is or holds "
                                                         f"the data ({out}/eval.jsonl); nothing was removed")):
-        rundir.check(with_eval)
+        rundir.check(rundir.target(with_eval))
     (out / "eval.jsonl").unlink()
     (out / "runs").mkdir()
     (out / "checkpoint-9").mkdir()

@@ -356,10 +356,10 @@ def test_stopped_two_process_run_resumes_like_an_uninterrupted_one(tmp_path, tin
     from erniekit_lite.train import rundir
 
     for run in (reference, out):
-        assert rundir.not_a_run(run, load(str(run / "recipe.yaml"), [])) is None, sorted(str(p) for p in run.rglob("*"))
+        assert rundir.not_a_run(run, rundir.target(load(str(run / "recipe.yaml"), []))) is None, sorted(str(p) for p in run.rglob("*"))
     newest = checkpoints.complete(out)[-1]
     (newest / "mine.txt").write_text("mine")
-    assert rundir.not_a_run(out, load(str(out / "recipe.yaml"), [])) == f"holds {newest.name}/mine.txt, which no run writes"
+    assert rundir.not_a_run(out, rundir.target(load(str(out / "recipe.yaml"), []))) == f"holds {newest.name}/mine.txt, which no run writes"
 
 
 # A stand-in for `accelerate launch` (torch elastic): notes the signals it gets, has a worker in a session of its
@@ -577,7 +577,7 @@ def test_sharded_checkpoints_and_a_final_model_consolidated_once_in_the_recipes_
     from erniekit_lite.recipe import load
     from erniekit_lite.train import rundir
 
-    assert rundir.not_a_run(out, load(str(out / "recipe.yaml"), [])) is None  # FSDP2's sharded checkpoint: a run
+    assert rundir.not_a_run(out, rundir.target(load(str(out / "recipe.yaml"), []))) is None  # FSDP2's sharded checkpoint: a run
 
 
 def test_ddp_does_not_search_for_unused_parameters_unless_the_recipe_asks(tmp_path, tiny_own_dir):

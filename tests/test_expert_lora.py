@@ -198,8 +198,8 @@ def test_recipe_key_and_trainer_built_adapters(tiny_moe_dir):
             self.model = get_peft_model(model, peft_config)
 
     for mode, kind in ((SPLIT, "SplitExperts"), (MERGED, "ParamWrapper")):
-        recipe = SimpleNamespace(lora=LoraSection(r=4, expert_compute=mode))
-        trainer = trl_trainer(Trainer, load_model(str(tiny_moe_dir), "float32", "sdpa"), recipe)
+        plan = SimpleNamespace(lora=LoraSection(r=4, expert_compute=mode))  # the run plan's field
+        trainer = trl_trainer(Trainer, load_model(str(tiny_moe_dir), "float32", "sdpa"), plan)
         assert {type(m).__name__ for m in experts_of(trainer.model)} == {kind}
 
 

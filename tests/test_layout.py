@@ -94,6 +94,23 @@ def test_the_plan_never_imports_training():
     assert "erniekit_lite.run_plan" in reachable(graph, "erniekit_lite.train.sft")  # training executes the run plan
 
 
+def test_training_takes_the_recipe_only_until_the_run_plan_is_built():
+    """Under train/ a `Recipe` parameter is taken only by what comes before the run plan (run_plan.py): the methods'
+    entries (`run`, KTO's choice of its data), the Trainer arguments, the run dir's target; the trainers, the
+    model's set-up, the callbacks and the step take the plan."""
+    import ast
+
+    takes = set()
+    for path in sorted((ROOT / "erniekit_lite" / "train").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                for arg in node.args.args + node.args.kwonlyargs:
+                    if arg.annotation is not None and "Recipe" in ast.unparse(arg.annotation):
+                        takes.add(f"{path.stem}.{node.name}")
+    entries = {f"{m}.run" for m in ("dpo", "grpo", "kto", "pt", "reference_free", "rm", "run", "sft")}
+    assert takes == entries | {"kto.method", "kto.with_kl", "common.run_arguments", "rundir.target", "rundir._identity"}
+
+
 def test_the_model_modules_take_the_plan_not_the_recipe():
     """Under model/ nothing imports the recipe module but for a section's type (lora.py: LoraSection); the run plan
     (run_plan.py) is what `train` hands on."""

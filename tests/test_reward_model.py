@@ -149,10 +149,11 @@ def test_loss_metrics_and_gradients_equal_trls_own_reward_trainer(arch, lora, ti
     tokenizer = load_tokenizer(str(model_dir))
     data = prepare_pairs(r.data, tokenizer, log=lambda *a: None)
     args = training_args(r, tmp_path / "ours")
-    ours_model = load_for_training(run_plan.resolve(r, args, 10**12, log=lambda *a: None), log=lambda *a: None)
+    plan = run_plan.resolve(r, args, 10**12, log=lambda *a: None)
+    ours_model = load_for_training(plan, log=lambda *a: None)
     theirs_model = copy.deepcopy(ours_model)
     unwrap(theirs_model).set_attn_implementation("sdpa")
-    ours = rm.build_trainer(ours_model, tokenizer, args, data, r)
+    ours = rm.build_trainer(ours_model, tokenizer, args, data, plan)
 
     pairs = data.train.pairs
     theirs = RewardTrainer(

@@ -93,24 +93,24 @@ def rows_dataset(rows):
     )
 
 
-def trainer_inputs(data, tokenizer, recipe: Recipe, packed, padded, rows=rows_dataset) -> dict:
+def trainer_inputs(data, tokenizer, plan: RunPlan, packed, padded, rows=rows_dataset) -> dict:
     """The Trainer keywords every method passes alike: its rows as datasets (train, and eval when there is one), and
     its `packed` collator class (built with the row length) or `padded` one (built with the pad id)."""
-    collator = packed(recipe.data.max_length) if recipe.data.packing else padded(tokenizer.pad_token_id)
+    collator = packed(plan.data.max_length) if plan.data.packing else padded(tokenizer.pad_token_id)
     return {"train_dataset": rows(data.train.rows), "eval_dataset": rows(data.eval.rows) if data.eval is not None else None,
             "processing_class": tokenizer, "data_collator": collator}
 
 
-def trl_trainer(trainer_class, model, recipe: Recipe, **kwargs):
+def trl_trainer(trainer_class, model, plan: RunPlan, **kwargs):
     """A TRL trainer (built with `kwargs`) that adds the recipe's adapter itself (given a peft config, its reference is
     then the base with the adapter disabled: no copy), with the adapters checked and LoRA+'s settings attached."""
     from erniekit_lite.model.lora import SETTINGS, check_adapters, expert_compute, lora_config, targets_as_written
 
-    config = lora_config(model, recipe.lora) if recipe.lora is not None else None
+    config = lora_config(model, plan.lora) if plan.lora is not None else None
     with targets_as_written():  # TRL calls get_peft_model itself
         trainer = trainer_class(model=model, peft_config=config, **kwargs)
     if config is not None:
         check_adapters(trainer.model, config)
-        expert_compute(trainer.model, recipe.lora.expert_compute)
-        setattr(trainer.model, SETTINGS, recipe.lora)  # LoRA+ (train/optimizer.py) reads it
+        expert_compute(trainer.model, plan.lora.expert_compute)
+        setattr(trainer.model, SETTINGS, plan.lora)  # LoRA+ (train/optimizer.py) reads it
     return trainer

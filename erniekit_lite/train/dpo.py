@@ -11,6 +11,7 @@ from pathlib import Path
 from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator
 from erniekit_lite.data.prepare import PreparedPairs, describe_pairs, prepare_pairs
 from erniekit_lite.recipe import Recipe
+from erniekit_lite.run_plan import RunPlan
 from erniekit_lite.train import run as runner
 from erniekit_lite.train.common import trainer_inputs, trl_trainer
 
@@ -19,11 +20,11 @@ def run(recipe: Recipe, log=print) -> Path:
     return runner.run(recipe, METHOD, log)
 
 
-def build_trainer(model, tokenizer, args, data: PreparedPairs, recipe: Recipe):
+def build_trainer(model, tokenizer, args, data: PreparedPairs, plan: RunPlan):
     from erniekit_lite.train.dpo_trainer import ErnieDPOTrainer
 
-    return trl_trainer(ErnieDPOTrainer, model, recipe, args=args, reference_cache=recipe.data.cache,
-                       **trainer_inputs(data, tokenizer, recipe, PackedPairCollator, PaddedPairCollator))
+    return trl_trainer(ErnieDPOTrainer, model, plan, args=args, reference_cache=plan.data.cache,
+                       **trainer_inputs(data, tokenizer, plan, PackedPairCollator, PaddedPairCollator))
 
 
 def last_rewards(trainer) -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from erniekit_lite.data.prompts import PreparedPrompts, describe_prompts, prepare_prompts
 from erniekit_lite.recipe import Recipe
+from erniekit_lite.run_plan import RunPlan
 from erniekit_lite.train import run as runner
 from erniekit_lite.train.common import trl_trainer
 
@@ -29,17 +30,17 @@ def prompts_dataset(items):
     return Dataset.from_dict({"prompt": [i.messages for i in items], "answer": [i.answer for i in items]})
 
 
-def build_trainer(model, tokenizer, args, data: PreparedPrompts, recipe: Recipe):
+def build_trainer(model, tokenizer, args, data: PreparedPrompts, plan: RunPlan):
     from erniekit_lite.rewards import reward_functions
     from erniekit_lite.train.grpo_trainer import ErnieGRPOTrainer
 
-    funcs, weights = reward_functions(recipe.rewards, recipe.data.system)
+    funcs, weights = reward_functions(plan.rewards, plan.data.system)
     args.reward_weights = weights
-    trainer = trl_trainer(ErnieGRPOTrainer, model, recipe, reward_funcs=funcs, args=args,
+    trainer = trl_trainer(ErnieGRPOTrainer, model, plan, reward_funcs=funcs, args=args,
                           train_dataset=prompts_dataset(data.train.items),
                           eval_dataset=prompts_dataset(data.eval.items) if data.eval is not None else None,
                           processing_class=tokenizer)
-    trainer.packed_scoring = recipe.data.packing
+    trainer.packed_scoring = plan.data.packing
     return trainer
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from erniekit_lite.data.prepare import PreparedFeedback, describe_feedback, prepare_feedback
 from erniekit_lite.data.unpaired import PackedFeedbackCollator, PaddedFeedbackCollator
 from erniekit_lite.recipe import Recipe
+from erniekit_lite.run_plan import RunPlan
 from erniekit_lite.train import run as runner
 from erniekit_lite.train.common import trainer_inputs, trl_trainer
 
@@ -41,11 +42,11 @@ def rows_dataset(rows):
                               "seq_lengths": [r.seq_lengths for r in rows], "desirable": [r.desirable for r in rows]})
 
 
-def build_trainer(model, tokenizer, args, data: PreparedFeedback, recipe: Recipe):
+def build_trainer(model, tokenizer, args, data: PreparedFeedback, plan: RunPlan):
     from erniekit_lite.train.kto_trainer import ErnieKTOTrainer
 
-    return trl_trainer(ErnieKTOTrainer, model, recipe, args=args, reference_cache=recipe.data.cache, **trainer_inputs(
-        data, tokenizer, recipe, PackedFeedbackCollator, PaddedFeedbackCollator, rows=rows_dataset))
+    return trl_trainer(ErnieKTOTrainer, model, plan, args=args, reference_cache=plan.data.cache, **trainer_inputs(
+        data, tokenizer, plan, PackedFeedbackCollator, PaddedFeedbackCollator, rows=rows_dataset))
 
 
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")

@@ -8,6 +8,7 @@ from pathlib import Path
 from erniekit_lite.data.collate import PackedCollator, PaddedCollator
 from erniekit_lite.data.documents import PreparedDocuments, RowsDataset, describe_documents, prepare_documents
 from erniekit_lite.recipe import Recipe
+from erniekit_lite.run_plan import RunPlan
 from erniekit_lite.train import run as runner
 from erniekit_lite.train.common import rows_dataset
 
@@ -16,10 +17,10 @@ def run(recipe: Recipe, log=print) -> Path:
     return runner.run(recipe, METHOD, log)
 
 
-def build_trainer(model, tokenizer, args, data: PreparedDocuments, recipe: Recipe):
+def build_trainer(model, tokenizer, args, data: PreparedDocuments, plan: RunPlan):
     from erniekit_lite.train.trainer import ErnieSFTTrainer
 
-    collator = PackedCollator(recipe.data.max_length) if recipe.data.packing else PaddedCollator(tokenizer.pad_token_id)
+    collator = PackedCollator(plan.data.max_length) if plan.data.packing else PaddedCollator(tokenizer.pad_token_id)
     # TRL 1.16's SFTTrainer accepts only `datasets` types, though with skip_prepare_dataset it only checks the type;
     # the Trainer itself samples any map-style dataset. So TRL gets a one-row stand-in, and the Trainer the rows,
     # read from the memory-mapped pieces as they are sampled (a corpus larger than memory never becomes one table)

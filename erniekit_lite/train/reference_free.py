@@ -34,6 +34,7 @@ import torch
 from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator
 from erniekit_lite.model.lora import unwrap
 from erniekit_lite.recipe import Recipe
+from erniekit_lite.run_plan import RunPlan
 from erniekit_lite.train import dpo
 from erniekit_lite.train import run as runner
 from erniekit_lite.train.common import trainer_inputs
@@ -151,9 +152,9 @@ class ErnieCPOTrainer(PairTrainer, CPOTrainer):
         return self.cpo_alpha
 
 
-def build_trainer(model, tokenizer, args, data, recipe: Recipe):
-    trainer = ErnieORPOTrainer if recipe.method == "orpo" else ErnieCPOTrainer
-    return trainer(model=model, args=args, **trainer_inputs(data, tokenizer, recipe, PackedPairCollator, PaddedPairCollator))
+def build_trainer(model, tokenizer, args, data, plan: RunPlan):
+    trainer = ErnieORPOTrainer if plan.method == "orpo" else ErnieCPOTrainer
+    return trainer(model=model, args=args, **trainer_inputs(data, tokenizer, plan, PackedPairCollator, PaddedPairCollator))
 
 
 # DPO's pair data, metrics and summary; the adapter made as for SFT (no reference needs the base without it)

@@ -26,6 +26,7 @@ from erniekit_lite.errors import UserError
 from erniekit_lite.model.lora import unwrap
 from erniekit_lite.model.reward import HEAD, check_start, is_reward_run
 from erniekit_lite.recipe import Recipe
+from erniekit_lite.run_plan import RunPlan
 from erniekit_lite.train import run as runner
 from erniekit_lite.train.common import trainer_inputs
 from erniekit_lite.train.step_weights import PairTrainer
@@ -57,9 +58,9 @@ class ErnieRewardTrainer(PairTrainer, RewardTrainer):
         return dataset  # already tokenized and packed by erniekit_lite.data.pairs
 
 
-def build_trainer(model, tokenizer, args, data, recipe: Recipe):
+def build_trainer(model, tokenizer, args, data, plan: RunPlan):
     trainer = ErnieRewardTrainer(model=model, args=args,
-                                 **trainer_inputs(data, tokenizer, recipe, PackedPairCollator, PaddedPairCollator))
+                                 **trainer_inputs(data, tokenizer, plan, PackedPairCollator, PaddedPairCollator))
     # the head itself, or under LoRA peft's trained copy of it (modules_to_save; the original stays frozen beside it)
     trained = sum(p.numel() for n, p in trainer.model.named_parameters() if p.requires_grad and f"{HEAD}." in n)
     if trained != getattr(unwrap(trainer.model), HEAD).in_features:

@@ -23,12 +23,12 @@ from erniekit_lite.train.common import describe_model, free_memory, load_for_tra
 class Method:
     prepare: Callable  # (DataSection, tokenizer, seed=, log=) -> the tokenized, packed data
     describe: Callable  # that data -> the lines `train` and `validate` print about it
-    build_trainer: Callable  # (model, tokenizer, args, data, recipe) -> the Trainer
+    build_trainer: Callable  # (model, tokenizer, args, data, the run plan) -> the Trainer
     trained: Callable  # that data -> samples or pairs trained (train_results.json's train_samples)
     adapter_by_trainer: bool = False  # TRL adds a new adapter itself (the DPO reference is the base without it)
     metrics: Callable = lambda trainer: {}  # what the method adds to train_results.json
     summary: Callable = lambda metrics: ""  # what it adds to the final `done:` line
-    finish: Callable | None = None  # (trainer, tokenizer, recipe, out or None, log): after the final save
+    finish: Callable | None = None  # (trainer, tokenizer, the run plan, out or None, log): after the final save
 
 
 def loss_line(metrics: dict, history: list[dict]) -> str:
@@ -41,24 +41,25 @@ def loss_line(metrics: dict, history: list[dict]) -> str:
 
 
 def run(recipe: Recipe, method: Method, log=print) -> Path:
-    args = run_arguments(recipe, Path(recipe.output.dir))
-    # Everything decided before the first step, once (run_plan.py); what follows executes it
+    target = rundir.target(recipe)
+    rundir.check(target)  # fail before any slow step
+    hub.check(recipe)
+    args = run_arguments(recipe, target.out)
+    # Everything decided before the first step, once (run_plan.py); from here on the plan is what the run reads
     plan = run_plan.resolve(recipe, args, free_memory(), log)
     for line in plan.lines():
         log(line)
-    rundir.check(recipe)  # fail before any slow step
-    hub.check(recipe)
     tokenizer = load_tokenizer(plan.tokenizer, plan.trust_remote_code)
     # launched: one process per machine tokenizes, handing off beside the run dir (data/handoff.py)
-    data = method.prepare(recipe.data, tokenizer, seed=args.seed, log=log, beside=plan.out)
+    data = method.prepare(plan.data, tokenizer, seed=args.seed, log=log, beside=plan.out)
     log(method.describe(data))
     model = load_for_training(plan, log, apply_lora=not method.adapter_by_trainer)
 
     # Claimed only now, so a recipe or data mistake never leaves a half-made run dir behind
-    claimed = rundir.claim(recipe, log)
+    claimed = rundir.claim(target, log)
     out = claimed.out
     try:  # an overwritten run waits aside until the first step (rundir): a failure before it puts it back
-        trainer = method.build_trainer(model, tokenizer, args, data, recipe)
+        trainer = method.build_trainer(model, tokenizer, args, data, plan)
         trainer.add_callback(callbacks.FirstStep(claimed))
         skip_input_casts(trainer.model)  # adapters now exist, ours or the trainer's
         fused = fused_lora.describe(*fused_lora.fuse(trainer.model))
@@ -73,7 +74,7 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
         ema.setup(trainer, plan, log)
         sync.setup(trainer, plan, log)
         offload.setup(trainer, plan.offload, log)
-        if method.adapter_by_trainer and recipe.lora is not None:
+        if method.adapter_by_trainer and plan.lora is not None:
             log(describe_model(trainer.model))  # the adapter exists only now
         result = callbacks.train(trainer, out, args.resume_from_checkpoint)
     except BaseException:
@@ -89,7 +90,7 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
         f"real tokens/s, packing efficiency {metrics['packing_efficiency']:.1%}; saved to {out}")
     if method.finish is not None:
         # Every process takes part (a sharded model's forward is collective); only the main one writes
-        method.finish(trainer, tokenizer, recipe, out if trainer.is_world_process_zero() else None, log)
+        method.finish(trainer, tokenizer, plan, out if trainer.is_world_process_zero() else None, log)
     if trainer.is_world_process_zero():
         hub.after_training(out, recipe, log)  # loss.png and model card; the push when the recipe has hub:
     callbacks.finished(out, trainer.state)

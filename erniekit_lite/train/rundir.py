@@ -132,11 +132,19 @@ RUN = Names(
 )
 
 
-def not_a_run(out: Path, recipe: Recipe) -> str | None:
-    """Why `out` is not an earlier run overwrite may replace, or None."""
-    here = Path.cwd().resolve()
-    target = out.resolve()
-    guarded = [("the working folder", here), ("the model", Path(recipe.model.path).expanduser())]
+@dataclass(frozen=True)
+class Target:
+    """The output dir a recipe names, with what deciding about it needs: read from the recipe once (`target`)."""
+
+    out: Path
+    identity: str  # the recipe.yaml this run writes (`_identity`)
+    overwrite: bool
+    resuming: bool
+    guarded: tuple[tuple[str, Path], ...]  # what an overwrite must never remove: the recipe's model, data, rewards
+
+
+def target(recipe: Recipe) -> Target:
+    guarded = [("the model", Path(recipe.model.path).expanduser())]
     for section in ("train", "eval"):
         guarded += [("the data", Path(str(getattr(source, "path", source))).expanduser())
                     for source in getattr(recipe.data, section) or []]
@@ -146,7 +154,14 @@ def not_a_run(out: Path, recipe: Recipe) -> str | None:
         file = reward_file(entry.function) if entry.function is not None else None
         if file is not None:
             guarded.append(("a reward function", file))
-    for what, path in guarded:
+    return Target(Path(recipe.output.dir), _identity(recipe), recipe.output.overwrite,
+                  recipe.train.get("resume_from_checkpoint") not in (None, False), tuple(guarded))
+
+
+def not_a_run(out: Path, run: Target) -> str | None:
+    """Why `out` is not an earlier run overwrite may replace, or None."""
+    target = out.resolve()
+    for what, path in (("the working folder", Path.cwd().resolve()), *run.guarded):
         if not path.exists():
             continue
         path = path.resolve()
@@ -169,20 +184,20 @@ def _first_names(names: list[str]) -> str:
     return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
 
 
-def check(recipe: Recipe) -> bool:
+def check(run: Target) -> bool:
     """Raise if the run may not use its output dir; True when the dir must be cleared first (overwrite)."""
-    out = Path(recipe.output.dir)
+    out = run.out
     if out.exists() and not out.is_dir():
         raise UserError(f"output.dir: {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
         previous = out / "recipe.yaml"
-        same = previous.is_file() and previous.read_text(encoding="utf-8") == _identity(recipe)
+        same = previous.is_file() and previous.read_text(encoding="utf-8") == run.identity
         finished = (out / "train_results.json").is_file()
-        resuming = recipe.train.get("resume_from_checkpoint") not in (None, False)
+        resuming = run.resuming
         if not resuming and never_trained(out):
             return True  # a start that failed or was stopped before its first step: nothing of a run to keep
-        if recipe.output.overwrite and not resuming:
-            reason = not_a_run(out, recipe)
+        if run.overwrite and not resuming:
+            reason = not_a_run(out, run)
             if reason:
                 raise UserError(f"output.overwrite: {out} is not an earlier run: it {reason}; nothing was removed "
                                 "(choose another output.dir)")
@@ -190,7 +205,7 @@ def check(recipe: Recipe) -> bool:
         if not same and resuming:
             if not previous.is_file():
                 raise UserError(f"output.dir: {out} holds no recipe.yaml: not a run this recipe can resume")
-            schedule_changes(recipe, previous)  # raises when more than the schedule changed
+            schedule_changes(run, previous)  # raises when more than the schedule changed
             if finished:
                 from erniekit_lite.train.checkpoints import complete
 
@@ -199,7 +214,7 @@ def check(recipe: Recipe) -> bool:
                                     "(its train.save_steps never came); train it again with output.overwrite=true")
             return False
         if not same:
-            reason = not_a_run(out, recipe)
+            reason = not_a_run(out, run)
             if reason:  # overwrite would not replace it either: no advice to set it
                 raise UserError(f"output.dir: {out} is not empty and not a run: it {reason}; choose another output.dir")
             raise UserError(
@@ -234,16 +249,16 @@ def never_trained(out: Path) -> bool:
         return False
 
 
-def schedule_changes(recipe: Recipe, previous: Path) -> list[str]:
+def schedule_changes(run: Target, previous: Path) -> list[str]:
     """`key: old -> new` for each schedule key a resumed recipe changes; a UserError naming any other change."""
     old = yaml.safe_load(previous.read_text(encoding="utf-8"))
-    new = yaml.safe_load(_identity(recipe))
+    new = yaml.safe_load(run.identity)
     old_train, new_train = old.pop("train", {}) or {}, new.pop("train", {}) or {}
     others = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     others += sorted(f"train.{k}" for k in set(old_train) | set(new_train)
                      if k not in SCHEDULE_KEYS and old_train.get(k) != new_train.get(k))
     if others:
-        raise UserError(f"output.dir: {recipe.output.dir} holds a run of a different recipe ({', '.join(others)} changed); "
+        raise UserError(f"output.dir: {run.out} holds a run of a different recipe ({', '.join(others)} changed); "
                         f"resuming may change only the schedule (train.{', train.'.join(SCHEDULE_KEYS)})")
     return [f"train.{k}: {old_train.get(k, 'default')} -> {new_train.get(k, 'default')}"
             for k in SCHEDULE_KEYS if old_train.get(k) != new_train.get(k)]
@@ -279,7 +294,7 @@ class Claimed:
         log(f"output.overwrite: the run failed before its first step; the earlier run is back in {self.out}")
 
 
-def claim(recipe: Recipe, log=print) -> Claimed:
+def claim(run: Target, log=print) -> Claimed:
     """Make the output dir this run's: clear it if asked (moving the earlier run aside), write the resolved recipe.
 
     In a launched run every process calls this and the main one claims, between two barriers: no process is
@@ -288,13 +303,13 @@ def claim(recipe: Recipe, log=print) -> Claimed:
     from accelerate import PartialState
 
     state = PartialState()  # already set up by the TrainingArguments: the launched run's process group
-    claimed = Claimed(Path(recipe.output.dir))
+    claimed = Claimed(run.out)
     out = claimed.out
     state.wait_for_everyone()
     if state.is_main_process:
         previous = out / "recipe.yaml"
-        if recipe.train.get("resume_from_checkpoint") not in (None, False) and previous.is_file():
-            changed = schedule_changes(recipe, previous)
+        if run.resuming and previous.is_file():
+            changed = schedule_changes(run, previous)
             if changed:
                 log(f"resume: {'; '.join(changed)}. The Trainer rebuilds the learning-rate schedule for the new length "
                     "and goes on from the checkpoint's step in it (a decaying schedule rises again to where the longer "
@@ -304,13 +319,13 @@ def claim(recipe: Recipe, log=print) -> Claimed:
             log(f"output.dir: {left} holds an earlier run that an overwrite moved aside and a killed run left there; "
                 f"to get it back, move it to a new name (mv {left} {out.with_name(out.name + '-earlier')}), or delete it")
         unstarted = out.is_dir() and any(out.iterdir()) and never_trained(out)
-        if check(recipe):
+        if check(run):
             claimed.aside = unique(out, "replaced")  # two overwrites never share one
             out.rename(claimed.aside)
             log(f"output.dir: {out} held a start that never trained a step; taken for this run" if unstarted else
                 f"output.overwrite: the earlier run in {out} moved to {claimed.aside}; deleted when the first step has finished")
         out.mkdir(parents=True, exist_ok=True)
-        (out / "recipe.yaml").write_text(_identity(recipe), encoding="utf-8")
+        (out / "recipe.yaml").write_text(run.identity, encoding="utf-8")
     state.wait_for_everyone()
     return claimed
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from erniekit_lite.data.collate import PackedCollator, PaddedCollator
 from erniekit_lite.data.prepare import PreparedData, describe_data, prepare
 from erniekit_lite.recipe import Recipe
+from erniekit_lite.run_plan import RunPlan
 from erniekit_lite.train import run as runner
 from erniekit_lite.train.common import trainer_inputs
 
@@ -16,28 +17,28 @@ def run(recipe: Recipe, log=print) -> Path:
     return runner.run(recipe, METHOD, log)
 
 
-def build_trainer(model, tokenizer, args, data: PreparedData, recipe: Recipe):
+def build_trainer(model, tokenizer, args, data: PreparedData, plan: RunPlan):
     from erniekit_lite.train.trainer import ErnieSFTTrainer
 
-    return ErnieSFTTrainer(model=model, args=args, **trainer_inputs(data, tokenizer, recipe, PackedCollator, PaddedCollator))
+    return ErnieSFTTrainer(model=model, args=args, **trainer_inputs(data, tokenizer, plan, PackedCollator, PaddedCollator))
 
 
-def write_samples(model, tokenizer, recipe: Recipe, out: Path | None, log=print) -> None:
+def write_samples(model, tokenizer, plan: RunPlan, out: Path | None, log=print) -> None:
     """Answer the sample prompts; save them to `out`/samples.jsonl unless `out` is None."""
     from erniekit_lite.generate import answer
 
     lines = []
-    for prompt in recipe.output.sample_prompts:
-        text = answer(model, tokenizer, prompt, system=recipe.data.system)
+    for prompt in plan.sample_prompts:
+        text = answer(model, tokenizer, prompt, system=plan.data.system)
         log(f"sample> User: {prompt}\nsample> Assistant: {text}")
         lines.append(json.dumps({"prompt": prompt, "answer": text}, ensure_ascii=False) + "\n")
     if out is not None:
         (out / "samples.jsonl").write_text("".join(lines), encoding="utf-8")
 
 
-def _answer_prompts(trainer, tokenizer, recipe: Recipe, out: Path | None, log) -> None:
-    if recipe.output.sample_prompts:
-        write_samples(trainer.model, tokenizer, recipe, out, log)
+def _answer_prompts(trainer, tokenizer, plan: RunPlan, out: Path | None, log) -> None:
+    if plan.sample_prompts:
+        write_samples(trainer.model, tokenizer, plan, out, log)
 
 
 METHOD = runner.Method(prepare=prepare, describe=describe_data, build_trainer=build_trainer,

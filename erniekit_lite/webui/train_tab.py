@@ -221,7 +221,7 @@ def start_job(root: Path, runner: Runner, content: str, file_name: str, exposed:
     try:
         recipe = forms.parse(content, file_name)
         confine_recipe(root, recipe, exposed)
-        rundir.check(recipe)  # what `train` checks first, answered before a process is started
+        rundir.check(rundir.target(recipe))  # what `train` checks first, answered before a process is started
         job = runner.start(content, file_name, recipe.output.dir, recipe.method)
     except UserError as e:
         return f"error: {e}"
