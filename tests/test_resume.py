@@ -110,6 +110,33 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, capsys, monkeypatch, tin
         assert got["num_tokens"] == ref["num_tokens"], got["step"]  # the token count goes on from the checkpoint
 
 
+def test_a_resumed_run_reports_the_whole_run(tmp_path, capsys, monkeypatch, tiny_own_dir):
+    """Logged every 5 steps, stopped at step 7 (its window of steps 6-7 not yet logged) and resumed: the log at step 10
+    averages steps 6-10 as the uninterrupted run's does, and train_results.json's mean loss, real tokens, packing
+    efficiency and samples are the whole run's (the totals ride in the checkpoint); the runtime is both calls'."""
+    settings = {"logging_steps": 5, "save_steps": 100}
+    code, _, err = train(capsys, recipe_file(tmp_path, tiny_own_dir, "reference", **settings))
+    assert code == 0, err
+    path, out = recipe_file(tmp_path, tiny_own_dir, "resumed", **settings), tmp_path / "resumed"
+    stop_at(monkeypatch, 7)
+    code, _, err = train(capsys, path)
+    assert code == 143, err
+    monkeypatch.undo()
+    first = json.loads((out / "checkpoint-7" / "erniekit_totals-rank0.json").read_text())
+    code, stdout, err = train(capsys, path, "--resume")
+    assert code == 0, err
+    reference, resumed = history(tmp_path / "reference"), history(out)
+    assert [h["step"] for h in resumed] == [h["step"] for h in reference] == [5, 10]
+    for ref, got in zip(reference, resumed):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6), got["step"]
+    whole, alone = (json.loads((d / "train_results.json").read_text()) for d in (tmp_path / "reference", out))
+    assert alone["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-6)
+    for key in ("train_tokens", "packing_efficiency", "train_samples"):
+        assert alone[key] == whole[key], key
+    assert alone["train_runtime"] > first["runtime"] > 0
+    assert f"done: loss {whole['train_loss']:.4f} (mean over the run" in stdout
+
+
 FIXTURES = ROOT / "tests" / "fixtures" / "checkpoints"  # written by tests/fixtures/write_checkpoints.py
 
 

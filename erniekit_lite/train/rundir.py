@@ -113,6 +113,7 @@ CHECKPOINT = Names(
              "latest", "zero_to_fp32.py", "zero_to_torch.py"},  # DeepSpeed: its newest save's tag, its recovery scripts
     SAVED_PATTERNS + (r"rng_state_\d+\.pth",  # one per process
                       r"sync-rank\d+\.pt",  # train/sync.py, one per process
+                      r"erniekit_totals-rank\d+\.json",  # train/step.py: the run's totals, one per process
                       r"grpo_generation_state_\d+\.pt"),  # train/grpo_trainer.py, one per process
     ((r"pytorch_model_fsdp_\d+|optimizer_\d+", DCP),
      (r"global_step\d+", Names(patterns=(r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_(model|optim)_states\.pt",

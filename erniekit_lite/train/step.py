@@ -25,6 +25,7 @@ mixed precision) is TRL and transformers.
 from __future__ import annotations
 
 import copy
+import json
 import gc
 import time
 from pathlib import Path
@@ -44,6 +45,7 @@ from erniekit_lite.train import checkpoints, offload, optimizer, trl_metrics
 # counts, TRL's logged metrics, GRPO's micro-step counter (it picks the buffered generation) and step time
 _STEP_STATE = ("real_tokens", "token_slots", "_since_log", "_metrics", "_step", "_current_train_step_time")
 RETRIED_AT = "activation_checkpointing_turned_on_at_step"  # train_results.json: the first step ran out of memory
+TOTALS = "erniekit_totals-rank{}.json"  # in a checkpoint: the run so far, per process (`RunTotals`)
 
 
 class ErnieTrainer:
@@ -57,6 +59,8 @@ class ErnieTrainer:
     _first: tuple[int, dict, list] | None = None  # first step: (global step before it, state before it, its batches)
     _micro_batch = None  # the micro-batch `training_step` is running (as the Trainer fetched it)
     _staging: Path | None = None  # while saving: the dir transformers writes `checkpoint-N` into
+    resumed_totals: dict | None = None  # what the checkpoint a run resumes from says of the run before it
+    _train_started: float | None = None  # this call's training clock
     ema = None  # train.ema's callback (ema.py), read by the checkpoints
     sync = None  # distributed.sync's callback (sync.py), read by the checkpoints and the guard
 
@@ -152,18 +156,30 @@ class ErnieTrainer:
             self._since_log = (now, self.real_tokens, self.token_slots)
         super().log(logs, start_time)
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, **kwargs):
         optimizer.check_deepspeed(self)
         holders = layout_holders(self.model)  # expert adapters keep layouts from one optimizer step to the next
         if holders:
             self.add_callback(_FreshExpertLayouts(holders))
+        self.add_callback(_RunTotals(self))
+        saved = Path(str(resume_from_checkpoint)) / TOTALS.format(self.args.process_index) if resume_from_checkpoint else None
+        self.resumed_totals = json.loads(saved.read_text()) if saved is not None and saved.is_file() else None
         try:
-            return super().train(*args, **kwargs)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except torch.OutOfMemoryError:
             if self._first is None or self.state.global_step != self._first[0]:
                 raise  # before the first micro-batch, or after the first step: not the first step's memory
             failed = self._first[0] + 1
-        raise UserError(self._lower_memory(failed)) from None
+            output = None
+        if output is None:
+            raise UserError(self._lower_memory(failed)) from None
+        if self.resumed_totals is not None:  # the whole run's time: the Trainer timed this call alone
+            metrics, before = output.metrics, self.resumed_totals["runtime"]
+            runtime = metrics["train_runtime"] + before
+            metrics["train_samples_per_second"] = round(metrics["train_samples_per_second"] * metrics["train_runtime"] / runtime, 3)
+            metrics["train_steps_per_second"] = round(self.state.global_step / runtime, 3)
+            metrics["train_runtime"] = round(runtime, 4)
+        return output
 
     # --- what train_results.json reads ---------------------------------------------------------------------------
 
@@ -186,7 +202,8 @@ class ErnieTrainer:
         return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Atomic (checkpoints.py): every process writes into `tmp-checkpoint-N/checkpoint-N`, then one rename."""
+        """Atomic (checkpoints.py): every process writes into `tmp-checkpoint-N/checkpoint-N`, then one rename. Each
+        process's run totals go with it (`_RunTotals`)."""
         self.guard.check(self._apart())  # a checkpoint never follows a step whose gradient was not finite
         run_dir = Path(super()._get_output_dir(trial))
         name = f"checkpoint-{self.state.global_step}"
@@ -202,6 +219,8 @@ class ErnieTrainer:
                 self.ema.save(staging / name)
         if self.sync is not None:  # distributed.sync: each process's own state (sync.py)
             self.sync.save(staging / name)
+        (staging / name).mkdir(parents=True, exist_ok=True)
+        (staging / name / TOTALS.format(self.args.process_index)).write_text(json.dumps(self._run_totals()))
         if self.state.best_model_checkpoint == str(staging / name):  # the best is this one: name it as it will be
             self.state.best_model_checkpoint = str(final)
             if self.args.should_save:
@@ -239,6 +258,15 @@ class ErnieTrainer:
         saved = super()._save(output_dir, state_dict=state_dict)
         follow_umask(Path(output_dir if output_dir is not None else self.args.output_dir))  # safetensors wrote 0600
         return saved
+
+    def _run_totals(self) -> dict:
+        """What a resumed run needs to report the whole run (`_RunTotals`): the loss summed over the logged windows and
+        the window not yet logged, the step of the last log, the real tokens and slots counted, the seconds trained.
+        Read at a checkpoint, which reads the device anyway."""
+        carried = self.resumed_totals["runtime"] if self.resumed_totals is not None else 0.0
+        return {"loss_logged": self._total_loss_scalar, "loss_window": float(self._tr_loss), "last_logged": self._globalstep_last_logged,
+                "real_tokens": self.real_tokens, "token_slots": self.token_slots,
+                "runtime": carried + (time.perf_counter() - self._train_started if self._train_started else 0.0)}
 
     # --- helpers -----------------------------------------------------------------------------------------------------
 
@@ -302,6 +330,28 @@ class ErnieTrainer:
             else:
                 self.__dict__.pop(k, None)  # back to the class default
         self.state.num_input_tokens_seen = saved["num_input_tokens_seen"]
+
+
+class _RunTotals(TrainerCallback):
+    """A resumed run goes on with the totals its checkpoint holds (`ErnieTrainer._run_totals`), so its logs, its mean
+    loss, tokens and runtime are the uninterrupted run's: the Trainer's own start-of-training state (transformers
+    5.23's `_tr_loss`, `_total_loss_scalar`, `_globalstep_last_logged`, `_initial_global_step`) set from them once
+    it has made it. A checkpoint without them (written before they were kept) resumes as before: totals of this
+    call alone."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer, saved = self.trainer, self.trainer.resumed_totals
+        trainer._train_started = time.perf_counter()
+        if saved is None:
+            return
+        trainer._total_loss_scalar = saved["loss_logged"]
+        trainer._tr_loss += saved["loss_window"]  # the window cut by the stop: the next log averages all of it
+        trainer._globalstep_last_logged = saved["last_logged"]
+        trainer._initial_global_step = 0  # the mean loss and samples over the whole run
+        trainer.real_tokens, trainer.token_slots = saved["real_tokens"], saved["token_slots"]
 
 
 class _FreshExpertLayouts(TrainerCallback):
