@@ -44,10 +44,15 @@ def plan(recipe: Recipe, log=print) -> dict:
         log(line)
     offload = own_train(recipe, "offload")
     device = gpu_free() if cuda else memory.GPUS_GB[0] * memory.GIB  # this GPU, or the smallest GPU validate names
-    if offload == "auto":  # as `train` decides it (a plain run: none or optimizer), against this GPU or the smallest
+    if offload == "auto" and cuda:  # as `train` decides it (a plain run: none or optimizer), against this GPU
         offload, est, run = choose_offload(recipe, args, arch, device, host_available(), ("none", "optimizer"), cuda=cuda)
         log(f"train.offload: auto: {offload} ({'fits' if fits(est, device) else 'the most'} against "
             f"{device_name(device, cuda)}; `train` decides against the GPU it runs on)")
+    elif offload == "auto":  # no GPU here: `train` would take none here; on a GPU, what it takes on each size
+        log(f"train.offload: auto: none on this machine (no GPU); on a GPU `train` takes the first of none and optimizer "
+            f"that fits it: {auto_by_gpu(recipe, args, arch)}; the plan below is with none")
+        offload = "none"
+        est, run = memory_estimate(recipe, args, arch, cuda, offload=offload)
     else:
         est, run = memory_estimate(recipe, args, arch, cuda, offload=offload)
     if recipe.distributed.sync != "every_step":
@@ -99,6 +104,17 @@ def plan(recipe: Recipe, log=print) -> dict:
     for note in gpu_notes + est.notes:
         log(f"note: {note}")
     return info
+
+
+def auto_by_gpu(recipe: Recipe, args, arch: dict) -> str:
+    """What `train.offload: auto` takes on each GPU size validate names, free of other processes: "none on an 80 GB
+    GPU; optimizer on a 48 GB GPU; neither fits a 24 GB GPU" (sizes grouped by their choice)."""
+    said: dict[str, list[int]] = {}
+    for size in memory.GPUS_GB:
+        mode, est, _ = choose_offload(recipe, args, arch, size * memory.GIB, host_available(), ("none", "optimizer"), cuda=False)
+        said.setdefault(mode if fits(est, size * memory.GIB) else "neither", []).append(size)
+    sizes = lambda gb: " or ".join(memory.a_gpu(g).removesuffix(" GPU") for g in gb) + " GPU"  # noqa: E731
+    return "; ".join(f"neither fits {sizes(gb)}" if mode == "neither" else f"{mode} on {sizes(gb)}" for mode, gb in said.items())
 
 
 def data_plan(recipe: Recipe, args, tokenizer, log) -> tuple[dict, list[str]]:
@@ -259,7 +275,9 @@ def without_gpu_settings(recipe: Recipe) -> Recipe:
 
 
 def device_name(device_bytes: int, cuda: bool) -> str:
-    return f"this GPU's {device_bytes / memory.GIB:.0f} GiB free" if cuda else memory.a_gpu(device_bytes // memory.GIB)
+    if cuda:
+        return f"this GPU's {device_bytes / memory.GIB:.0f} GiB free"
+    return f"{memory.a_gpu(device_bytes // memory.GIB)} (the smallest GPU validate names, as no GPU is here)"
 
 
 def host_line(need: int) -> str:

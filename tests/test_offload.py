@@ -238,6 +238,14 @@ def test_validate_proposes_the_offload_that_fits_with_its_host_memory(tmp_path):
     assert "host memory: " in notes[1] and "this machine has" in notes[1]
     assert "with train.offload: parameters:\n  memory per device (estimate):" in text
     assert "  host memory (train.offload: parameters): " in text
+    assert "does not fit a 24 GB GPU (the smallest GPU validate names, as no GPU is here)" in notes[0]
+
+    lines.clear()  # auto without a GPU: none here, as `train` takes it here; what it takes on each GPU size, named
+    info = validate(load(path, ["train.offload=auto"]), log=lines.append)
+    (auto,) = [line for line in lines if line.startswith("train.offload: auto:")]
+    assert auto.startswith("train.offload: auto: none on this machine (no GPU); on a GPU `train` takes the first of none "
+                           "and optimizer that fits it: ") and auto.endswith("; the plan below is with none")
+    assert "neither fits a 24 GB" in auto and info["offload"] == "none" and info["offload_proposed"] == "parameters"
 
     lines.clear()  # offload set: the plan with it, its host memory and whether this machine has it, no proposal
     info = validate(load(path, ["train.offload=parameters"]), log=lines.append)
