@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("validate", help="check a recipe and its data, print the plan, train nothing")
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*")
+    p.add_argument("--num-processes", type=int, help="as `train` takes it: the processes the run would be launched with")
+    p.add_argument("--accelerate-config", help="as `train` takes it: FSDP or DeepSpeed, checked and planned sharded")
     p.set_defaults(handler=_validate)
 
     p = sub.add_parser("chat", help="chat with a model, a run's output dir, or a base + --adapter (streamed)")
@@ -199,10 +201,13 @@ def _train(args) -> int:
     # FSDP2's CPU offload runs launched, one process or more; a launched worker (LOCAL_RANK set) trains
     parameters = recipes.own_train(r, "offload") == "parameters" and "LOCAL_RANK" not in os.environ
     if args.num_processes is not None or args.accelerate_config is not None or machines.given() or parameters:
-        from erniekit_lite.launch import launch
+        from erniekit_lite.launch import launch, launch_of
+        from erniekit_lite.run_plan import refuse_unlaunchable
         from erniekit_lite.train import rundir
 
-        rundir.check(rundir.target(r))  # said once, before any process starts (each would say it, then torch its traceback)
+        # said once, before any process starts (each would say it, then torch its traceback)
+        refuse_unlaunchable(r, launch_of(args.num_processes, args.accelerate_config, parameters))
+        rundir.check(rundir.target(r))
         return launch(args.recipe, overrides, args.num_processes, args.accelerate_config, machines, parameters)
     _quiet_libraries()
     from erniekit_lite.launch import begin_process_group, end_process_group, print_on_main
@@ -226,10 +231,16 @@ def _validate(args) -> int:
     from erniekit_lite import recipe as recipes
 
     r = recipes.load(args.recipe, args.overrides)
+    from erniekit_lite.launch import launch_of
+    from erniekit_lite.run_plan import refuse_unlaunchable
+
+    parameters = recipes.own_train(r, "offload") == "parameters"  # `train` launches FSDP2 for it
+    launch = launch_of(args.num_processes, args.accelerate_config, parameters)
+    refuse_unlaunchable(r, launch)  # what `train` would refuse before starting a process
     _quiet_libraries()
     from erniekit_lite.plan import plan
 
-    info = plan(r)
+    info = plan(r, launch=launch)
     print(f"{args.recipe}: valid" + ("" if info["data_read"] else " (the data was not read: no tokenizer)"))
     return 0
 

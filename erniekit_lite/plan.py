@@ -12,9 +12,10 @@ from erniekit_lite.recipe import Recipe, own_train
 from erniekit_lite.run_plan import architecture, choose_offload, fits, gpu_free, host_available, memory_estimate
 
 
-def plan(recipe: Recipe, log=print) -> dict:
+def plan(recipe: Recipe, log=print, launch: run_plan.Launch | None = None) -> dict:
     """Check the recipe and its data and log the plan; returns its figures. The memory plan needs only the model's
-    config: a model folder without a tokenizer (a config.json copied from a release) is planned with the data unread."""
+    config: a model folder without a tokenizer (a config.json copied from a release) is planned with the data unread.
+    `launch`: how `train` would launch the run (--num-processes, --accelerate-config): sharded, the plan per device."""
     from erniekit_lite.model import compile_layers
     from erniekit_lite.model.load import adapter_base, has_tokenizer, load_tokenizer, tokenizer_path
     from erniekit_lite.trainer_args import router_losses, training_args
@@ -64,6 +65,11 @@ def plan(recipe: Recipe, log=print) -> dict:
     info["offload"] = offload
     for line in memory.format_lines(est, run, gpu):
         log(line)
+    if launch is not None and launch.processes > 1 and (launch.how == "fsdp" or launch.zero3):
+        per_device = memory.sharded_total(est, arch["memory"], run, launch.processes)
+        info["memory_gb_sharded"] = round(per_device / memory.GIB, 2)
+        log(f"  sharded over the launch's {launch.processes} processes ({'FSDP' if launch.how == 'fsdp' else 'ZeRO-3'}): about "
+            f"{per_device / memory.GIB:.1f} GiB per device (rough: the sharded states plus three gathered layers; not measured)")
     if offload != "none":
         info["host_memory_gb"] = round(est.host / memory.GIB, 2)
         log(f"  {host_line(est.host)}")
@@ -81,8 +87,8 @@ def plan(recipe: Recipe, log=print) -> dict:
         log(f"  this machine has no CUDA GPU: `train` here runs on its CPU with mixed precision: {cpu_precision(recipe)} "
             "(the plan above is for the GPU run)")
     # The plan `train` resolves and runs, as it would resolve it on this machine (train/run.py prints the same lines)
-    launch = "fsdp" if offload == "parameters" else "plain"  # `train` launches FSDP2 itself for parameters
-    ran = run_plan.resolve(recipe, args, gpu_free() if cuda else host_available(), lambda *a: None, cuda, launch, arch,
+    how = launch.how if launch is not None else "fsdp" if offload == "parameters" else "plain"  # `train` launches FSDP2 for it
+    ran = run_plan.resolve(recipe, args, gpu_free() if cuda else host_available(), lambda *a: None, cuda, how, arch,
                            host_check=False)
     for line in ran.lines(" on this machine"):
         log(line)

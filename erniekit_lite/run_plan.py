@@ -81,6 +81,41 @@ class RunPlan:
         ]
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How the run's processes are set up: `how` fsdp, deepspeed or plain (one process or DDP), `processes` in all,
+    `zero3`: DeepSpeed shards the parameters. In a worker from the variables `accelerate launch` set (`strategy`);
+    before launching, from the command line and the accelerate config (`launch.launch_of`)."""
+
+    how: str = "plain"
+    processes: int = 1
+    zero3: bool = False
+
+
+def refuse_unlaunchable(recipe: Recipe, launch: Launch) -> None:
+    """What the recipe asks that this launch cannot run, in one line: said by `validate` and by `train` before any
+    process starts (launch.py), and by each worker of a process started another way."""
+    sharded = {"fsdp": "FSDP", "deepspeed": "DEEPSPEED"}.get(launch.how)
+    sync = recipe.distributed.sync
+    if sync != "every_step" and sharded:
+        raise UserError(f"distributed.sync: {sync} changes how DDP synchronises, and this run shards with {sharded}; use "
+                        "sync: every_step, or DDP (no --accelerate-config sharding)")
+    if recipe.train.get("ema") and (launch.how == "fsdp" or launch.zero3):
+        raise UserError("train.ema: the parameters are sharded across processes (FSDP, ZeRO-3), and the EMA would gather "
+                        "them every step; use DDP or ZeRO-1/2, or remove train.ema")
+    mode = own_train(recipe, "offload")
+    if mode != "none" and launch.how == "deepspeed":
+        raise UserError(f"train.offload: {mode}: DeepSpeed offloads through its own config (offload_optimizer_device, "
+                        "offload_param_device); set it there and leave train.offload at none")
+    if mode == "optimizer" and launch.how == "fsdp":
+        raise UserError("train.offload: optimizer: FSDP keeps the optimizer state with its shards; use train.offload: "
+                        "parameters (FSDP2's CPU offload), or run without --accelerate-config")
+    if mode == "parameters" and launch.how != "fsdp":
+        raise UserError("train.offload: parameters runs under FSDP2, which `erniekit-lite train` launches itself; this "
+                        "process was started another way: use `accelerate launch --use_fsdp --fsdp_version 2 "
+                        "--fsdp_offload_params true ...` or `erniekit-lite train`")
+
+
 def strategy() -> str:
     """How the launcher set this process up: fsdp, deepspeed, or plain (one process or DDP); read from the variables
     `accelerate launch` sets, since the arguments are built before accelerate's state."""
@@ -102,13 +137,15 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
     from erniekit_lite.trainer_args import router_losses
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
+    launch = launch or strategy()
+    refuse_unlaunchable(recipe, Launch(launch, args.world_size, os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"))
     base = adapter_base(recipe.model.path)
     arch = arch or architecture(base or recipe.model.path, recipe)  # the config read once; the model built on meta
     moe = arch["shape"].experts > 0
     router, _ = router_losses(recipe, moe)
     if cuda:
         choose_checkpointing(recipe, args, arch, free_bytes, log)
-    offload = resolve_offload(recipe, args, arch, free_bytes, log, cuda, launch or strategy(), host_check)
+    offload = resolve_offload(recipe, args, arch, free_bytes, log, cuda, launch, host_check)
     head_trains = recipe.lora is None and recipe.method != "rm"  # LoRA leaves ERNIE's tied head frozen; rm has none
     return RunPlan(
         method=recipe.method,
@@ -149,16 +186,7 @@ def resolve_offload(recipe: Recipe, args, arch: dict, free_bytes: int, log, cuda
     mode = own_train(recipe, "offload")
     if mode == "none":
         return Applied("none", 0)
-    if how == "deepspeed":
-        raise UserError(f"train.offload: {mode}: DeepSpeed offloads through its own config (offload_optimizer_device, "
-                        "offload_param_device); set it there and leave train.offload at none")
-    if mode == "optimizer" and how == "fsdp":
-        raise UserError("train.offload: optimizer: FSDP keeps the optimizer state with its shards; use train.offload: "
-                        "parameters (FSDP2's CPU offload), or run without --accelerate-config")
-    if mode == "parameters" and how != "fsdp":
-        raise UserError("train.offload: parameters runs under FSDP2, which `erniekit-lite train` launches itself; this "
-                        "process was started another way: use `accelerate launch --use_fsdp --fsdp_version 2 "
-                        "--fsdp_offload_params true ...` or `erniekit-lite train`")
+    refuse_unlaunchable(recipe, Launch(how, args.world_size))  # said before launching too (launch.py)
     if mode == "optimizer":
         check_optimizer(args)
     processes = args.world_size if how == "fsdp" else 1

@@ -407,3 +407,27 @@ def test_a_model_path_that_is_no_directory_and_no_hub_id_says_so_in_one_line(tmp
     assert capfd.readouterr().err.strip().splitlines() == [
         f"error: model.path: {path}: no such directory here, and not a valid Hugging Face Hub repo id (ORG/NAME)"
     ]
+
+
+def test_what_a_sharded_launch_cannot_run_is_refused_before_any_process_starts(tmp_path, capsys, tiny_own_dir):
+    """FSDP with distributed.sync, with train.ema, with train.offload: optimizer; DeepSpeed with train.offload: each one
+    line, exit 2, from `validate --num-processes 2 --accelerate-config F` and from `train` with the same options,
+    before a process is launched (nothing claimed); without the sharding config `validate` passes them."""
+    fsdp = Path(__file__).resolve().parents[1] / "erniekit_lite" / "recipes" / "accelerate" / "fsdp2.yaml"
+    zero = tmp_path / "zero.yaml"
+    zero.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\nmixed_precision: 'no'\n")
+    path = write_recipe(tmp_path / "r.yaml", tiny_own_dir, train={"max_steps": 1})
+    cases = [(fsdp, "distributed.sync=bf16", "distributed.sync: bf16 changes how DDP synchronises, and this run shards with FSDP"),
+             (fsdp, "train.ema.decay=0.99", "train.ema: the parameters are sharded across processes (FSDP, ZeRO-3)"),
+             (zero, "train.ema.decay=0.99", "train.ema: the parameters are sharded across processes (FSDP, ZeRO-3)"),
+             (fsdp, "train.offload=optimizer", "train.offload: optimizer: FSDP keeps the optimizer state with its shards"),
+             (zero, "train.offload=optimizer", "train.offload: optimizer: DeepSpeed offloads through its own config")]
+    for config, override, said in cases:
+        for command in ("validate", "train"):
+            code, out, err = run_cli(capsys, command, path, override, "--num-processes", "2", "--accelerate-config", config)
+            assert code == 2 and err.startswith(f"error: {said}") and err.count("\n") == 1, (command, override, err)
+        assert not (tmp_path / "out").exists()
+    code, out, err = run_cli(capsys, "validate", path, "distributed.sync=bf16", "train.ema.decay=0.99")  # DDP: fine
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "validate", path, "--num-processes", "2", "--accelerate-config", fsdp)
+    assert code == 0 and "sharded over the launch's 2 processes (FSDP): about " in out, err
