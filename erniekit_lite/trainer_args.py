@@ -112,7 +112,8 @@ def router_losses(recipe: Recipe, moe: bool) -> tuple[dict[str, float], str | No
     if not moe:
         for key, value in coefs.items():
             if value:
-                raise UserError(f"train.{key}: {recipe.model.path} is a dense model, with no MoE router; remove it")
+                raise UserError(f"train.{key} is for an MoE model (ERNIE-4.5-21B-A3B's expert router); {recipe.model.path} "
+                                "is a dense model: remove it")
         return coefs, None
     if not coefs:
         return coefs, None

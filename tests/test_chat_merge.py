@@ -73,6 +73,9 @@ def test_chat_and_merge_errors_are_one_line(capsys, tmp_path, tiny_own_dir):
         code, out, err = run_cli(capsys, *argv)
         assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "m").exists()
+    # chat's PATH is its own argument: the line names the path, not a recipe's model.path
+    code, out, err = run_cli(capsys, "chat", "./no-such-run", "--prompt", "x")
+    assert code == 2 and err == "error: ./no-such-run: no such directory here, and not a valid Hugging Face Hub repo id (ORG/NAME)\n", err
 
 
 def test_merged_checkpoint_loads_with_plain_transformers(capsys, tmp_path, lora_run, monkeypatch):

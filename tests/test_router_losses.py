@@ -138,7 +138,8 @@ def test_the_keys_are_checked_as_recipe_keys(tmp_path, tiny_own_dir, tiny_moe_di
     assert not hasattr(training_args(recipe, tmp_path / "out"), "router_z_loss_coef")  # not TRL's
     assert main(["train", str(write_recipe(tmp_path / "d.yaml", tiny_own_dir, train={"router_z_loss_coef": 0.1}))]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].endswith("train.router_z_loss_coef: " + f"{tiny_own_dir} is a dense model, with no MoE router; remove it"), err
+    assert err[-1].endswith("train.router_z_loss_coef is for an MoE model (ERNIE-4.5-21B-A3B's expert router); "
+                            f"{tiny_own_dir} is a dense model: remove it"), err
     recipe = write_recipe(tmp_path / "m.yaml", tiny_moe_dir, train={"router_z_loss_coef": 0.01})
     assert main(["validate", str(recipe)]) == 0
     assert ("moe: router z-loss coefficient 0.01, logged as z_loss, orthogonal loss off (train.router_z_loss_coef, "

@@ -216,13 +216,14 @@ def missing_source(path: str, error: Exception) -> str | None:
     return None
 
 
-def check_source(path: str) -> None:
+def check_source(path: str, named: str = "model.path") -> None:
     """Before a load: a path that is no local directory is looked up on the Hub with one metadata request, no
     retries and a short timeout, and is a one-line UserError when it cannot be a repo id, the Hub has no such repo,
     or the Hub cannot be reached. Without this check `from_pretrained` retries an unreachable Hub five times per
     file (about 23 s each, a `Retrying in Ns` line per try) before the same answer. A repo already in the local
     Hugging Face cache, or HF_HUB_OFFLINE set, is left to `from_pretrained` (which reads the cache); so are answers
-    that say nothing about the repo (a 5xx, say), for the download's own retries."""
+    that say nothing about the repo (a 5xx, say), for the download's own retries. `named`: what the path is called
+    where the user gave it (a recipe key; "" for a command's own argument)."""
     from huggingface_hub import HfApi, constants, try_to_load_from_cache
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
@@ -231,7 +232,7 @@ def check_source(path: str) -> None:
     if Path(path).expanduser().exists():
         return
     if not _valid_repo_id(path):
-        raise UserError(_no_source(path, NOT_A_REPO_ID))
+        raise UserError(_no_source(path, NOT_A_REPO_ID, named))
     if constants.is_offline_mode() or any(
         isinstance(try_to_load_from_cache(path, name), str) for name in ("config.json", "tokenizer_config.json", "adapter_config.json")
     ):
@@ -241,18 +242,18 @@ def check_source(path: str) -> None:
     except GatedRepoError:
         return  # it exists; from_pretrained says what access it needs
     except RepositoryNotFoundError:
-        raise UserError(_no_source(path, NO_SUCH_REPO)) from None
+        raise UserError(_no_source(path, NO_SUCH_REPO, named)) from None
     except transport_error():
-        raise UserError(_no_source(path, UNREACHABLE)) from None
+        raise UserError(_no_source(path, UNREACHABLE, named)) from None
     except HfHubHTTPError:
         return
 
 
-def _no_source(path: str, hub: str) -> str:
+def _no_source(path: str, hub: str, named: str = "model.path") -> str:
     hint = ""
     if Path(path) == Path(QUICKSTART_MODEL):
         hint = f"; the quick start's tiny model is made by `erniekit-lite tiny {QUICKSTART_MODEL} --arch dense`"
-    return f"model.path: {path}: no such directory here, and {hub}{hint}"
+    return f"{named + ': ' if named else ''}{path}: no such directory here, and {hub}{hint}"
 
 
 def _valid_repo_id(path: str) -> bool:
