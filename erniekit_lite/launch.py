@@ -137,11 +137,15 @@ def launch_command(recipe: str, overrides: list[str], num_processes: int | None,
         command += FSDP2_FLAGS
     elif (num_processes or 1) > 1:
         command += ["--multi_gpu"]  # plain data parallelism (DDP): one process per device
+    if config_file is None:  # accelerate's defaults, said outright: else it prints 5 lines advising `accelerate config`
+        command += ["--mixed_precision", "no", "--dynamo_backend", "no"]  # the Trainer sets the run's own precision
     if offload_parameters:  # beats the config file's key; also gives the process group its CPU backend on CUDA
         command += ["--fsdp_offload_params", "true"]
     several = _several_machines(machines, config, num_processes)
     if several is not None:
         command += several.arguments
+    elif config_file is None:
+        command += ["--num_machines", "1"]
     elif "main_process_port" not in config:  # a config that names its own keeps it; else avoid a busy 29500
         command += ["--main_process_port", str(_free_port())]
     command += ["-m", "erniekit_lite", "train", recipe, *overrides]

@@ -13,6 +13,7 @@ The decisions themselves and their memory estimates are plan.py's (`choose_check
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ class RunPlan:
     source: str  # model.path: a Hub id, a model folder, or a LoRA run's output folder
     base: str | None  # that run's base model, when model.path is an adapter
     tokenizer: str  # where the tokenizer is read (an adapter folder without one: its base)
-    architecture: str  # the model class, read from config.json alone
+    architecture: str  # the model's class as its config.json names it
     moe: bool
     dtype: str
     load_in_4bit: bool
@@ -140,12 +141,15 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
     launch = launch or strategy()
     refuse_unlaunchable(recipe, Launch(launch, args.world_size, os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"))
     base = adapter_base(recipe.model.path)
-    arch = arch or architecture(base or recipe.model.path, recipe)  # the config read once; the model built on meta
-    moe = arch["shape"].experts > 0
+    config = read_config(base or recipe.model.path, recipe)
+    # The model built on the meta device (its layout, for the memory estimates) only when a choice needs it, once: not
+    # in a run that decides nothing from memory (a ZeRO-3 worker would build it sharded)
+    layout = (lambda: arch) if arch is not None else functools.cache(lambda: architecture(base or recipe.model.path, recipe))
+    moe = memory.Shape.from_config(config).experts > 0
     router, _ = router_losses(recipe, moe)
     if cuda:
-        choose_checkpointing(recipe, args, arch, free_bytes, log)
-    offload = resolve_offload(recipe, args, arch, free_bytes, log, cuda, launch, host_check)
+        choose_checkpointing(recipe, args, layout, free_bytes, log)
+    offload = resolve_offload(recipe, args, layout, free_bytes, log, cuda, launch, host_check)
     head_trains = recipe.lora is None and recipe.method != "rm"  # LoRA leaves ERNIE's tied head frozen; rm has none
     return RunPlan(
         method=recipe.method,
@@ -153,7 +157,7 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
         source=recipe.model.path,
         base=base,
         tokenizer=tokenizer_path(recipe.model.path),
-        architecture=arch["class"],
+        architecture=(getattr(config, "architectures", None) or [config.model_type])[0],
         moe=moe,
         dtype=recipe.model.dtype,
         load_in_4bit=recipe.model.load_in_4bit,
@@ -164,7 +168,7 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
         checkpointing=bool(args.activation_checkpointing),
         checkpointing_by_plan=bool(getattr(args, CHECKPOINTING_OFF_BY_PLAN, False)),
         head_trains=head_trains,
-        head_keep_positions=head_keep_positions(recipe, args, arch, free_bytes, log) if head_trains else 0,
+        head_keep_positions=head_keep_positions(recipe, args, layout, free_bytes, log) if head_trains else 0,
         offload=offload,
         sync=recipe.distributed,
         compile_layers=recipe.model.compile_layers,
@@ -178,7 +182,7 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
     )
 
 
-def resolve_offload(recipe: Recipe, args, arch: dict, free_bytes: int, log, cuda: bool, how: str,
+def resolve_offload(recipe: Recipe, args, arch, free_bytes: int, log, cuda: bool, how: str,
                     host_check: bool = True) -> Applied:
     """train.offload as this run applies it, also kept on the Trainer arguments (`OFFLOAD_APPLIED`, which the
     optimizer reads); refuses, in one line, a mode the launch cannot apply and a run whose offloaded state would not
@@ -230,10 +234,11 @@ def check_optimizer(args) -> None:
 # --- the estimates and choices behind each decision (validate, plan.py, prints the same) ----------------------
 
 
-def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: bool = False, offload: str = "none",
+def memory_estimate(recipe: Recipe, args, arch, cuda: bool, head_keep: bool = False, offload: str = "none",
                     processes: int = 1):
     """Peak accelerator memory per device (memory.py) for the run this recipe makes, on a CUDA GPU.
 
+    `arch`: `architecture`'s dict, or a function returning it (read when an estimate is first made).
     `head_keep`: a trained LM head keeps its chunks' buffers instead of recomputing them (`head_keep_positions`).
     `offload`: train.offload as applied (none, optimizer, parameters), `processes` the FSDP2 processes sharing it.
     """
@@ -287,30 +292,16 @@ def memory_estimate(recipe: Recipe, args, arch: dict, cuda: bool, head_keep: boo
         processes=processes,
         sync=recipe.distributed.sync,
     )
+    arch = arch() if callable(arch) else arch  # the run plan reads the model's layout only when a choice needs it
     return memory.estimate(arch["shape"], arch["memory"], run), run
 
 
 def architecture(path: str, recipe: Recipe) -> dict:
     """Parameter counts from the config alone: the model is built on the meta device, no weights are read."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from erniekit_lite.model.load import MODEL_FOLDER, QUICKSTART_MODEL, UNREACHABLE, check_source, missing_source, one_line
-
-    folder = Path(path).expanduser()
-    if folder.is_dir() and not (folder / "config.json").is_file():  # transformers: "Should have a `model_type` key"
-        raise UserError(f"model.path: {path}: no config.json in this folder; {MODEL_FOLDER}")
-    offline = "" if Path(path) == Path(QUICKSTART_MODEL) else "; offline, a folder holding the model's config.json is enough for the memory plan"
-    try:
-        check_source(path)  # an adapter's base may be a Hub id: one quick request, not from_pretrained's retries
-        config = AutoConfig.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code)
-    except UserError as e:  # no such folder, and a Hub id that cannot be one, that the Hub lacks, or no Hub to ask
-        raise UserError(f"{e}{offline if UNREACHABLE in str(e) else ''}") from None
-    except (OSError, ValueError) as e:
-        missing = missing_source(path, e)
-        if missing:
-            raise UserError(f"{missing}{offline if UNREACHABLE in missing else ''}") from None
-        raise UserError(f"model.path: {path}: could not read the model config: {one_line(e)}") from None
+    config = read_config(path, recipe)
     auto = AutoModelForCausalLM
     if recipe.method == "rm":  # the base's body under a new one-output `score` head (model/reward.py)
         from erniekit_lite.model.reward import AutoRewardModel as auto, check_start
@@ -337,6 +328,29 @@ def architecture(path: str, recipe: Recipe) -> dict:
     }
 
 
+def read_config(path: str, recipe: Recipe):
+    """The model's config.json (the model's or an adapter's base), each way it can be missing said in one line."""
+    from transformers import AutoConfig
+
+    from erniekit_lite.model.load import MODEL_FOLDER, QUICKSTART_MODEL, UNREACHABLE, check_source, missing_source, one_line
+
+    folder = Path(path).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file():  # transformers: "Should have a `model_type` key"
+        raise UserError(f"model.path: {path}: no config.json in this folder; {MODEL_FOLDER}")
+    offline = "" if Path(path) == Path(QUICKSTART_MODEL) else "; offline, a folder holding the model's config.json is enough for the memory plan"
+    try:
+        check_source(path)  # an adapter's base may be a Hub id: one quick request, not from_pretrained's retries
+        config = AutoConfig.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code)
+    except UserError as e:  # no such folder, and a Hub id that cannot be one, that the Hub lacks, or no Hub to ask
+        raise UserError(f"{e}{offline if UNREACHABLE in str(e) else ''}") from None
+    except (OSError, ValueError) as e:
+        missing = missing_source(path, e)
+        if missing:
+            raise UserError(f"{missing}{offline if UNREACHABLE in missing else ''}") from None
+        raise UserError(f"model.path: {path}: could not read the model config: {one_line(e)}") from None
+    return config
+
+
 # The share of a device's (free) memory a plan may take, for every choice made against it (offload, activation
 # checkpointing, keeping the LM head's chunks): the estimate's fragmentation allowance is itself a guess
 HEADROOM = 0.85
@@ -361,7 +375,7 @@ def host_available() -> int:
     return psutil.virtual_memory().available
 
 
-def choose_offload(recipe: Recipe, args, arch: dict, device_bytes: int, host_bytes: int, modes: tuple[str, ...],
+def choose_offload(recipe: Recipe, args, arch, device_bytes: int, host_bytes: int, modes: tuple[str, ...],
                    processes: int = 1, cuda: bool = True):
     """`train.offload: auto`: the first of `modes` whose plan fits the device (`HEADROOM` of `device_bytes`)
     and the host (`host_bytes`: what one process may take there); the last when none does. `processes`: the FSDP2
@@ -378,7 +392,7 @@ def choose_offload(recipe: Recipe, args, arch: dict, device_bytes: int, host_byt
 CHECKPOINTING_OFF_BY_PLAN = "erniekit_checkpointing_off_by_plan"
 
 
-def choose_checkpointing(recipe: Recipe, args, arch: dict, free_bytes: int, log=print) -> None:
+def choose_checkpointing(recipe: Recipe, args, arch, free_bytes: int, log=print) -> None:
     """Single-GPU runs whose recipe leaves activation checkpointing unset: off when the plan fits without it in the
     memory free on the device before the model loads (`free_bytes`: another process on the card counts).
 
@@ -401,7 +415,7 @@ def choose_checkpointing(recipe: Recipe, args, arch: dict, free_bytes: int, log=
         args.activation_checkpointing = True
 
 
-def head_keep_positions(recipe: Recipe, args, arch: dict, free_bytes: int, log=print) -> int:
+def head_keep_positions(recipe: Recipe, args, arch, free_bytes: int, log=print) -> int:
     """Full fine-tuning trains the LM head (ERNIE ties it to the embeddings). Its chunks' fp32 buffers can stay
     alive for backward (no recompute: a third less LM-head compute) or be recomputed there (one chunk's memory).
     Keep them when the plan with them kept, weights included, fits in the memory free before the model loads

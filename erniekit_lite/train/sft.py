@@ -24,12 +24,16 @@ def build_trainer(model, tokenizer, args, data: PreparedData, plan: RunPlan):
 
 
 def write_samples(model, tokenizer, plan: RunPlan, out: Path | None, log=print) -> None:
-    """Answer the sample prompts; save them to `out`/samples.jsonl unless `out` is None."""
+    """Answer the sample prompts; save them to `out`/samples.jsonl unless `out` is None. Eagerly: compiled layers
+    (model.compile_layers) would recompile for each generated length until dynamo's limit, with a warning each."""
+    import torch
+
     from erniekit_lite.generate import answer
 
     lines = []
     for prompt in plan.sample_prompts:
-        text = answer(model, tokenizer, prompt, system=plan.data.system)
+        with torch.compiler.set_stance("force_eager"):
+            text = answer(model, tokenizer, prompt, system=plan.data.system)
         log(f"sample> User: {prompt}\nsample> Assistant: {text}")
         lines.append(json.dumps({"prompt": prompt, "answer": text}, ensure_ascii=False) + "\n")
     if out is not None:
