@@ -273,9 +273,10 @@ def test_machine_flags_reach_accelerate_launch_over_the_config_file(tmp_path, ti
     zero3 = fp32_config(tmp_path, "deepspeed-zero3.yaml")
     args, _ = parsed(Machines(2, 0, "10.9.9.9"), config_file=str(zero3), num_processes=4)
     assert args["deepspeed_multinode_launcher"] == "standard" and args["rdzv_conf"] == "timeout=120"
-    # one machine: no rendezvous variable, a free port as before
+    # one machine: no rendezvous variable, a free port as before; accelerate's defaults said outright (no advice printed)
     args, env = parsed(Machines(), config_file=None, num_processes=2)
-    assert args["num_machines"] is None and RENDEZVOUS not in env
+    assert args["num_machines"] == 1 and RENDEZVOUS not in env
+    assert (args["mixed_precision"], args["dynamo_backend"]) == ("no", "no")
 
 
 @pytest.mark.slow  # two torchrun launchers: ~35 s on 2 cores
