@@ -66,8 +66,8 @@ def main(argv=None) -> int:
                     for b in busy:
                         b.kill()
                         b.wait()
-    print(f"\nquick start (30 steps, tiny dense model), {args.rounds} rounds; machine: {cores} cores "
-          f"({subprocess.run(['sh', '-c', 'lscpu | sed -n s/^Model\\ name:\\ *//p'], capture_output=True, text=True).stdout.strip()}); "
+    cpu = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"], capture_output=True, text=True).stdout.strip()
+    print(f"\nquick start (30 steps, tiny dense model), {args.rounds} rounds; machine: {cores} cores ({cpu}); "
           f"1-min load average {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end (the loaded runs add {cores} busy processes)")
     print("| load | setting | wall s min / median / max | train_runtime s (median) | loaded / idle (wall, median) |")
     print("| --- | --- | ---: | ---: | ---: |")

@@ -185,12 +185,11 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
 def resolve_offload(recipe: Recipe, args, arch, free_bytes: int, log, cuda: bool, how: str,
                     host_check: bool = True) -> Applied:
     """train.offload as this run applies it, also kept on the Trainer arguments (`OFFLOAD_APPLIED`, which the
-    optimizer reads); refuses, in one line, a mode the launch cannot apply and a run whose offloaded state would not
-    fit the host."""
+    optimizer reads); refuses, in one line, a run whose offloaded state would not fit the host (a mode the launch
+    cannot apply: `refuse_unlaunchable`, first in `resolve`)."""
     mode = own_train(recipe, "offload")
     if mode == "none":
         return Applied("none", 0)
-    refuse_unlaunchable(recipe, Launch(how, args.world_size))  # said before launching too (launch.py)
     if mode == "optimizer":
         check_optimizer(args)
     processes = args.world_size if how == "fsdp" else 1

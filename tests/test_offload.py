@@ -176,13 +176,12 @@ def test_offload_refused_in_one_line_where_it_cannot_apply(tmp_path, tiny_own_di
     with pytest.raises(UserError, match="train.optim adamw_bnb_8bit is not one: use adamw_torch_fused"):
         r = load(path, ["train.optim=adamw_bnb_8bit"])
         run_plan.resolve_offload(r, training_args(r, tmp_path), None, 0, print, True, "plain")
-    args = type("Args", (), {"world_size": 2})()
     for env, mode, said in ((("ACCELERATE_USE_FSDP", "true"), "optimizer", "use train.offload: parameters"),
                             (("ACCELERATE_USE_DEEPSPEED", "true"), "parameters", "DeepSpeed offloads through its own config"),
                             (("ACCELERATE_USE_FSDP", "false"), "parameters", "runs under FSDP2, which `erniekit-lite train` launches")):
         monkeypatch.setenv(*env)
         with pytest.raises(UserError, match=said):
-            run_plan.resolve_offload(load(path, [f"train.offload={mode}"]), args, None, 0, print, True, run_plan.strategy())
+            run_plan.refuse_unlaunchable(load(path, [f"train.offload={mode}"]), run_plan.Launch(run_plan.strategy(), 2))
         monkeypatch.delenv(env[0])
     config = tmp_path / "zero.yaml"
     config.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n")
