@@ -692,7 +692,8 @@ def graph_breaks(results: Results, assets: Path, tmp: Path, args, batch, labels,
     """`torch._dynamo.explain` of a packed LoRA step (2 layers) with the packed attention `auto` picks here."""
     import torch
 
-    from erniekit_lite.model.load import load_model, resolve_attention
+    from erniekit_lite.model.attention import resolve_attention
+    from erniekit_lite.model.load import load_model
     from erniekit_lite.model.lora import apply_lora
     from erniekit_lite.recipe import LoraSection
     from erniekit_lite.train import scored

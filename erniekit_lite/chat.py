@@ -19,7 +19,9 @@ def load(path: str, adapter: str | None = None):
     against (in the run's model.dtype: the adapter added to the original weights answers otherwise); KV cache on."""
     import torch
 
-    from erniekit_lite.model.load import adapter_base, check_source, load_model, load_tokenizer, tokenizer_path, trained_in_4bit
+    from erniekit_lite.model.load import load_model, load_tokenizer
+
+    from erniekit_lite.model.source import adapter_base, check_source, tokenizer_path, trained_in_4bit
     from erniekit_lite.model.lora import load_adapter
 
     check_source(path, named="")  # PATH is chat's own argument, not a recipe's model.path

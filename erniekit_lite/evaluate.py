@@ -40,7 +40,7 @@ def evaluate(
 
     from erniekit_lite.data.prepare import prepare
     from erniekit_lite.model.load import load_tokenizer
-    from erniekit_lite.model.load import tokenizer_path
+    from erniekit_lite.model.source import tokenizer_path
 
     tokenizer = load_tokenizer(tokenizer_path(model_section.path), model_section.trust_remote_code)
     prepared = prepare(data, tokenizer, log=log).train  # the eval file stands where prepare expects training data
@@ -147,7 +147,8 @@ def load(section: ModelSection):
     """The model in eval mode (base + adapter for a LoRA dir), on the GPU when there is one."""
     import torch
 
-    from erniekit_lite.model.load import load_model, resolve_attention
+    from erniekit_lite.model.attention import resolve_attention
+    from erniekit_lite.model.load import load_model
 
     attn = resolve_attention(section.attn_implementation, packing=True)
     model = load_model(section.path, section.dtype, attn, section.trust_remote_code, trainable_adapter=False, load_in_4bit=section.load_in_4bit)

@@ -135,7 +135,7 @@ def hf_model(source: Path, merged_dir: Path, log) -> Path:
     """A plain transformers checkpoint in `merged_dir` (merged, or the source's files linked) with the sentencepiece
     `tokenizer.model` the converter reads. Everything that can refuse is checked before a LoRA run is merged (a 21B
     merge takes long)."""
-    from erniekit_lite.model.load import adapter_base
+    from erniekit_lite.model.source import adapter_base
 
     base = adapter_base(str(source))
     config_dir = source if base is None else Path(base) if (Path(base) / "config.json").is_file() else None

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from erniekit_lite import retry
 from erniekit_lite.data.load import _FILE_SUFFIXES, _looks_like_hub_id
 from erniekit_lite.errors import UserError
-from erniekit_lite.model.load import adapter_base
+from erniekit_lite.model.source import adapter_base
 from erniekit_lite.plots import write_loss_plot
 from erniekit_lite.recipe import HubSection, Recipe
 from erniekit_lite.trainer_args import PAIR_METHODS

@@ -17,7 +17,8 @@ def plan(recipe: Recipe, log=print, launch: run_plan.Launch | None = None) -> di
     config: a model folder without a tokenizer (a config.json copied from a release) is planned with the data unread.
     `launch`: how `train` would launch the run (--num-processes, --accelerate-config): sharded, the plan per device."""
     from erniekit_lite.model import compile_layers
-    from erniekit_lite.model.load import adapter_base, has_tokenizer, load_tokenizer, tokenizer_path
+    from erniekit_lite.model.load import load_tokenizer
+    from erniekit_lite.model.source import has_tokenizer, locate
     from erniekit_lite.trainer_args import router_losses, training_args
 
     import torch
@@ -26,12 +27,12 @@ def plan(recipe: Recipe, log=print, launch: run_plan.Launch | None = None) -> di
     gpu_notes = gpu_only_settings(recipe, cuda)
     # On a machine without a GPU, plan the GPU run anyway: what `train` would refuse here is a note, not an error
     args = training_args(recipe if cuda else without_gpu_settings(recipe), Path(recipe.output.dir))
-    arch = architecture(adapter_base(recipe.model.path) or recipe.model.path, recipe)  # first: its error names config.json
-    source = tokenizer_path(recipe.model.path)
-    if has_tokenizer(source):
-        info, data_lines = data_plan(recipe, args, load_tokenizer(source, recipe.model.trust_remote_code), log)
+    source = locate(recipe.model.path, recipe.model.trust_remote_code)  # first: its error names config.json
+    arch = architecture(source.weights, recipe, source.config)
+    if has_tokenizer(source.tokenizer):
+        info, data_lines = data_plan(recipe, args, load_tokenizer(source.tokenizer, recipe.model.trust_remote_code), log)
     else:
-        info, data_lines = unread_data_plan(recipe, args, source, log)
+        info, data_lines = unread_data_plan(recipe, args, source.tokenizer, log)
     info = {"architecture": arch["class"], "parameters": arch["parameters"], "trainable_parameters": arch["trainable"], **info}
     log(
         f"model: {arch['class']} ({recipe.model.path}), {arch['parameters']:,} parameters, "
@@ -89,7 +90,7 @@ def plan(recipe: Recipe, log=print, launch: run_plan.Launch | None = None) -> di
     # The plan `train` resolves and runs, as it would resolve it on this machine (train/run.py prints the same lines)
     how = launch.how if launch is not None else "fsdp" if offload == "parameters" else "plain"  # `train` launches FSDP2 for it
     ran = run_plan.resolve(recipe, args, gpu_free() if cuda else host_available(), lambda *a: None, cuda, how, arch,
-                           host_check=False)
+                           host_check=False, source=source)
     for line in ran.lines(" on this machine"):
         log(line)
     if gpu is None or (recipe.lora is None and gpu == memory.GPUS_GB[-1]):

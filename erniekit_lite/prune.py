@@ -113,7 +113,8 @@ def prune(source: str, experts: int | None, out: str, data: str | None = None, t
     measured, held_out = data_sections(source, data, eval_data, bool(report))
 
     from erniekit_lite.data.prepare import prepare
-    from erniekit_lite.model.load import load_tokenizer, tokenizer_path
+    from erniekit_lite.model.load import load_tokenizer
+    from erniekit_lite.model.source import tokenizer_path
 
     tokenizer = load_tokenizer(tokenizer_path(source))
     prepared = prepare(measured, tokenizer, log=log)
@@ -215,7 +216,7 @@ def check_out(source: str, target: Path, report_files: list[Path], overwrite: bo
 def model_config(source: str, need_moe: bool):
     """The source's model config (a LoRA run's base); a one-line error when it is no ERNIE 4.5 (MoE, for `need_moe`)."""
     from erniekit_lite.evaluate import check_model_path
-    from erniekit_lite.model.load import adapter_base, check_source
+    from erniekit_lite.model.source import adapter_base, check_source
     from erniekit_lite.model.reward import refuse_reward_run
 
     check_model_path(source)
@@ -341,7 +342,8 @@ def loaded(source: str, scratch: Path, log):
     import torch
 
     from erniekit_lite.model.attention import NAME
-    from erniekit_lite.model.load import adapter_base, load_model
+    from erniekit_lite.model.load import load_model
+    from erniekit_lite.model.source import adapter_base
     from erniekit_lite.model.merge import base_dtype, merge, trained_in_4bit
 
     base = adapter_base(source)
@@ -362,7 +364,7 @@ def loaded(source: str, scratch: Path, log):
 def sentencepiece_model(source: str) -> Path | None:
     """The sentencepiece `tokenizer.model` of the run, its base or its recipe's model, when there is one."""
     from erniekit_lite.export import sentencepiece_model as find
-    from erniekit_lite.model.load import adapter_base
+    from erniekit_lite.model.source import adapter_base
 
     try:
         return find(Path(source), adapter_base(source))

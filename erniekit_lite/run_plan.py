@@ -126,25 +126,27 @@ def strategy() -> str:
 
 
 def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None = None, launch: str | None = None,
-            arch: dict | None = None, host_check: bool = True) -> RunPlan:
+            arch: dict | None = None, host_check: bool = True, source=None) -> RunPlan:
     """The plan of the run `recipe` makes with the Trainer arguments `args` on this machine, `free_bytes` free on the
     device it trains on (a GPU's free memory; on CPU the host's available memory). Each decision is logged as made.
     `args` takes the checkpointing decision (the Trainer and TRL read it there). `launch`: how this process was
-    started (`strategy()`); `validate` says how `train` would launch it, hands in the `arch` it read, and turns
-    `host_check` off (it says whether the host fits, and never refuses for it)."""
+    started (`strategy()`); `validate` says how `train` would launch it, hands in the `source` it located
+    (model/source.py) and the `arch` it read, and turns `host_check` off (it says whether the host fits, and never
+    refuses for it)."""
     import torch
 
-    from erniekit_lite.model.load import adapter_base, resolve_attention, tokenizer_path
+    from erniekit_lite.model.attention import resolve_attention
+    from erniekit_lite.model.source import locate
     from erniekit_lite.trainer_args import router_losses
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
     launch = launch or strategy()
     refuse_unlaunchable(recipe, Launch(launch, args.world_size, os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"))
-    base = adapter_base(recipe.model.path)
-    config = read_config(base or recipe.model.path, recipe)
+    source = source or locate(recipe.model.path, recipe.model.trust_remote_code)  # the one look at the model's files
+    config = source.config
     # The model built on the meta device (its layout, for the memory estimates) only when a choice needs it, once: not
     # in a run that decides nothing from memory (a ZeRO-3 worker would build it sharded)
-    layout = (lambda: arch) if arch is not None else functools.cache(lambda: architecture(base or recipe.model.path, recipe))
+    layout = (lambda: arch) if arch is not None else functools.cache(lambda: architecture(source.weights, recipe, config))
     moe = memory.Shape.from_config(config).experts > 0
     router, _ = router_losses(recipe, moe)
     if cuda:
@@ -155,8 +157,8 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
         method=recipe.method,
         out=Path(recipe.output.dir),
         source=recipe.model.path,
-        base=base,
-        tokenizer=tokenizer_path(recipe.model.path),
+        base=source.base,
+        tokenizer=source.tokenizer,
         architecture=(getattr(config, "architectures", None) or [config.model_type])[0],
         moe=moe,
         dtype=recipe.model.dtype,
@@ -241,7 +243,7 @@ def memory_estimate(recipe: Recipe, args, arch, cuda: bool, head_keep: bool = Fa
     `head_keep`: a trained LM head keeps its chunks' buffers instead of recomputing them (`head_keep_positions`).
     `offload`: train.offload as applied (none, optimizer, parameters), `processes` the FSDP2 processes sharing it.
     """
-    from erniekit_lite.model.load import resolve_attention
+    from erniekit_lite.model.attention import resolve_attention
     from erniekit_lite.trainer_args import PAIR_METHODS
 
     capacity = recipe.data.max_length * (2 if recipe.method in PAIR_METHODS else 1)  # preference rows hold whole pairs
@@ -295,12 +297,15 @@ def memory_estimate(recipe: Recipe, args, arch, cuda: bool, head_keep: bool = Fa
     return memory.estimate(arch["shape"], arch["memory"], run), run
 
 
-def architecture(path: str, recipe: Recipe) -> dict:
-    """Parameter counts from the config alone: the model is built on the meta device, no weights are read."""
+def architecture(path: str, recipe: Recipe, config=None) -> dict:
+    """Parameter counts from the config alone (`config`: the model's at `path`, read here when not given): the model
+    is built on the meta device, no weights are read."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = read_config(path, recipe)
+    from erniekit_lite.model.source import read_config
+
+    config = config if config is not None else read_config(path, recipe.model.trust_remote_code)
     auto = AutoModelForCausalLM
     if recipe.method == "rm":  # the base's body under a new one-output `score` head (model/reward.py)
         from erniekit_lite.model.reward import AutoRewardModel as auto, check_start
@@ -325,29 +330,6 @@ def architecture(path: str, recipe: Recipe) -> dict:
         "shape": memory.Shape.from_config(config),
         "memory": memory.params_of(model, recipe.lora.dropout if recipe.lora is not None else 0.0),
     }
-
-
-def read_config(path: str, recipe: Recipe):
-    """The model's config.json (the model's or an adapter's base), each way it can be missing said in one line."""
-    from transformers import AutoConfig
-
-    from erniekit_lite.model.load import MODEL_FOLDER, QUICKSTART_MODEL, UNREACHABLE, check_source, missing_source, one_line
-
-    folder = Path(path).expanduser()
-    if folder.is_dir() and not (folder / "config.json").is_file():  # transformers: "Should have a `model_type` key"
-        raise UserError(f"model.path: {path}: no config.json in this folder; {MODEL_FOLDER}")
-    offline = "" if Path(path) == Path(QUICKSTART_MODEL) else "; offline, a folder holding the model's config.json is enough for the memory plan"
-    try:
-        check_source(path)  # an adapter's base may be a Hub id: one quick request, not from_pretrained's retries
-        config = AutoConfig.from_pretrained(path, trust_remote_code=recipe.model.trust_remote_code)
-    except UserError as e:  # no such folder, and a Hub id that cannot be one, that the Hub lacks, or no Hub to ask
-        raise UserError(f"{e}{offline if UNREACHABLE in str(e) else ''}") from None
-    except (OSError, ValueError) as e:
-        missing = missing_source(path, e)
-        if missing:
-            raise UserError(f"{missing}{offline if UNREACHABLE in missing else ''}") from None
-        raise UserError(f"model.path: {path}: could not read the model config: {one_line(e)}") from None
-    return config
 
 
 # The share of a device's (free) memory a plan may take, for every choice made against it (offload, activation

@@ -117,7 +117,7 @@ def vllm_executable(vllm: str | None) -> str | None:
 
 def servable(run: str, log=print) -> str:
     """A model dir an engine loads: the run itself, or for a LoRA run its merge (made once, beside the run)."""
-    from erniekit_lite.model.load import adapter_base
+    from erniekit_lite.model.source import adapter_base
     from erniekit_lite.model.merge import MARKER, merge
     from erniekit_lite.model.reward import refuse_reward_run
 

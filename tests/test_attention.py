@@ -18,7 +18,8 @@ from erniekit_lite.data.formats import Conversation, Turn
 from erniekit_lite.data.packing import pack
 from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import Tokenizer
-from erniekit_lite.model.load import load_model, resolve_attention
+from erniekit_lite.model.attention import resolve_attention
+from erniekit_lite.model.load import load_model
 
 CONVS = [Conversation([Turn(f"Question {i}: " + "word " * (3 * i), "Answer " * (i + 2))]) for i in range(5)]
 

@@ -325,7 +325,8 @@ def hub_endpoint(monkeypatch):
 def test_a_path_that_is_no_directory_and_no_hub_id_is_one_line(tmp_path, monkeypatch, hub_endpoint, path):
     """Not huggingface_hub's "Repo id must be in the form 'repo_name' or 'namespace/repo_name'": both facts, and
     nothing asked of the Hub (the endpoint here refuses connections)."""
-    from erniekit_lite.model.load import load_model, load_tokenizer, missing_source
+    from erniekit_lite.model.load import load_model, load_tokenizer
+    from erniekit_lite.model.source import missing_source
 
     monkeypatch.chdir(tmp_path)
     hub_endpoint("http://127.0.0.1:1")
@@ -342,7 +343,9 @@ def test_a_path_that_is_no_directory_and_no_hub_id_is_one_line(tmp_path, monkeyp
 def test_a_hub_id_the_hub_does_not_have_is_one_line_after_one_request(tmp_path, monkeypatch, hub_endpoint):
     from fake_hub import FakeHub, Repo
 
-    from erniekit_lite.model.load import check_source, load_tokenizer
+    from erniekit_lite.model.load import load_tokenizer
+
+    from erniekit_lite.model.source import check_source
 
     monkeypatch.chdir(tmp_path)
     with FakeHub("hf_test") as hub:
@@ -402,7 +405,7 @@ def test_a_model_folder_without_a_tokenizer_says_which_files_it_needs(tmp_path):
 
 
 def test_a_library_error_over_several_lines_is_kept_whole_on_one():
-    from erniekit_lite.model.load import one_line
+    from erniekit_lite.model.source import one_line
 
     error = ValueError("Couldn't instantiate the backend tokenizer from one of: \n(1) a `tokenizers` library "
                        "serialization file, \n(2) a slow tokenizer instance to convert.\n")

@@ -73,7 +73,8 @@ def units_per_row(recipe: Path) -> list[int]:
     """Pairs (KTO: examples) in each packed row of the recipe's data, as the run packs them."""
     from erniekit_lite import recipe as recipes
     from erniekit_lite.data.prepare import prepare_feedback, prepare_pairs
-    from erniekit_lite.model.load import load_tokenizer, tokenizer_path
+    from erniekit_lite.model.load import load_tokenizer
+    from erniekit_lite.model.source import tokenizer_path
 
     r = recipes.load(recipe)
     tokenizer = load_tokenizer(tokenizer_path(r.model.path))

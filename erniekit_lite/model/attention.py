@@ -133,3 +133,19 @@ def _call_varlen(q, k, v, cu, longest, scale):
 
 AttentionInterface.register(NAME, packed_sdpa_forward)
 AttentionInterface.register(VARLEN, packed_varlen_forward)
+
+
+def resolve_attention(setting: str, packing: bool) -> str:
+    """`auto`: flash attention's varlen kernel on CUDA when installed, else PyTorch's own varlen attention there
+    (packed rows); per-sample sdpa for packed rows elsewhere."""
+    if setting != "auto":
+        return setting
+    if torch.cuda.is_available():
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            if packing and varlen_kernel() is not None:
+                return VARLEN
+    return NAME if packing else "sdpa"

@@ -17,7 +17,8 @@ import json
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
-from erniekit_lite.model.load import adapter_base, load_model, load_tokenizer, trained_in_4bit
+from erniekit_lite.model.load import load_model, load_tokenizer
+from erniekit_lite.model.source import adapter_base, trained_in_4bit
 from erniekit_lite.files import staged
 
 MARKER = "erniekit_merged.json"  # written last: a dir holding it is a complete merge

@@ -294,7 +294,8 @@ def load_reward_model(path: str, dtype: str | None = None, device: str | None = 
     bf16 on a CUDA GPU, fp32 on CPU unless `dtype` says otherwise; a QLoRA run on the 4-bit base it trained against.
     `max_length` and `system` default to the run's recipe.yaml (data.max_length, data.system), so items are rendered
     and cut as in training."""
-    from erniekit_lite.model.load import adapter_base, load_tokenizer, tokenizer_path, trained_in_4bit
+    from erniekit_lite.model.load import load_tokenizer
+    from erniekit_lite.model.source import adapter_base, tokenizer_path, trained_in_4bit
 
     if adapter_base(path) is None and Path(path).expanduser().is_dir() and not is_reward_run(path):
         raise UserError(f"{path}: not a reward model (its config names no ...ForSequenceClassification); train one with method: rm")

@@ -39,7 +39,7 @@ class Models:
 def base_of(path: str) -> str:
     """What a run was trained from (an adapter's base, or the model.path of its recipe.yaml); "" if not a run."""
     from erniekit_lite import recipe as recipes
-    from erniekit_lite.model.load import adapter_base
+    from erniekit_lite.model.source import adapter_base
 
     if adapter_base(path):
         return adapter_base(path)

@@ -23,7 +23,7 @@ def render(recipe: Recipe, records: int = 3, log=print) -> str:
     """HTML of the first `records` records of the first training sources; trained spans are <mark>ed."""
     from erniekit_lite.data.prepare import prepare, prepare_pairs
     from erniekit_lite.model.load import load_tokenizer
-    from erniekit_lite.model.load import tokenizer_path
+    from erniekit_lite.model.source import tokenizer_path
 
     tokenizer = load_tokenizer(tokenizer_path(recipe.model.path), recipe.model.trust_remote_code)
     sources = [s.model_copy(update={"max_samples": min(records, s.max_samples or records)}) for s in recipe.data.train]
