@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from erniekit_lite.errors import UserError
 from erniekit_lite.model.load import load_model
-from erniekit_lite.model.lora import INITIAL, apply_lora, lora_config, targets_as_written
+from erniekit_lite.model.lora import apply_lora, lora_config, targets_as_written
 from erniekit_lite.recipe import LoraSection
 from erniekit_lite.train import callbacks
 from helpers import run_cli, write_recipe
@@ -48,7 +48,7 @@ def train(tmp_path, capsys, monkeypatch, model_dir, lora: dict, method: str = "s
     def spy(trainer, out, metrics, expert_load=None):
         model = trainer.model
         training = model.training
-        seen.logits, seen.model = logits(model), model
+        seen.logits, seen.model, seen.initial = logits(model), model, trainer.initial_adapter
         model.train(training)
         names = {id(p): n for n, p in model.named_parameters()}
         seen.groups = [(g["initial_lr"], g["weight_decay"], [names[id(p)] for p in g["params"]]) for g in trainer.optimizer.param_groups]
@@ -119,7 +119,7 @@ def check_moved_base(trained, base_dir: Path) -> None:
     """PiSSA/OLoRA as peft does it: the trained model's base weights are the originals minus the initial adapter
     (W_res = W - s B0 A0, visibly different from W); the run dir holds a plain rank-2r LoRA on the original base."""
     original = load_file(base_dir / "model.safetensors")
-    initial = getattr(trained.model, INITIAL)
+    initial = trained.initial
     checked = 0
     for name, module in lora_layers(trained.model):
         key = name.removeprefix("base_model.model.") + ".weight"
@@ -377,14 +377,12 @@ def test_reference_methods_refuse_inits_that_change_the_base_in_the_recipe(tmp_p
 def test_lora_plus_refuses_optimizers_that_group_parameters_themselves():
     """GaLore/LOMO-style optimizers hand the Trainer their own parameter groups; a DeepSpeed optimizer block replaces
     the Trainer's optimizer: both would drop LoRA+ silently."""
-    from erniekit_lite.model.lora import SETTINGS
     from erniekit_lite.train import optimizer
 
     # a stand-in trainer: what the two checks read of the Trainer
     stub = SimpleNamespace(optimizer=None, optimizer_cls_and_kwargs=(torch.optim.AdamW, {"lr": 1e-3, "params": []}),
                            args=SimpleNamespace(optim="galore_adamw", learning_rate=1e-3, weight_decay=0.0),
-                           model=torch.nn.Linear(2, 2))
-    setattr(stub.model, SETTINGS, LoraSection(plus_lr_ratio=4))
+                           model=torch.nn.Linear(2, 2), lora_plus_ratio=4)
     with pytest.raises(UserError, match="^lora.plus_lr_ratio: train.optim galore_adamw builds its own parameter groups"):
         optimizer.lora_plus(stub)
     stub.accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config={"optimizer": {"type": "AdamW"}})))

@@ -18,7 +18,7 @@ or outside autocast with adapters in another dtype than the base (peft then comp
 
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
 
@@ -74,18 +74,26 @@ def _eligible(module) -> str | None:
     return None
 
 
-def _forward(self, x, *args, **kwargs):
-    names = self.active_adapters
-    if args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or names[0] not in self.lora_A:
-        return self._erniekit_peft_forward(x, *args, **kwargs)
-    base, a, b = self.get_base_layer(), self.lora_A[names[0]].weight, self.lora_B[names[0]].weight
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-    elif a.dtype == b.dtype == base.weight.dtype == x.dtype:
-        dtype = x.dtype
-    else:  # peft computes the adapters in their own dtype here
-        return self._erniekit_peft_forward(x, *args, **kwargs)
-    return LoraLinear.apply(x, base.weight, base.bias, a, b, float(self.scaling[names[0]]), dtype)
+@functools.cache
+def fused_class(cls: type) -> type:
+    """peft's LoRA Linear class `cls` with the fused forward (one class per peft class, named as it is); the layer
+    stays peft's module, with peft's forward one `super()` away for what the fused one does not compute."""
+
+    def forward(self, x, *args, **kwargs):
+        names = self.active_adapters
+        if args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or names[0] not in self.lora_A:
+            return cls.forward(self, x, *args, **kwargs)
+        base, a, b = self.get_base_layer(), self.lora_A[names[0]].weight, self.lora_B[names[0]].weight
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        elif a.dtype == b.dtype == base.weight.dtype == x.dtype:
+            dtype = x.dtype
+        else:  # peft computes the adapters in their own dtype here
+            return cls.forward(self, x, *args, **kwargs)
+        return LoraLinear.apply(x, base.weight, base.bias, a, b, float(self.scaling[names[0]]), dtype)
+
+    return type(cls.__name__, (cls,), {"forward": forward, "fused_lora": True, "__module__": __name__,
+                                       "__qualname__": cls.__qualname__})
 
 
 def fuse(model) -> tuple[int, dict[str, int]]:
@@ -95,14 +103,13 @@ def fuse(model) -> tuple[int, dict[str, int]]:
 
     fused, kept = 0, {}
     for module in model.modules():
-        if not isinstance(module, Linear) or hasattr(module, "_erniekit_peft_forward"):
+        if not isinstance(module, Linear) or getattr(module, "fused_lora", False):
             continue
         why = _eligible(module)
         if why is not None:
             kept[why] = kept.get(why, 0) + 1
             continue
-        module._erniekit_peft_forward = module.forward
-        module.forward = types.MethodType(_forward, module)
+        module.__class__ = fused_class(type(module))  # its class, not an attribute of the instance (train/scored.py's way)
         fused += 1
     return fused, kept
 

@@ -17,6 +17,7 @@ tests/test_lora_variants.py pins the peft refusals.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections import Counter
@@ -29,8 +30,6 @@ from erniekit_lite.files import follow_umask
 EXPERT_PARAMS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 ROUTER = "gate"  # the MoE router module (`mlp.gate`): never adapted, frozen under LoRA
 GROUPS = ("attention", "dense MLP", "shared experts", "routed experts", "other")
-SETTINGS = "_erniekit_lora"  # the LoraSection an adapter was made from, kept on the PeftModel (LoRA+ reads it)
-INITIAL = "_erniekit_initial_adapter"  # PiSSA/OLoRA: the adapter's initial A and B, for `save_as_plain_lora`
 HEAD = "score"  # a reward model's head (model/reward.py): trained in full, no adapter
 
 
@@ -139,7 +138,6 @@ def apply_lora(model, lora: LoraSection):
     adapter_dtypes(peft_model)
     check_adapters(peft_model, config)
     expert_compute(peft_model, lora.expert_compute)
-    remember(peft_model, lora)
     return peft_model
 
 
@@ -151,14 +149,15 @@ def expert_compute(peft_model, mode: str) -> None:
         set_expert_compute(peft_model, mode)
 
 
-def remember(peft_model, lora: LoraSection) -> None:
-    """Keep what the trainer and the final save need: the settings (LoRA+), and for PiSSA/OLoRA the initial A and B."""
+def initial_adapter(peft_model) -> dict | None:
+    """PiSSA/OLoRA: the adapter's A and B before training (host copies), which the final save needs to write a plain
+    LoRA on the unchanged base (`save_as_plain_lora`); None for the other inits. Taken before the first step."""
     from peft import get_peft_model_state_dict
 
-    setattr(peft_model, SETTINGS, lora)
-    if mutates_base(peft_model.peft_config["default"].init_lora_weights):
-        initial = get_peft_model_state_dict(peft_model)
-        setattr(peft_model, INITIAL, {k: v.detach().to("cpu", copy=True) for k, v in initial.items() if ".lora_A." in k or ".lora_B." in k})
+    if not hasattr(peft_model, "peft_config") or not mutates_base(peft_model.peft_config["default"].init_lora_weights):
+        return None
+    initial = get_peft_model_state_dict(peft_model)
+    return {k: v.detach().to("cpu", copy=True) for k, v in initial.items() if ".lora_A." in k or ".lora_B." in k}
 
 
 def save_as_plain_lora(adapter_dir, initial: dict) -> bool:
@@ -230,24 +229,34 @@ def skip_input_casts(model) -> int:
     """Under autocast, adapters without dropout take their input as it comes: peft casts each adapted Linear's input
     to the fp32 adapter dtype, and autocast casts it straight back to bf16 for the matmul, two kernels per layer and
     direction for nothing (bit-identical without them, tests/test_lora_variants.py). Outside autocast, and with
-    dropout (which would scale in the other dtype), peft's cast stays. Returns the layers changed."""
-    import types
-
+    dropout (which would scale in the other dtype), peft's cast stays. Each such layer gets a subclass of its peft
+    class (`uncast_class`), no attribute of the instance. Returns the layers changed."""
     import torch
     from peft.tuners.lora import LoraLayer
-
-    def cast_unless_autocast(self, x, dtype):
-        if x is not None and torch.is_autocast_enabled(x.device.type):
-            return x
-        return LoraLayer._cast_input_dtype(self, x, dtype)
 
     changed = 0
     for module in model.modules():
         dropouts = getattr(module, "lora_dropout", None)
         if isinstance(module, LoraLayer) and dropouts and all(isinstance(d, torch.nn.Identity) for d in dropouts.values()):
-            module._cast_input_dtype = types.MethodType(cast_unless_autocast, module)
+            if not getattr(module, "uncast_input", False):
+                module.__class__ = uncast_class(type(module))
             changed += 1
     return changed
+
+
+@functools.cache
+def uncast_class(cls: type) -> type:
+    """peft's LoRA layer class `cls` whose `_cast_input_dtype` (peft 0.21.2, private) leaves the input as it comes under
+    autocast (`skip_input_casts`); named as `cls` is."""
+    import torch
+
+    def _cast_input_dtype(self, x, dtype):
+        if x is not None and torch.is_autocast_enabled(x.device.type):
+            return x
+        return cls._cast_input_dtype(self, x, dtype)
+
+    return type(cls.__name__, (cls,), {"_cast_input_dtype": _cast_input_dtype, "uncast_input": True,
+                                       "__module__": __name__, "__qualname__": cls.__qualname__})
 
 
 def load_adapter(model, path: str, trainable: bool = True):

@@ -53,10 +53,12 @@ def forward(self, *args, **kwargs):
 
 class Ernie4_5ForSequenceClassification(GenericForSequenceClassification, Ernie4_5PreTrainedModel):
     forward = forward
+    expert_load = None  # an ExpertLoad while an MoE trains (train/expert_load.py `track`); read by `_body`
 
 
 class Ernie4_5_MoeForSequenceClassification(GenericForSequenceClassification, Ernie4_5_MoePreTrainedModel):
     forward = forward
+    expert_load = None
 
 
 CLASSES = {Ernie4_5Config: Ernie4_5ForSequenceClassification, Ernie4_5_MoeConfig: Ernie4_5_MoeForSequenceClassification}
@@ -172,7 +174,7 @@ def padded_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
 
 def _body(model, inputs: dict, mask) -> torch.Tensor:
     """The body's last hidden states; on an MoE in training, expert load recorded as SFT records it (expert_load.py)."""
-    tracker = getattr(model, "_expert_load", None)
+    tracker = getattr(model, "expert_load", None)  # transformers own class (none in 5.23) would have none
     record = tracker is not None and model.training and torch.is_grad_enabled()
     out = model.base_model(**inputs, use_cache=False, **({"output_router_logits": True} if record else {}))
     if record:

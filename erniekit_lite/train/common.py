@@ -103,8 +103,8 @@ def trainer_inputs(data, tokenizer, plan: RunPlan, packed, padded, rows=rows_dat
 
 def trl_trainer(trainer_class, model, plan: RunPlan, **kwargs):
     """A TRL trainer (built with `kwargs`) that adds the recipe's adapter itself (given a peft config, its reference is
-    then the base with the adapter disabled: no copy), with the adapters checked and LoRA+'s settings attached."""
-    from erniekit_lite.model.lora import SETTINGS, check_adapters, expert_compute, lora_config, targets_as_written
+    then the base with the adapter disabled: no copy), with the adapters checked."""
+    from erniekit_lite.model.lora import check_adapters, expert_compute, lora_config, targets_as_written
 
     config = lora_config(model, plan.lora) if plan.lora is not None else None
     with targets_as_written():  # TRL calls get_peft_model itself
@@ -112,5 +112,4 @@ def trl_trainer(trainer_class, model, plan: RunPlan, **kwargs):
     if config is not None:
         check_adapters(trainer.model, config)
         expert_compute(trainer.model, plan.lora.expert_compute)
-        setattr(trainer.model, SETTINGS, plan.lora)  # LoRA+ (train/optimizer.py) reads it
     return trainer

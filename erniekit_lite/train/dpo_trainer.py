@@ -29,7 +29,7 @@ class ErnieDPOTrainer(PairTrainer, DPOTrainer):
         scored.instead_of_trl_head(policy, self.ref_model)  # a reference TRL built gets our class too
         if "sft" in getattr(self, "loss_types", ()):  # a per-token term: weighed by the step's chosen tokens (step_weights.py)
             weight = self.loss_weights[self.loss_types.index("sft")]
-            policy._erniekit_chosen_nll = lambda value: setattr(self, "_token_term", (weight, value))
+            policy.on_chosen_nll = lambda value: setattr(self, "_token_term", (weight, value))
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
         """Reference log-probs per pair, stored per row (a row holds whole pairs, in collator order); sharded over

@@ -115,7 +115,7 @@ def track(model) -> ExpertLoad | None:
     load = ExpertLoad(base)
     if not load.routers:
         return None
-    base._expert_load = load  # read by scoring.score
+    base.expert_load = load  # read by the scoring forward (train/scored.py, model/reward.py)
     return load
 
 

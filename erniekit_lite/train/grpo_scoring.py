@@ -46,7 +46,7 @@ def check_head(model) -> None:
 def completion_scores(model, *, labels, temperature: float = 1.0, entropy: bool = False, aux: bool = False,
                       grpo_completion_start=None, **inputs) -> dict:
     """Per-token log-probs (and entropies, MoE aux loss) at the labelled positions of a packed row, flat."""
-    tracker = getattr(model, "_expert_load", None)  # an ExpertLoad (expert_load.py) during MoE training
+    tracker = model.expert_load  # an ExpertLoad during MoE training (scored.py)
     routed = aux or tracker is not None
     keep, targets = labelled_positions(labels)
     out = model.base_model(**inputs, use_cache=False, **({"output_router_logits": True} if routed else {}))

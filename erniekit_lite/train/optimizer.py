@@ -7,8 +7,7 @@ Trainer's own optimizer class and arguments (train.optim, learning_rate, weight_
 peft groups the trainable parameters: every `lora_B` and every 1-D parameter (DoRA's magnitudes) learns at
 learning_rate x `lora.plus_lr_ratio`, the rest (`lora_A`) at learning_rate; weight decay is train.weight_decay on
 both (peft's `loraplus_weight_decay`). The schedule scales each group's rate, so the ratio holds at every step.
-The ratio is read from the LoraSection that `model/lora.py` keeps on the PeftModel (`lora.SETTINGS`): SFT's adapter
-is made there, DPO's by TRL and tagged by `train/dpo.py`.
+The ratio is the trainer's `lora_plus_ratio`, which the run sets from its plan (train/run.py).
 """
 
 from __future__ import annotations
@@ -17,12 +16,6 @@ import contextlib
 from unittest import mock
 
 from erniekit_lite.errors import UserError
-from erniekit_lite.model.lora import SETTINGS
-
-
-def lora_plus_ratio(model) -> float | None:
-    lora = getattr(model, SETTINGS, None)
-    return getattr(lora, "plus_lr_ratio", None)
 
 
 def lora_plus(trainer, model=None):
@@ -41,7 +34,7 @@ def lora_plus(trainer, model=None):
         raise UserError(f"lora.plus_lr_ratio: train.optim {optim} builds its own parameter groups; LoRA+ needs a "
                         "plain optimizer (adamw_torch, adamw_torch_fused, adamw_8bit, sgd, ...)")
     lr = kwargs.pop("lr", trainer.args.learning_rate)
-    return create_loraplus_optimizer(opt_model, optimizer_cls, lr=lr, loraplus_lr_ratio=lora_plus_ratio(trainer.model),
+    return create_loraplus_optimizer(opt_model, optimizer_cls, lr=lr, loraplus_lr_ratio=trainer.lora_plus_ratio,
                                      loraplus_weight_decay=trainer.args.weight_decay, **kwargs)
 
 
@@ -49,7 +42,7 @@ def check_deepspeed(trainer) -> None:
     """A DeepSpeed config with its own `optimizer` block makes DeepSpeed build the optimizer: `create_optimizer` (and
     with it LoRA+) would never run."""
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    if lora_plus_ratio(trainer.model) is not None and plugin is not None and "optimizer" in (plugin.deepspeed_config or {}):
+    if trainer.lora_plus_ratio is not None and plugin is not None and "optimizer" in (plugin.deepspeed_config or {}):
         raise UserError("lora.plus_lr_ratio: the DeepSpeed config has its own optimizer block, which replaces the "
                         "Trainer's optimizer (and LoRA+); remove that block or lora.plus_lr_ratio")
 

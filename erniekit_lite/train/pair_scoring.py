@@ -40,7 +40,7 @@ def pair_scores(model, kwargs: dict) -> FusedCausalLMOutput:
         return flat.view(rows, width - 1)
 
     token = scores.log_probs
-    chosen_nll = getattr(model, "_erniekit_chosen_nll", None)
+    chosen_nll = model.on_chosen_nll
     if chosen_nll is not None and torch.is_grad_enabled():  # the policy's pass (DPO's `sft` term, step_weights.py)
         chosen = index < (rows // 2) * (width - 1)  # chosen rows first; weights, not a mask (its size is a host read)
         chosen_nll(-(token * chosen).sum() / chosen.sum().clamp(min=1))

@@ -61,8 +61,9 @@ def real_part(rows: list[int], remainder: int, process: int) -> Callable[[torch.
 
 def install(accelerator, last_rows: Callable[[], list[int] | None], trainer=None) -> None:
     """Every gather of this accelerator takes ragged tensors (a collective more per gather of a non-scalar), and
-    `gather_for_metrics` (also the `trainer`'s `gather_function`) drops repeated rows' pairs at a dataloader's end."""
-    if accelerator.num_processes == 1 or getattr(accelerator, "_erniekit_ragged", False):
+    `gather_for_metrics` (also the `trainer`'s `gather_function`) drops repeated rows' pairs at a dataloader's end.
+    Called once per accelerator (a trainer's, from its `__init__`)."""
+    if accelerator.num_processes == 1:
         return
     from accelerate.utils import recursively_apply
 
@@ -84,4 +85,3 @@ def install(accelerator, last_rows: Callable[[], list[int] | None], trainer=None
     accelerator.gather_for_metrics = gather_for_metrics
     if trainer is not None:  # the Trainer's evaluation loop took accelerate's in its __init__, before this
         trainer.gather_function = functools.partial(gather_for_metrics, use_gather_object=trainer.args.eval_use_gather_object)
-    accelerator._erniekit_ragged = True

@@ -13,7 +13,7 @@ from typing import Callable
 from erniekit_lite import hub, run_plan
 from erniekit_lite.model.load import load_tokenizer
 from erniekit_lite.model import compile_layers, fused_lora
-from erniekit_lite.model.lora import skip_input_casts
+from erniekit_lite.model.lora import initial_adapter, skip_input_casts
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import callbacks, distribution, ema, offload, rundir, sync
 from erniekit_lite.train.common import describe_model, free_memory, load_for_training, run_arguments, watch_moe
@@ -54,12 +54,14 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
     data = method.prepare(plan.data, tokenizer, seed=args.seed, log=log, beside=plan.out)
     log(method.describe(data))
     model = load_for_training(plan, log, apply_lora=not method.adapter_by_trainer)
+    initial = initial_adapter(model)  # PiSSA/OLoRA's A and B as made, for the final save
 
     # Claimed only now, so a recipe or data mistake never leaves a half-made run dir behind
     claimed = rundir.claim(target, log)
     out = claimed.out
     try:  # an overwritten run waits aside until the first step (rundir): a failure before it puts it back
         trainer = method.build_trainer(model, tokenizer, args, data, plan)
+        trainer.lora_plus_ratio, trainer.initial_adapter = plan.lora and plan.lora.plus_lr_ratio, initial
         trainer.add_callback(callbacks.FirstStep(claimed))
         skip_input_casts(trainer.model)  # adapters now exist, ours or the trainer's
         fused = fused_lora.describe(*fused_lora.fuse(trainer.model))

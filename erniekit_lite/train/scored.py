@@ -44,10 +44,13 @@ def scored_class(cls: type) -> type:
             return grpo_scoring.completion_scores(self, **kwargs)
         return parent(self, *args, **kwargs)
 
+    # What a run sets on its model, each None/0 until set:
     # head_keep_positions: a trained LM head keeps its chunks for backward up to this many positions (the run plan's
-    # choice; 0: recomputed); the first step's out-of-memory retry sets it to 0 (train/step.py)
-    return type(cls.__name__, (cls,), {"forward": forward, SCORED: True, "head_keep_positions": 0,
-                                       "__module__": __name__, "__qualname__": cls.__qualname__})
+    #   choice; 0: recomputed); the first step's out-of-memory retry sets it to 0 (train/step.py)
+    # expert_load: the ExpertLoad that records each training pass's routing (train/expert_load.py `track`)
+    # on_chosen_nll: DPO's `sft` term, called with the chosen rows' mean NLL in the policy's pass (dpo_trainer.py)
+    return type(cls.__name__, (cls,), {"forward": forward, SCORED: True, "head_keep_positions": 0, "expert_load": None,
+                                       "on_chosen_nll": None, "__module__": __name__, "__qualname__": cls.__qualname__})
 
 
 def take(model, head_keep_positions: int = 0) -> None:

@@ -46,7 +46,7 @@ def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True, router
     """`extras` adds entropy, log-sum of squared probabilities and mean logit (DPO's metrics); `output_router_logits`
     in `inputs` the aux loss; `router_logits` the router logits alone (the router losses, train/router_losses.py)."""
     moe = bool(inputs.pop("output_router_logits", False))
-    tracker = getattr(model, "_expert_load", None)  # an ExpertLoad (expert_load.py) during MoE training
+    tracker = getattr(model, "expert_load", None)  # an ExpertLoad during MoE training (scored.py; evaluate's model has none)
     routed = moe or router_logits or tracker is not None
     for key in ("labels", "fused_lm_head", "use_cache", "logits_to_keep"):
         inputs.pop(key, None)

@@ -37,7 +37,7 @@ from erniekit_lite.errors import UserError
 from erniekit_lite.files import follow_umask
 from erniekit_lite.model.attention import take_batch_lengths
 from erniekit_lite.model.expert_lora import forget_layouts, layout_holders
-from erniekit_lite.model.lora import INITIAL, save_as_plain_lora, unwrap
+from erniekit_lite.model.lora import save_as_plain_lora, unwrap
 from erniekit_lite.run_plan import CHECKPOINTING_OFF_BY_PLAN
 from erniekit_lite.train import checkpoints, offload, optimizer, trl_metrics
 
@@ -63,6 +63,8 @@ class ErnieTrainer:
     _train_started: float | None = None  # this call's training clock
     ema = None  # train.ema's callback (ema.py), read by the checkpoints
     sync = None  # distributed.sync's callback (sync.py), read by the checkpoints and the guard
+    lora_plus_ratio: float | None = None  # lora.plus_lr_ratio, from the run plan (train/run.py): LoRA+ (optimizer.py)
+    initial_adapter: dict | None = None  # PiSSA/OLoRA's adapter before training (model/lora.py), for the final save
 
     def __init__(self, *args, **kwargs):
         self.guard = checkpoints.DivergenceGuard()
@@ -122,7 +124,7 @@ class ErnieTrainer:
     def create_optimizer(self, model=None):
         if self.optimizer is not None:
             return super().create_optimizer(model)
-        if optimizer.lora_plus_ratio(self.model) is None:
+        if self.lora_plus_ratio is None:
             super().create_optimizer(model)
         else:
             self.optimizer = optimizer.lora_plus(self, model)
@@ -249,9 +251,8 @@ class ErnieTrainer:
         super().save_model(output_dir, _internal_call)
         # PiSSA/OLoRA changed the base weights in memory: the run's final adapter is written as a plain LoRA on the
         # unchanged base; checkpoints (`_internal_call`) keep peft's own form, which resuming loads into that base
-        initial = getattr(self.model, INITIAL, None)
-        if initial is not None and not _internal_call and self.args.should_save:
-            save_as_plain_lora(output_dir if output_dir is not None else self.args.output_dir, initial)
+        if self.initial_adapter is not None and not _internal_call and self.args.should_save:
+            save_as_plain_lora(output_dir if output_dir is not None else self.args.output_dir, self.initial_adapter)
 
     def _save(self, output_dir=None, state_dict=None):
         state_dict = checkpoints.without_tied_head(state_dict, self.accelerator.unwrap_model(self.model))

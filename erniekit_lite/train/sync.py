@@ -138,17 +138,15 @@ def bf16_hook(process_group, bucket):
 
 def average(params: list[torch.Tensor]) -> None:
     """Every process's `params` replaced by their mean over the processes: one all-reduce per dtype."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
     world = dist.get_world_size()
     with torch.no_grad():
         for dtype in sorted({p.dtype for p in params}, key=str):
             group = [p for p in params if p.dtype == dtype]
-            flat = _flatten_dense_tensors([p.data for p in group])
+            flat = torch.cat([p.data.reshape(-1) for p in group])
             dist.all_reduce(flat)
             flat.div_(world)
-            for p, mean in zip(group, _unflatten_dense_tensors(flat, group)):
-                p.data.copy_(mean)
+            for p, mean in zip(group, flat.split([p.numel() for p in group])):
+                p.data.copy_(mean.view_as(p))
 
 
 class PowerSgd:
