@@ -13,7 +13,8 @@ this module only catches what torch elastic (under accelerate) raises in two cas
 - a worker that found a mistake in the recipe or data: it printed its one `error:` line and exited 2 (the others
   were ended by torch). Exit 2, without torch's traceback around it.
 
-Anything else keeps torch's traceback.
+Anything else keeps torch's traceback. On a stop, torch elastic's own warnings that it received the signal and passes
+it to each worker are left out (`quiet_stop_warnings`): the workers' line says what happened.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = launch_command_parser().parse_args(argv)
+    quiet_stop_warnings()
     try:
         launch_command(args)
     except SignalException as e:
@@ -63,6 +65,21 @@ def rendezvous_timeout(described: str, error: Exception) -> str:
             f"rendezvous {endpoint} ({host}) and not every machine joined ({said}); start all {machines} with the "
             f"same --main-process-ip and --main-process-port, check the port is reachable from every machine, or "
             f"allow longer with --join-timeout")
+
+
+# torch 2.13's warnings on a stop (torch/distributed/elastic/agent/server/api.py, multiprocessing/api.py), as written
+STOP_WARNINGS = ("Received %s death signal, shutting down workers", "Sending process %s closing signal %s")
+
+
+def quiet_stop_warnings() -> None:
+    """Torch elastic's warning lines on a stop dropped in this launcher process; its other messages stay."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.msg not in STOP_WARNINGS
+
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).addFilter(keep)
 
 
 def _quiet_store_retries() -> None:

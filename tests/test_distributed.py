@@ -336,6 +336,8 @@ def test_stopped_two_process_run_resumes_like_an_uninterrupted_one(tmp_path, tin
     stop = end["step"]
     assert end["event"] == "end" and end["status"] == "stopped" and 5 <= stop < 16
     assert end["checkpoint"] == str(out / f"checkpoint-{stop}") and f"stopped at step {stop} of 16" in stderr
+    # the workers' line says it; torch elastic's "Received 15 death signal" / "closing signal" warnings are left out
+    assert "death signal" not in stderr and "closing signal" not in stderr, stderr[-2000:]
     assert checkpoints.complete(out)[-1] == out / f"checkpoint-{stop}" and not list(out.glob("tmp-*"))
     saved = {p.name for p in (out / f"checkpoint-{stop}").iterdir()}
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= saved
