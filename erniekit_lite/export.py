@@ -187,7 +187,8 @@ def sentencepiece_model(source: Path, base: str | None) -> Path:
             except Exception:  # offline, no such file: say below what is missing
                 continue
     raise UserError(f"{source}: no sentencepiece tokenizer.model (nor in its base model), which llama.cpp's converter reads; "
-                    "the built-in tiny tokenizer has none (make the tiny model with --tokenizer pointing at the real one)")
+                    "the built-in tiny tokenizer has none (make the tiny model with --tokenizer baidu/ERNIE-4.5-0.3B-PT, or a folder "
+                    "holding a released tokenizer)")
 
 
 def llama_cpp_reads(model_dir: Path) -> None:

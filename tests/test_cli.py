@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -431,3 +432,23 @@ def test_what_a_sharded_launch_cannot_run_is_refused_before_any_process_starts(t
     assert code == 0, err
     code, out, err = run_cli(capsys, "validate", path, "--num-processes", "2", "--accelerate-config", fsdp)
     assert code == 0 and "sharded over the launch's 2 processes (FSDP): about " in out, err
+
+
+def test_tiny_with_a_hub_tokenizer_takes_its_sentencepiece_file(tmp_path, ernie_tokenizer_dir):
+    """`tiny --tokenizer ORG/NAME` copies the release's tokenizer.model too (what `export --to gguf` reads), from the
+    Hub or, as here (offline), the Hugging Face cache: a stand-in cache holding the real tokenizer (its tokenizer.json,
+    quick to load, and the release's tokenizer.model)."""
+    from conftest import ERNIE_TOKENIZER_DIR
+
+    repo = tmp_path / "hub" / "models--baidu--ERNIE-4.5-0.3B-Base-PT"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    for file in [*ernie_tokenizer_dir.iterdir(), *(ERNIE_TOKENIZER_DIR / name for name in ("tokenizer.model", "config.json"))]:
+        (snapshot / file.name).write_bytes(file.read_bytes())
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "erniekit_lite", "tiny", str(tmp_path / "tiny"), "--hidden-size", "32",
+                           "--layers", "1", "--tokenizer", "baidu/ERNIE-4.5-0.3B-Base-PT"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "tiny" / "tokenizer.model").read_bytes() == (ERNIE_TOKENIZER_DIR / "tokenizer.model").read_bytes()
