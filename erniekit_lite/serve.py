@@ -67,10 +67,11 @@ def serve_command(run: str, engine: str, host: str, port: int, vllm: str | None,
 
 
 def transformers_serve(argv: list[str] | None = None) -> None:
-    """`transformers serve MODEL ...` (argv, default sys.argv[1:]) in this process, with two fixes.
+    """`transformers serve MODEL ...` (argv, default sys.argv[1:]) in this process, with three fixes.
 
     Its `/v1/models` lists the Hugging Face cache, not MODEL, and answers 500 where no cache folder exists; the
     server is pinned to MODEL (any other name is a 400), so MODEL, by the name `serve` printed, is the whole list.
+    Its responses name the model `MODEL@main` (its cache key); here they name it MODEL, as the list does.
     Its CLI turns the SIGINT that uvicorn re-raises after a clean shutdown into "Aborted!" and exit 1; here a
     Ctrl-C exits 130, as `train` does."""
     import signal
@@ -78,11 +79,19 @@ def transformers_serve(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGINT, lambda *_: sys.exit(130))  # uvicorn restores this and re-raises SIGINT into it
     from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.utils import BaseHandler
     from transformers.cli.transformers import app  # not main(): it asks PyPI for a newer transformers than our pin
 
     argv = sys.argv[1:] if argv is None else argv
     listed = [{"id": argv[1], "object": "model", "created": int(time.time()), "owned_by": "erniekit-lite"}]
     ModelManager.get_gen_models = staticmethod(lambda cache_dir=None: listed)
+    resolve = BaseHandler._resolve_model
+
+    def as_listed(self, body: dict):
+        model_id, model, processor = resolve(self, body)  # loaded by `MODEL@main`; named in responses as listed
+        return model_id.removesuffix("@main"), model, processor
+
+    BaseHandler._resolve_model = as_listed
     app(args=argv, prog_name="transformers")
 
 

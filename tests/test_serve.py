@@ -105,10 +105,12 @@ def test_answers_equal_chat_and_stop_at_the_stop_tokens(tmp_path, full_run):
             reply = server.client.chat.completions.create(model=str(full_run), messages=messages, temperature=0, max_tokens=48)
             expected = greedy(full_run, prompt, 48)
             assert reply.choices[0].message.content == expected
+            assert reply.model == str(full_run)  # the name /v1/models gives (transformers' own adds "@main")
             assert reply.choices[0].finish_reason == "stop"  # ended by </s> or <|end_of_sentence|>, not the token limit
             assert "<|end_of_sentence|>" not in expected and "</s>" not in expected
-            stream = server.client.chat.completions.create(model=str(full_run), messages=messages, temperature=0, max_tokens=48, stream=True)
+            stream = list(server.client.chat.completions.create(model=str(full_run), messages=messages, temperature=0, max_tokens=48, stream=True))
             assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+            assert {c.model for c in stream} == {str(full_run)}
         assert greedy(full_run, "Who are you?", 48) == ANSWERS["Who are you?"]  # the run learned; the server says it
     finally:
         server.close()
