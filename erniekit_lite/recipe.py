@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from erniekit_lite import words
 from erniekit_lite.errors import RecipeError
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -246,8 +247,8 @@ class DistributedSection(_Section):
             "powersgd": (f"sync: powersgd rank {self.powersgd_rank} (each gradient matrix sent as rank-{self.powersgd_rank} "
                          "factors with error feedback, from the third step; vectors and matrices the factors would not "
                          "shrink are all-reduced as they are)"),
-            "local_sgd": (f"sync: local_sgd every {self.sync_every} steps (no gradient all-reduce; the trained parameters "
-                          f"averaged every {self.sync_every} optimizer steps and at the end; each process keeps its own "
+            "local_sgd": (f"sync: local_sgd every {words.count(self.sync_every, 'step')} (no gradient all-reduce; the trained parameters "
+                          f"averaged every {words.count(self.sync_every, 'optimizer step')} and at the end; each process keeps its own "
                           "optimizer state and clips its own gradients)"),
         }[self.sync]
 

@@ -22,6 +22,7 @@ import math
 import warnings
 from collections import Counter
 
+from erniekit_lite import words
 from erniekit_lite.errors import UserError
 from erniekit_lite.recipe import LoraSection, mutates_base
 from erniekit_lite.files import follow_umask
@@ -300,7 +301,7 @@ def check_adapters(peft_model, config) -> None:
     for fused in config.target_parameters or []:
         missing = [b for b in moe_blocks if f"{b}.{fused.removeprefix('mlp.')}" not in adapted]
         if missing:
-            raise UserError(f"lora: peft left the routed experts ({fused}) of {len(missing)} layers without an adapter")
+            raise UserError(f"lora: peft left the routed experts ({fused}) of {words.count(len(missing), 'layer')} without an adapter")
     for name, param in peft_model.named_parameters():
         if param.requires_grad and f".{ROUTER}." in name:
             raise UserError(f"lora: the router got a trainable weight ({name}); it must stay frozen")

@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from erniekit_lite import words
 from erniekit_lite.data import cache
 from erniekit_lite.files import for_user
 from erniekit_lite.model.attention import take_batch_lengths
@@ -56,7 +57,7 @@ def precompute(trainer, dataset, name: str, batch_size: int, score: Callable, pe
         broadcast_object_list(stored, from_process=0)
     columns = stored[0]
     if columns is not None:
-        say(accelerator, f"reference log-probs ({name}): {len(dataset)} rows reused from {path}")
+        say(accelerator, f"reference log-probs ({name}): {words.count(len(dataset), 'row')} reused from {path}")
     else:
         columns, shards = _score(trainer, dataset, batch_size, score, per_row)
         if accelerator.is_main_process:
@@ -67,7 +68,7 @@ def precompute(trainer, dataset, name: str, batch_size: int, score: Callable, pe
                 where = f"cached in {path}"
             except OSError as e:
                 where = f"not cached ({e})"
-            say(accelerator, f"reference log-probs ({name}): {len(dataset)} rows scored, "
+            say(accelerator, f"reference log-probs ({name}): {words.count(len(dataset), 'row')} scored, "
                              f"{' + '.join(map(str, shards))} on {len(shards)} process{'es' if len(shards) > 1 else ''}; {where}")
         accelerator.wait_for_everyone()
     for column, values in columns.items():
