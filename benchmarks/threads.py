@@ -1,11 +1,12 @@
 """The quick start on CPU, idle and beside another CPU-bound job, by torch's thread setting (issue 63, point 1).
 
-    python benchmarks/threads.py [--rounds 3] [--settings default,1,2,passive]
+    python benchmarks/threads.py [--rounds 3] [--settings default,torch,1,2]
 
 What runs: the README's quick start (`erniekit-lite train quickstart` on `erniekit-lite tiny`'s model, 30 steps), each
 run its own process, timed from start to exit (wall) and by its `train_runtime`. Settings: `default` (whatever
-erniekit-lite does when nothing is set), `1` and `2` (OMP_NUM_THREADS), `passive` (OMP_WAIT_POLICY=PASSIVE: idle
-OpenMP threads sleep instead of spinning). Loads: `idle`, and `loaded`: one CPU-bound process per core (a Python
+erniekit-lite does when nothing is set: OpenMP's passive wait, `cli.passive_cpu_threads`), `torch` (torch's own
+threads as they are: torch imported before the CLI sets anything, so OpenMP never reads that setting), `1` and `2`
+(OMP_NUM_THREADS, with the default passive wait). Loads: `idle`, and `loaded`: one CPU-bound process per core (a Python
 busy loop) running for the whole measurement. Settings and loads interleaved, `--rounds` times; the table gives
 min / median / max wall seconds and the median train_runtime, and each loaded median over the same setting's idle one.
 """
@@ -23,7 +24,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {"default": {}, "1": {"OMP_NUM_THREADS": "1"}, "2": {"OMP_NUM_THREADS": "2"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+ENV = {"default": {}, "torch": {}, "1": {"OMP_NUM_THREADS": "1"}, "2": {"OMP_NUM_THREADS": "2"}}
+# `torch`: the CLI run in a process that imported torch first (OpenMP reads its environment when torch loads)
+TORCH_FIRST = "import sys, torch; from erniekit_lite.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def run_once(work: Path, setting: str, n: int) -> tuple[float, float]:
@@ -31,7 +34,8 @@ def run_once(work: Path, setting: str, n: int) -> tuple[float, float]:
     env.update(ENV[setting])
     out = work / f"run-{setting}-{n}"
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "erniekit_lite", "train", "quickstart", f"output.dir={out}"],
+    entry = ["-c", TORCH_FIRST] if setting == "torch" else ["-m", "erniekit_lite"]
+    done = subprocess.run([sys.executable, *entry, "train", "quickstart", f"output.dir={out}"],
                           cwd=work, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
     if done.returncode:

@@ -13,7 +13,16 @@ from erniekit_lite import __version__
 from erniekit_lite.errors import Stopped, UserError
 
 
+def passive_cpu_threads() -> None:
+    """OpenMP's idle threads sleep instead of spinning (`OMP_WAIT_POLICY=PASSIVE`) unless the environment says otherwise:
+    on a CPU that other jobs share, torch's spinning threads took the quick start from 15 s to 82 s, passive ones
+    held it near 30 s, and idle it is as fast (docs/performance.md, `benchmarks/results-threads.txt`). Read by
+    OpenMP when torch loads, so set before anything imports torch; launched workers inherit it."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> int:
+    passive_cpu_threads()
     parser = argparse.ArgumentParser(prog="erniekit-lite", description="Fine-tune ERNIE 4.5 from YAML recipes.")
     parser.add_argument("--version", action="version", version=f"erniekit-lite {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

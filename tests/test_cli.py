@@ -452,3 +452,15 @@ def test_tiny_with_a_hub_tokenizer_takes_its_sentencepiece_file(tmp_path, ernie_
                            "--layers", "1", "--tokenizer", "baidu/ERNIE-4.5-0.3B-Base-PT"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "tiny" / "tokenizer.model").read_bytes() == (ERNIE_TOKENIZER_DIR / "tokenizer.model").read_bytes()
+
+
+@pytest.mark.parametrize("given", [None, "ACTIVE"])
+def test_cpu_threads_wait_passively_unless_the_environment_says(given):
+    """The CLI sets OpenMP's passive wait before anything imports torch (a CPU shared with other jobs), and leaves a
+    wait policy the user set alone; its effect on a busy CPU is measured in benchmarks/results-threads.txt."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": given} if given else {})
+    probe = ("import os, sys; from erniekit_lite.cli import main; before = 'torch' in sys.modules; main(['recipes']); "
+             "print(os.environ['OMP_WAIT_POLICY'], before)")
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1].split() == [given or "PASSIVE", "False"]  # torch not loaded before the CLI sets it
