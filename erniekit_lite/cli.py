@@ -15,8 +15,8 @@ from erniekit_lite.errors import Stopped, UserError
 
 def passive_cpu_threads() -> None:
     """OpenMP's idle threads sleep instead of spinning (`OMP_WAIT_POLICY=PASSIVE`) unless the environment says otherwise:
-    on a CPU that other jobs share, torch's spinning threads took the quick start from 15 s to 82 s, passive ones
-    held it near 30 s, and idle it is as fast (docs/performance.md, `benchmarks/results-threads.txt`). Read by
+    on 2 cores busy with other jobs the quick start took 43.7 s with torch's spinning threads and 26.6 s with passive
+    ones, and idle as long either way (16.5 s vs 16.6 s; medians of 3, `benchmarks/results-threads.txt`). Read by
     OpenMP when torch loads, so set before anything imports torch; launched workers inherit it."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
