@@ -14,7 +14,8 @@ cuts the gathered result to its `remainder`, which counts rows, not pairs. Here 
 tensor before the gather, to the pairs of its rows that are not repeats (`last_rows`: the pairs of each row of the
 micro-batch being scored, or None when it is not the dataloader's last); a tensor of m blocks of those pairs (TRL's
 chosen-then-rejected [2B] layout) is cut block by block, one of a value per row (the evaluation loop's loss) row by
-row, a scalar kept or dropped with its process's rows; any other tensor is gathered whole. Only `gather` is wrapped: accelerate's own `gather_for_metrics` calls it.
+row, a scalar kept or dropped with its process's rows; any other tensor is gathered whole. Both are public methods of
+accelerate's `Accelerator`, overridden in a subclass that becomes the trainer's accelerator's class (`install`).
 """
 
 from __future__ import annotations
@@ -61,27 +62,38 @@ def real_part(rows: list[int], remainder: int, process: int) -> Callable[[torch.
 
 def install(accelerator, last_rows: Callable[[], list[int] | None], trainer=None) -> None:
     """Every gather of this accelerator takes ragged tensors (a collective more per gather of a non-scalar), and
-    `gather_for_metrics` (also the `trainer`'s `gather_function`) drops repeated rows' pairs at a dataloader's end.
-    Called once per accelerator (a trainer's, from its `__init__`)."""
+    `gather_for_metrics` (also the `trainer`'s `gather_function`) drops repeated rows' pairs at a dataloader's end:
+    the accelerator's class becomes `ragged_class` of its own (named as it is). `last_rows` as the module doc says."""
     if accelerator.num_processes == 1:
         return
+    accelerator.__class__ = ragged_class(type(accelerator))
+    accelerator.last_rows = last_rows
+    if trainer is not None:  # the Trainer's evaluation loop took accelerate's in its __init__, before this
+        trainer.gather_function = functools.partial(accelerator.gather_for_metrics, use_gather_object=trainer.args.eval_use_gather_object)
+
+
+@functools.cache
+def ragged_class(cls: type) -> type:
+    """accelerate's Accelerator class `cls` whose `gather` and `gather_for_metrics` (public methods, overridden) are
+    the module doc's."""
     from accelerate.utils import recursively_apply
 
-    accelerator.gather = ragged(accelerator.gather)
-    accelerator_gather_for_metrics = accelerator.gather_for_metrics
+    def gather(self, tensor):
+        return ragged(functools.partial(cls.gather, self))(tensor)
 
-    def gather_for_metrics(data, use_gather_object=False):
+    def gather_for_metrics(self, data, use_gather_object=False):
         try:
             recursively_apply(lambda x: x, data, error_on_other_type=True)
         except TypeError:
             use_gather_object = True
         if use_gather_object:
-            return accelerator_gather_for_metrics(data, use_gather_object=True)  # objects: accelerate's own
-        rows, remainder = last_rows(), accelerator.gradient_state.remainder
+            return cls.gather_for_metrics(self, data, use_gather_object=True)  # objects: accelerate's own
+        rows, remainder = self.last_rows(), self.gradient_state.remainder
         if rows is not None and remainder > 0:
-            data = recursively_apply(real_part(rows, remainder, accelerator.process_index), data)
-        return accelerator.gather(data)  # never cut again in rows: not the last batch, or cut above
+            data = recursively_apply(real_part(rows, remainder, self.process_index), data)
+        return self.gather(data)  # never cut again in rows: not the last batch, or cut above
 
-    accelerator.gather_for_metrics = gather_for_metrics
-    if trainer is not None:  # the Trainer's evaluation loop took accelerate's in its __init__, before this
-        trainer.gather_function = functools.partial(gather_for_metrics, use_gather_object=trainer.args.eval_use_gather_object)
+    # last_rows: the pairs of each row of the micro-batch being scored when it is a dataloader's last, else None
+    return type(cls.__name__, (cls,), {"gather": gather, "gather_for_metrics": gather_for_metrics,
+                                       "last_rows": staticmethod(lambda: None), "__module__": __name__,
+                                       "__qualname__": cls.__qualname__})
