@@ -283,12 +283,15 @@ def test_trl_experimental_configs_as_relied_on(tmp_path):
 
 @pytest.mark.parametrize("method", ["orpo", "simpo"])
 def test_lora_plus_groups(tmp_path, tiny_dense_dir, ernie_tokenizer, pairs, method):
-    """lora.plus_lr_ratio (LoRA+, train/optimizer.py) reaches these trainers as SFT's: B matrices at lr x ratio."""
+    """lora.plus_lr_ratio (LoRA+, train/optimizer.py) reaches these trainers as SFT's: B matrices at lr x ratio. The
+    ratio is set on the trainer as train/run.py sets it from the plan (the CLI path: tests/test_lora_variants.py)."""
     from erniekit_lite.model.lora import apply_lora
     from erniekit_lite.recipe import LoraSection
 
     model = apply_lora(load_model(str(tiny_dense_dir), "float32", "packed_sdpa"), LoraSection(r=4, dropout=0.0, plus_lr_ratio=4))
     trainer = _trainer(method, model, ernie_tokenizer, pack_pairs(pairs, 256), tmp_path, learning_rate=1e-4)
+    assert trainer.create_optimizer().param_groups[0]["lr"] == 1e-4 and len({g["lr"] for g in trainer.optimizer.param_groups}) == 1
+    trainer.optimizer, trainer.lora_plus_ratio = None, 4
     lrs = {group["lr"] for group in trainer.create_optimizer().param_groups if group["params"]}
     assert lrs == {1e-4, 4e-4}
 
