@@ -20,7 +20,6 @@ def load(path: str, adapter: str | None = None):
     import torch
 
     from erniekit_lite.model.load import load_model, load_tokenizer
-
     from erniekit_lite.model.source import adapter_base, check_source, tokenizer_path, trained_in_4bit
     from erniekit_lite.model.lora import load_adapter
 

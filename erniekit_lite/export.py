@@ -180,12 +180,14 @@ def sentencepiece_model(source: Path, base: str | None) -> Path:
             return Path(candidate) / "tokenizer.model"
     for candidate in filter(None, candidates[1:]):
         if not Path(candidate).exists() and candidate.count("/") == 1:  # a Hub id
-            try:
-                from huggingface_hub import hf_hub_download
+            from erniekit_lite.model.source import sentencepiece_file
 
-                return Path(hf_hub_download(candidate, "tokenizer.model"))
-            except Exception:  # offline, no such file: say below what is missing
+            try:
+                found = sentencepiece_file(candidate)
+            except Exception:  # offline: say below what is missing
                 continue
+            if found is not None:
+                return found
     raise UserError(f"{source}: no sentencepiece tokenizer.model (nor in its base model), which llama.cpp's converter reads; "
                     "the built-in tiny tokenizer has none (make the tiny model with --tokenizer baidu/ERNIE-4.5-0.3B-PT, or a folder "
                     "holding a released tokenizer)")

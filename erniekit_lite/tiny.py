@@ -113,21 +113,6 @@ def tiny_config(arch: str, vocab_size: int, hidden_size: int = 128, layers: int 
     raise ValueError(f"arch must be dense or moe, got {arch!r}")
 
 
-def sentencepiece_file(tokenizer: str) -> Path | None:
-    """The sentencepiece `tokenizer.model` of a tokenizer folder, or of a Hub id (downloaded into the Hugging Face
-    cache, or read from there offline); None when it has none."""
-    if Path(tokenizer).expanduser().is_dir():
-        found = Path(tokenizer).expanduser() / "tokenizer.model"
-        return found if found.is_file() else None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
-
-    try:
-        return Path(hf_hub_download(tokenizer, "tokenizer.model"))
-    except (EntryNotFoundError, LocalEntryNotFoundError):
-        return None
-
-
 def write_tiny(out_dir: str, arch: str = "dense", tokenizer_dir: str | None = None, hidden_size: int = 128, layers: int = 4, seed: int = 0, released_shape: bool = False) -> Path:
     """Write a checkpoint that `from_pretrained` loads offline; returns its directory."""
     import torch
@@ -155,6 +140,8 @@ def write_tiny(out_dir: str, arch: str = "dense", tokenizer_dir: str | None = No
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    from erniekit_lite.model.source import sentencepiece_file
+
     spm = sentencepiece_file(tokenizer_dir) if tokenizer_dir else None
     if spm is not None:  # llama.cpp's GGUF converter reads it (`export --to gguf`)
         shutil.copy(spm, out / "tokenizer.model")

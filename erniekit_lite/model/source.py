@@ -52,6 +52,21 @@ def trained_in_4bit(run_dir: str) -> str | None:
     return model.get("dtype", "float32") if model.get("load_in_4bit") else None
 
 
+def sentencepiece_file(tokenizer: str) -> Path | None:
+    """The sentencepiece `tokenizer.model` of a tokenizer folder , or of a Hub id (downloaded into the Hugging Face
+    cache, or read from there offline); None when it has none."""
+    if Path(tokenizer).expanduser().is_dir():
+        found = Path(tokenizer).expanduser() / "tokenizer.model"
+        return found if found.is_file() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(tokenizer, "tokenizer.model"))
+    except (EntryNotFoundError, LocalEntryNotFoundError):
+        return None
+
+
 def tokenizer_path(model_path: str) -> str:
     # An adapter dir saved by us carries the tokenizer; a bare adapter falls back to its base
     if adapter_base(model_path) and not (Path(model_path) / "tokenizer_config.json").is_file():
