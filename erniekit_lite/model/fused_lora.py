@@ -22,6 +22,8 @@ import functools
 
 import torch
 
+from erniekit_lite.classes import same_named
+
 
 class LoraLinear(torch.autograd.Function):
     """y = x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ in `dtype`; W (and the bias) frozen. Saves x and s·x·Aᵀ (tokens × rank)."""
@@ -92,8 +94,7 @@ def fused_class(cls: type) -> type:
             return cls.forward(self, x, *args, **kwargs)
         return LoraLinear.apply(x, base.weight, base.bias, a, b, float(self.scaling[names[0]]), dtype)
 
-    return type(cls.__name__, (cls,), {"forward": forward, "fused_lora": True, "__module__": __name__,
-                                       "__qualname__": cls.__qualname__})
+    return same_named(cls, __name__, forward=forward, fused_lora=True)
 
 
 def fuse(model) -> tuple[int, dict[str, int]]:

@@ -23,6 +23,7 @@ import warnings
 from collections import Counter
 
 from erniekit_lite import words
+from erniekit_lite.classes import same_named
 from erniekit_lite.errors import UserError
 from erniekit_lite.recipe import LoraSection, mutates_base
 from erniekit_lite.files import follow_umask
@@ -256,8 +257,7 @@ def uncast_class(cls: type) -> type:
             return x
         return cls._cast_input_dtype(self, x, dtype)
 
-    return type(cls.__name__, (cls,), {"_cast_input_dtype": _cast_input_dtype, "uncast_input": True,
-                                       "__module__": __name__, "__qualname__": cls.__qualname__})
+    return same_named(cls, __name__, _cast_input_dtype=_cast_input_dtype, uncast_input=True)
 
 
 def load_adapter(model, path: str, trainable: bool = True):

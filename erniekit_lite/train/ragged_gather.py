@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from erniekit_lite.classes import same_named
+
 
 def ragged(gather):
     def gather_ragged(tensor):
@@ -94,6 +96,5 @@ def ragged_class(cls: type) -> type:
         return self.gather(data)  # never cut again in rows: not the last batch, or cut above
 
     # last_rows: the pairs of each row of the micro-batch being scored when it is a dataloader's last, else None
-    return type(cls.__name__, (cls,), {"gather": gather, "gather_for_metrics": gather_for_metrics,
-                                       "last_rows": staticmethod(lambda: None), "__module__": __name__,
-                                       "__qualname__": cls.__qualname__})
+    return same_named(cls, __name__, gather=gather, gather_for_metrics=gather_for_metrics,
+                      last_rows=staticmethod(lambda: None))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 
+from erniekit_lite.classes import same_named
 from erniekit_lite.train import grpo_scoring, pair_scoring, scoring
 
 SCORED = "_erniekit_scored"  # a class attribute: this class is a `scored_class`
@@ -49,8 +50,8 @@ def scored_class(cls: type) -> type:
     #   choice; 0: recomputed); the first step's out-of-memory retry sets it to 0 (train/step.py)
     # expert_load: the ExpertLoad that records each training pass's routing (train/expert_load.py `track`)
     # on_chosen_nll: DPO's `sft` term, called with the chosen rows' mean NLL in the policy's pass (dpo_trainer.py)
-    return type(cls.__name__, (cls,), {"forward": forward, SCORED: True, "head_keep_positions": 0, "expert_load": None,
-                                       "on_chosen_nll": None, "__module__": __name__, "__qualname__": cls.__qualname__})
+    return same_named(cls, __name__, forward=forward, head_keep_positions=0, expert_load=None, on_chosen_nll=None,
+                      **{SCORED: True})
 
 
 def take(model, head_keep_positions: int = 0) -> None:
