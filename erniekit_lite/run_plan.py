@@ -44,6 +44,7 @@ class RunPlan:
     attention: str  # model.attn_implementation, `auto` resolved for this machine
     seed: int  # train.seed: new adapters start from it
     lora: LoraSection | None
+    lora_forward: str  # fused | peft (and why): how the adapted Linear layers run (model/fused_lora.py)
     checkpointing: bool  # activation checkpointing, as the run applies it
     checkpointing_by_plan: bool  # turned off here because the plan fits: the first step's one allowed re-decision
     head_trains: bool  # full fine-tuning of a causal LM: the LM head (tied to the embeddings) trains
@@ -73,7 +74,8 @@ class RunPlan:
                                        if self.offload.mode != "none" else "")
         return [
             f"run plan{where} ({self.method}): {self.architecture} from {source}, tokenizer {self.tokenizer}; {self.dtype} weights"
-            + (" (4-bit NF4 base)" if self.load_in_4bit else "") + f", attention {self.attention}, {adapters}",
+            + (" (4-bit NF4 base)" if self.load_in_4bit else "") + f", attention {self.attention}, {adapters}"
+            + (f" (forward {self.lora_forward})" if self.lora is not None else ""),
             f"  activation checkpointing {checkpointing}; LM head {head}; train.offload {offload}; "
             f"compile {'on (' + (self.compile_backend or 'inductor') + ')' if self.compile_layers else 'off'}; "
             f"sync {self.sync.sync}" + (f"; ema decay {self.ema['decay']:g} from step {self.ema['start']}" if self.ema else "")
@@ -115,6 +117,19 @@ def refuse_unlaunchable(recipe: Recipe, launch: Launch) -> None:
         raise UserError("train.offload: parameters runs under FSDP2, which `erniekit-lite train` launches itself; this "
                         "process was started another way: use `accelerate launch --use_fsdp --fsdp_version 2 "
                         "--fsdp_offload_params true ...` or `erniekit-lite train`")
+
+
+def lora_forward(recipe: Recipe, launch: str) -> str:
+    """How the run's adapted Linear layers compute: `fused` (one autograd step each, model/fused_lora.py) unless the
+    recipe asks what the fused step leaves out; an adapter folder trained on here is checked layer by layer too
+    (a bias of its own, a trained base bias), where a layer that differs keeps peft's forward and the log says so."""
+    lora = recipe.lora
+    if lora is None:
+        return "none"
+    why = ("a 4-bit base (QLoRA)" if recipe.model.load_in_4bit else "DoRA" if lora.use_dora else
+           "dropout" if lora.dropout else "ZeRO-3 sharding" if launch == "deepspeed" and
+           os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3" else None)
+    return f"peft's ({why})" if why else "fused"
 
 
 def strategy() -> str:
@@ -167,6 +182,7 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
         attention=resolve_attention(recipe.model.attn_implementation, recipe.data.packing),
         seed=args.seed,
         lora=recipe.lora,
+        lora_forward=lora_forward(recipe, launch),
         checkpointing=bool(args.activation_checkpointing),
         checkpointing_by_plan=bool(getattr(args, CHECKPOINTING_OFF_BY_PLAN, False)),
         head_trains=head_trains,

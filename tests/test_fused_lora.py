@@ -129,9 +129,26 @@ def test_a_run_trains_the_same_adapter_fused_as_through_peft(tmp_path, monkeypat
         return load_file(tmp_path / name / "adapter_model.safetensors")
 
     fused = train("fused")
-    assert "LoRA: fused forward and backward on 14 of 14 adapted layers" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "LoRA r=4 (forward fused)" in out  # the run plan's decision, then what the layers took
+    assert "LoRA: fused forward and backward on 14 of 14 adapted layers" in out
     monkeypatch.setattr(fused_lora, "fuse", lambda model: (0, {}))
     peft = train("peft")
     assert fused.keys() == peft.keys()
     assert all((fused[k] - peft[k]).abs().max() <= 1e-6 * max(1.0, peft[k].abs().max().item()) for k in peft)
     assert any(peft[k].abs().max() > 0 for k in peft if "lora_B" in k)  # B trained away from zero
+
+
+@pytest.mark.parametrize("lora, model, said", [
+    ({}, {}, "fused"),
+    ({"dropout": 0.1}, {}, "peft's (dropout)"),
+    ({"use_dora": True}, {}, "peft's (DoRA)"),
+    ({}, {"load_in_4bit": True}, "peft's (a 4-bit base (QLoRA))"),
+])
+def test_the_run_plan_says_which_forward_the_adapters_take(tmp_path, tiny_own_dir, lora, model, said):
+    from erniekit_lite import recipe as recipes
+    from erniekit_lite.run_plan import lora_forward
+
+    path = write_recipe(tmp_path / "r.yaml", tiny_own_dir, lora={"r": 4, **lora}, out=tmp_path / "out")
+    overrides = [f"model.{k}={str(v).lower()}" for k, v in model.items()]
+    assert lora_forward(recipes.load(path, overrides), "plain") == said

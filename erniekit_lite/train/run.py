@@ -64,7 +64,7 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
         trainer.lora_plus_ratio, trainer.initial_adapter = plan.lora and plan.lora.plus_lr_ratio, initial
         trainer.add_callback(callbacks.FirstStep(claimed))
         skip_input_casts(trainer.model)  # adapters now exist, ours or the trainer's
-        fused = fused_lora.describe(*fused_lora.fuse(trainer.model))
+        fused = fused_lora.describe(*fused_lora.fuse(trainer.model)) if plan.lora_forward == "fused" else None
         if fused:
             log(fused)
         if plan.compile_layers:
