@@ -267,12 +267,13 @@ def _port(port) -> int:
 def launch_of(num_processes: int | None, config_file: str | None, offload_parameters: bool = False):
     """The launch `train` makes of these options (`run_plan.Launch`): FSDP or DeepSpeed as the accelerate config says
     (FSDP2 for train.offload: parameters without one), the processes, whether ZeRO-3 shards the parameters."""
-    from erniekit_lite.run_plan import Launch
+    from erniekit_lite.run_plan import Launch, zero_stage_3
 
     config = _read_config(config_file) if config_file is not None else {}
     kind = config.get("distributed_type")
     how = "fsdp" if kind == "FSDP" or (offload_parameters and config_file is None) else "deepspeed" if kind == "DEEPSPEED" else "plain"
-    zero3 = how == "deepspeed" and str((config.get("deepspeed_config") or {}).get("zero_stage")) == "3"
+    deepspeed = config.get("deepspeed_config") or {}
+    zero3 = how == "deepspeed" and zero_stage_3(deepspeed.get("zero_stage"), deepspeed.get("deepspeed_config_file"))
     return Launch(how, num_processes or int(config.get("num_processes") or 1), zero3)
 
 

@@ -119,7 +119,7 @@ def refuse_unlaunchable(recipe: Recipe, launch: Launch) -> None:
                         "--fsdp_offload_params true ...` or `erniekit-lite train`")
 
 
-def lora_forward(recipe: Recipe, launch: str) -> str:
+def lora_forward(recipe: Recipe, zero3: bool) -> str:
     """How the run's adapted Linear layers compute: `fused` (one autograd step each, model/fused_lora.py) unless the
     recipe asks what the fused step leaves out; an adapter folder trained on here is checked layer by layer too
     (a bias of its own, a trained base bias), where a layer that differs keeps peft's forward and the log says so."""
@@ -127,9 +127,30 @@ def lora_forward(recipe: Recipe, launch: str) -> str:
     if lora is None:
         return "none"
     why = ("a 4-bit base (QLoRA)" if recipe.model.load_in_4bit else "DoRA" if lora.use_dora else
-           "dropout" if lora.dropout else "ZeRO-3 sharding" if launch == "deepspeed" and
-           os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3" else None)
+           "dropout" if lora.dropout else "ZeRO-3 sharding" if zero3 else None)
     return f"peft's ({why})" if why else "fused"
+
+
+def zero_stage_3(stage, config_file: str | None) -> bool:
+    """Whether DeepSpeed shards the parameters (ZeRO-3): the accelerate config's `zero_stage`, or, when it names a
+    DeepSpeed JSON (`deepspeed_config_file`), that file's `zero_optimization.stage`."""
+    if str(stage) == "3":
+        return True
+    if not config_file:
+        return False
+    import json
+
+    try:
+        return str((json.loads(Path(config_file).read_text()).get("zero_optimization") or {}).get("stage")) == "3"
+    except (OSError, ValueError, AttributeError) as error:
+        raise UserError(f"{config_file}: not a readable DeepSpeed JSON config ({error})") from None
+
+
+def worker_launch(processes: int) -> Launch:
+    """This process's launch, from the variables `accelerate launch` set (`strategy`)."""
+    how = strategy()
+    return Launch(how, processes, how == "deepspeed" and zero_stage_3(
+        os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"), os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")))
 
 
 def strategy() -> str:
@@ -155,8 +176,10 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
     from erniekit_lite.trainer_args import router_losses
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    launch = launch or strategy()
-    refuse_unlaunchable(recipe, Launch(launch, args.world_size, os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"))
+    this = worker_launch(args.world_size)
+    launch = launch or this.how
+    # the one refusal of what a sharded launch cannot run (the set-ups after the trainer trust it)
+    refuse_unlaunchable(recipe, Launch(launch, args.world_size, this.zero3))
     source = source or locate(recipe.model.path, recipe.model.trust_remote_code)  # the one look at the model's files
     config = source.config
     # The model built on the meta device (its layout, for the memory estimates) only when a choice needs it, once: not
@@ -182,7 +205,7 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
         attention=resolve_attention(recipe.model.attn_implementation, recipe.data.packing),
         seed=args.seed,
         lora=recipe.lora,
-        lora_forward=lora_forward(recipe, launch),
+        lora_forward=lora_forward(recipe, this.zero3),
         checkpointing=bool(args.activation_checkpointing),
         checkpointing_by_plan=bool(getattr(args, CHECKPOINTING_OFF_BY_PLAN, False)),
         head_trains=head_trains,

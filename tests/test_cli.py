@@ -417,10 +417,14 @@ def test_what_a_sharded_launch_cannot_run_is_refused_before_any_process_starts(t
     fsdp = Path(__file__).resolve().parents[1] / "erniekit_lite" / "recipes" / "accelerate" / "fsdp2.yaml"
     zero = tmp_path / "zero.yaml"
     zero.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\nmixed_precision: 'no'\n")
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}')
+    zero_file = tmp_path / "zero-file.yaml"  # ZeRO-3 said in a DeepSpeed JSON the accelerate config names
+    zero_file.write_text(f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {tmp_path / 'ds.json'}\n")
     path = write_recipe(tmp_path / "r.yaml", tiny_own_dir, train={"max_steps": 1})
     cases = [(fsdp, "distributed.sync=bf16", "distributed.sync: bf16 changes how DDP synchronises, and this run shards with FSDP"),
              (fsdp, "train.ema.decay=0.99", "train.ema: the parameters are sharded across processes (FSDP, ZeRO-3)"),
              (zero, "train.ema.decay=0.99", "train.ema: the parameters are sharded across processes (FSDP, ZeRO-3)"),
+             (zero_file, "train.ema.decay=0.99", "train.ema: the parameters are sharded across processes (FSDP, ZeRO-3)"),
              (fsdp, "train.offload=optimizer", "train.offload: optimizer: FSDP keeps the optimizer state with its shards"),
              (zero, "train.offload=optimizer", "train.offload: optimizer: DeepSpeed offloads through its own config")]
     for config, override, said in cases:

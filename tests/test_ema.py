@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from erniekit_lite.cli import main
 from erniekit_lite.errors import RecipeError, UserError
 from erniekit_lite.model.load import load_model
-from erniekit_lite.train.ema import FILE, WeightEma, setup
+from erniekit_lite.train.ema import FILE, WeightEma
 from helpers import IDENTITY, write_recipe
 
 
@@ -91,7 +91,7 @@ def test_full_fine_tuning_writes_a_model_folder(tmp_path, tiny_own_dir, capsys):
 
 
 def test_the_key_is_checked_and_sharded_parameters_are_refused(tmp_path, tiny_own_dir):
-    """The sharded case uses a stand-in trainer (no FSDP run here): the refusal is one line before training."""
+    """A sharded launch (FSDP, ZeRO-3) is refused with the EMA by the run plan, in one line, before any process starts."""
     from erniekit_lite import recipe as recipes
 
     cases = [
@@ -106,6 +106,9 @@ def test_the_key_is_checked_and_sharded_parameters_are_refused(tmp_path, tiny_ow
         assert str(error.value).endswith(message), str(error.value)
     recipe = recipes.load(write_recipe(tmp_path / "r.yaml", tiny_own_dir, method="dpo", train={"ema": {"decay": "9e-1"}}))
     assert recipe.train["ema"] == {"decay": 0.9, "start": 0}
-    sharded = SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None)), is_fsdp_enabled=True)
-    with pytest.raises(UserError, match=r"^train.ema: the parameters are sharded across processes \(FSDP, ZeRO-3\)"):
-        setup(sharded, SimpleNamespace(ema=recipe.train["ema"], sync=recipe.distributed))  # the run plan's fields
+    from erniekit_lite.run_plan import Launch, refuse_unlaunchable
+
+    for launch in (Launch("fsdp", 2), Launch("deepspeed", 2, zero3=True)):  # the run plan's one refusal
+        with pytest.raises(UserError, match=r"^train.ema: the parameters are sharded across processes \(FSDP, ZeRO-3\)"):
+            refuse_unlaunchable(recipe, launch)
+    refuse_unlaunchable(recipe, Launch("deepspeed", 2))  # ZeRO-1/2: each process holds the whole parameters

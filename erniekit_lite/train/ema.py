@@ -30,15 +30,9 @@ RUN_FACTS = ("distributed", "epoch", "total_flos", "train_runtime", "train_sampl
 
 def setup(trainer, plan, log=print) -> WeightEma | None:
     """`train.ema`: the callback on the trainer (`trainer.ema`, which the checkpoints and the final save read)."""
-    from erniekit_lite.errors import UserError
-
     settings = plan.ema
     if not settings:
-        return None
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    if trainer.is_fsdp_enabled or (plugin is not None and plugin.zero_stage == 3):
-        raise UserError("train.ema: the parameters are sharded across processes (FSDP, ZeRO-3), and the EMA would gather "
-                        "them every step; use DDP or ZeRO-1/2, or remove train.ema")
+        return None  # FSDP and ZeRO-3 were refused with it by the run plan (`run_plan.refuse_unlaunchable`)
     ema = WeightEma(settings["decay"], settings["start"])
     # local SGD: each process keeps the EMA of its own parameters; their mean, taken when the EMA is saved, is the EMA
     # of the processes' mean parameters (the EMA is linear), the model every process holds at each averaging

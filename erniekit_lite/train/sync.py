@@ -44,11 +44,8 @@ def setup(trainer, plan, log=print):
     section = plan.sync
     if section.sync == "every_step":
         return None
-    kind = trainer.accelerator.distributed_type
-    if kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise UserError(f"distributed.sync: {section.sync} changes how DDP synchronises, and this run shards with "
-                        f"{kind.value}; use sync: every_step, or DDP (no --accelerate-config sharding)")
-    if kind == DistributedType.NO:
+    # FSDP and DeepSpeed were refused with it by the run plan (`run_plan.refuse_unlaunchable`)
+    if trainer.accelerator.distributed_type == DistributedType.NO:
         log(f"{section.describe()}: one process, nothing to synchronise")
         return None
     sync = Synchronised(trainer, section)
