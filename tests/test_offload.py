@@ -155,7 +155,6 @@ def test_offload_refused_in_one_line_where_it_cannot_apply(tmp_path, tiny_own_di
     offload under FSDP and any under DeepSpeed by the worker; a DeepSpeed config with parameters by the launcher."""
     from erniekit_lite.cli import main
     from erniekit_lite.launch import launch_command
-    from erniekit_lite.train import offload
     from erniekit_lite.trainer_args import training_args
 
     path = recipe(tmp_path, tiny_own_dir, "optimizer")
