@@ -173,7 +173,7 @@ def _softmax_parts_fp32(logits, targets, extras: bool, spare):
     top = logits.gather(-1, top_index).squeeze(-1)
     top1 = target_logit >= top
     mean_logits = logits.mean(-1) if extras else None
-    probs = torch.ops.aten._softmax.out(logits, -1, False, out=spare[: len(targets)] if extras else logits)
+    probs = torch.softmax(logits, -1, out=spare[: len(targets)] if extras else logits)
     token = probs.gather(-1, targets[:, None]).squeeze(-1).log()
     # The fallback for every position, from two gathered values per row: no pass over the chunk, and no branch on
     # whether one underflowed (reading that back stalled the GPU once per chunk)
