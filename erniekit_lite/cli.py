@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("tiny", help="write a small random ERNIE 4.5 checkpoint (offline demos and tests)")
     p.add_argument("out_dir")
-    p.add_argument("--arch", choices=["dense", "moe"], default="dense")
+    p.add_argument("--arch", choices=["dense", "moe", "vl"], default="dense",
+                   help="vl: the vision-language MoE (ERNIE-4.5-VL-28B-A3B's architecture), with its image processor")
     p.add_argument("--tokenizer", help="copy this tokenizer in, from a folder or a Hub id (e.g. the real ERNIE 4.5 one, with the tokenizer.model a GGUF export reads); default: a small built-in one")
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)

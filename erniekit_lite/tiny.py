@@ -113,6 +113,57 @@ def tiny_config(arch: str, vocab_size: int, hidden_size: int = 128, layers: int 
     raise ValueError(f"arch must be dense or moe, got {arch!r}")
 
 
+# The VL model's image and video markup as the released tokenizer has it: the placeholder is the text tokenizer's
+# `<|IMAGE_PLACEHOLDER|>` (100295); the release adds start/end tokens after the text vocabulary (101304..101307), in
+# this order, so adding them to ERNIE 4.5's text tokenizer gives the released ids
+VL_TOKENS = ["<|IMAGE_PLACEHOLDER|>", "<|IMAGE_START|>", "<|IMAGE_END|>", "<|VIDEO_START|>", "<|VIDEO_END|>",
+             "<|VIDEO_PLACEHOLDER|>"]
+# The image processor's pixel budget for the tiny VL model: 56x56 to 112x112 pixels, 4 to 16 image tokens an image
+# (the released one allows 28x28x6177 pixels, up to 6,177 tokens)
+TINY_VL_PIXELS = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
+
+
+def tiny_vl_config(tokenizer, hidden_size: int = 128, layers: int = 3):
+    """`Ernie4_5_VLMoeConfig` at a small scale: a 2-block vision encoder (patch 14, 2x2 merge as released), the
+    resampler, a text MoE whose first layer is dense and whose others hold modality-isolated text and vision experts
+    (64 each top-6 as released: 4 each top-2 here; vision experts narrower than text ones, as released 512 vs 1536:
+    half as wide here, rows of 16 bytes for grouped_mm), 2 shared experts, 3D RoPE split as released (hw/hw/t in 22/22/20 of 64 frequencies: 6/6/4 of 16 here)."""
+    from transformers import Ernie4_5_VLMoeConfig
+
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VL_TOKENS}
+    heads = max(2, hidden_size // 32)
+    head_dim = hidden_size // heads
+    t = head_dim // 2 * 20 // 64  # the temporal share of the rotary frequencies, as released
+    hw = (head_dim // 2 - t) // 2
+    text = dict(vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=hidden_size, intermediate_size=3 * hidden_size,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                moe_intermediate_size=[hidden_size // 2, hidden_size // 4], moe_k=2, moe_num_experts=4,
+                moe_num_shared_experts=2, mlp_layer_types=["dense"] + ["sparse"] * (layers - 1),
+                rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [hw, hw, head_dim // 2 - 2 * hw]},
+                max_position_embeddings=8192, rms_norm_eps=1e-5, use_cache=False, tie_word_embeddings=True,
+                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    vision = dict(depth=2, hidden_size=hidden_size // 2, num_heads=2, intermediate_size=2 * hidden_size,
+                  patch_size=14, spatial_merge_size=2, temporal_merge_size=2)
+    return Ernie4_5_VLMoeConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=True,
+        image_token_id=ids["<|IMAGE_PLACEHOLDER|>"], image_start_token_id=ids["<|IMAGE_START|>"],
+        image_end_token_id=ids["<|IMAGE_END|>"], video_token_id=ids["<|VIDEO_PLACEHOLDER|>"],
+        video_start_token_id=ids["<|VIDEO_START|>"], video_end_token_id=ids["<|VIDEO_END|>"],
+    )
+
+
+def with_vl_tokens(tokenizer):
+    """The tokenizer with the VL markup tokens it lacks added as special tokens (see VL_TOKENS), and the released VL
+    chat template (data/vl.py)."""
+    from erniekit_lite.data.vl import VL_CHAT_TEMPLATE
+
+    missing = [t for t in VL_TOKENS if t not in tokenizer.get_vocab()]
+    if missing:
+        tokenizer.add_tokens(missing, special_tokens=True)
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    return tokenizer
+
+
 def write_tiny(out_dir: str, arch: str = "dense", tokenizer_dir: str | None = None, hidden_size: int = 128, layers: int = 4, seed: int = 0, released_shape: bool = False) -> Path:
     """Write a checkpoint that `from_pretrained` loads offline; returns its directory."""
     import torch
@@ -134,12 +185,26 @@ def write_tiny(out_dir: str, arch: str = "dense", tokenizer_dir: str | None = No
     else:
         tokenizer = build_tokenizer()
     vocab = -(-len(tokenizer) // 64) * 64  # padded to a multiple of 64, as the released vocab is
-    config = tiny_config(arch, vocab, hidden_size, layers, released_shape)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    if arch == "vl":
+        if released_shape:
+            from erniekit_lite.errors import UserError
+
+            raise UserError("tiny --arch vl --released-shape: the released VL-28B-A3B's shape is transformers' "
+                            "Ernie4_5_VLMoeConfig() itself (about 28B parameters); not written here")
+        from transformers import Ernie4_5_VLMoeForConditionalGeneration
+        from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import Ernie4_5_VLMoeImageProcessorPil
+
+        tokenizer = with_vl_tokens(tokenizer)
+        model = Ernie4_5_VLMoeForConditionalGeneration(tiny_vl_config(tokenizer, hidden_size, layers))
+        processor = Ernie4_5_VLMoeImageProcessorPil(size=TINY_VL_PIXELS)
+    else:
+        model, processor = AutoModelForCausalLM.from_config(tiny_config(arch, vocab, hidden_size, layers, released_shape)), None
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if processor is not None:
+        processor.save_pretrained(out)
     from erniekit_lite.model.source import sentencepiece_file
 
     spm = sentencepiece_file(tokenizer_dir) if tokenizer_dir else None
