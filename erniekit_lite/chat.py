@@ -7,11 +7,13 @@ exactly the boundary it was trained on; answers stream token by token and stop o
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from erniekit_lite.data.formats import Turn
 from erniekit_lite.errors import UserError
 
 HELP = "type a message; /reset clears the history, /exit (or Ctrl-D) quits"
+IMAGE_HELP = "; /image FILE shows an image with your next message"
 
 
 def load(path: str, adapter: str | None = None):
@@ -44,23 +46,43 @@ def load(path: str, adapter: str | None = None):
     return model, load_tokenizer(tokenizer_path(adapter or path))
 
 
-def reply(model, tokenizer, prompt: str, system: str | None, history: list[Turn], out=None, **sampling) -> str:
-    """Stream one answer to `out` (default: stdout) and return it."""
+def image_processor_of(model, path: str, adapter: str | None = None):
+    """A VL model's image processor (from the run dir, else its base), None for a text model."""
+    from erniekit_lite.model.vl import is_vl, processor_for
+
+    return processor_for(adapter or path) if is_vl(model.config) else None
+
+
+def reply(model, tokenizer, prompt: str, system: str | None, history: list[Turn], out=None, images: list[str] = (),
+          processor=None, **sampling) -> str:
+    """Stream one answer to `out` (default: stdout) and return it. `images`: files shown with the prompt (a VL
+    model, whose image `processor` reads them)."""
     from transformers import TextStreamer
 
     out = out or sys.stdout
-    from erniekit_lite.generate import answer
+    from erniekit_lite.generate import answer, image_answer
 
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     streamer.on_finalized_text = lambda text, stream_end=False: print(text, end="" if not stream_end else "\n", file=out, flush=True)
-    return answer(model, tokenizer, prompt, system=system, history=history, streamer=streamer, **sampling)
+    if processor is None:
+        if images:
+            raise UserError("--image: this model reads text only (ERNIE-4.5-VL models take images)")
+        return answer(model, tokenizer, prompt, system=system, history=history, streamer=streamer, **sampling)
+    from erniekit_lite.data.vl import Image, Message
+
+    past = [(Message("user", list(turn.user) if isinstance(turn.user, list) else [turn.user]), Message("assistant", [turn.assistant]))
+            for turn in history]
+    user = [Image(Path(f).expanduser()) for f in images] + ([prompt] if prompt else [])
+    return image_answer(model, tokenizer, processor, user, system, past, streamer=streamer, **sampling)
 
 
-def chat(model, tokenizer, system: str | None = None, read=None, out=None, **sampling) -> None:
-    """Interactive loop; the conversation so far is the history of each new prompt."""
+def chat(model, tokenizer, system: str | None = None, read=None, out=None, processor=None, **sampling) -> None:
+    """Interactive loop; the conversation so far is the history of each new prompt. A VL model (its image
+    `processor` given) takes `/image FILE` lines: the images go with the next message."""
     read, out = read or input, out or sys.stdout
     history: list[Turn] = []
-    print(HELP, file=out)
+    images: list[str] = []
+    print(HELP + (IMAGE_HELP if processor is not None else ""), file=out)
     while True:
         try:
             prompt = read("User: ").strip()
@@ -70,13 +92,31 @@ def chat(model, tokenizer, system: str | None = None, read=None, out=None, **sam
         if prompt in ("/exit", "/quit"):
             return
         if prompt == "/reset":
-            history = []
+            history, images = [], []
             print("(history cleared)", file=out)
+            continue
+        if prompt.startswith("/image") and processor is not None:
+            file = prompt.removeprefix("/image").strip()
+            if not Path(file).expanduser().is_file():
+                print(f"(no such file: {file})", file=out)
+            else:
+                images.append(file)
+                print(f"(image {len(images)} goes with your next message)", file=out)
             continue
         if not prompt:
             continue
         print("Assistant: ", end="", file=out, flush=True)
-        history.append(Turn(prompt, reply(model, tokenizer, prompt, system, history, out, **sampling)))
+        try:
+            said = reply(model, tokenizer, prompt, system, history, out, images, processor, **sampling)
+        except UserError as error:  # an unreadable image: said, and the conversation goes on
+            print(f"(error: {error})", file=out)
+            images = []
+            continue
+        from erniekit_lite.data.vl import Image
+
+        user = [Image(Path(f).expanduser()) for f in images] + [prompt] if images else prompt  # a VL turn: its parts
+        history.append(Turn(user, said))
+        images = []
 
 
 def sampling_settings(max_new_tokens: int, temperature: float, top_p: float) -> dict:

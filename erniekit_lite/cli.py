@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapter", help="a LoRA output dir to apply on PATH")
     p.add_argument("--prompt", help="answer this one prompt and exit (otherwise interactive)")
     p.add_argument("--system", help="system prompt")
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="with --prompt: show this image too (ERNIE-4.5-VL models; repeat for several)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (deterministic)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -256,15 +258,18 @@ def _validate(args) -> int:
 
 
 def _chat(args) -> int:
-    from erniekit_lite.chat import chat, load, reply, sampling_settings
+    from erniekit_lite.chat import chat, image_processor_of, load, reply, sampling_settings
 
     sampling = sampling_settings(args.max_new_tokens, args.temperature, args.top_p)
+    if args.image and args.prompt is None:
+        raise UserError("--image goes with --prompt (in interactive chat: /image FILE)")
     _quiet_libraries()
     model, tokenizer = load(args.path, args.adapter)
+    processor = image_processor_of(model, args.path, args.adapter)
     if args.prompt is not None:
-        reply(model, tokenizer, args.prompt, args.system, [], **sampling)
+        reply(model, tokenizer, args.prompt, args.system, [], images=args.image, processor=processor, **sampling)
     else:
-        chat(model, tokenizer, args.system, **sampling)
+        chat(model, tokenizer, args.system, processor=processor, **sampling)
     return 0
 
 

@@ -68,6 +68,38 @@ def answers(model, tokenizer, prompts: list[Prompt], batch_size: int = 1, max_ne
     return texts
 
 
+def image_answer(model, tokenizer, processor, user: list, system: str | None = None, history: list | None = None,
+                 max_new_tokens: int = 64, **generate_kwargs) -> str:
+    """ERNIE-4.5-VL: the answer to a user turn of text and images (`user`: str and `data.vl.Image` parts, in order),
+    prompted with the training sample's pieces (data/vl.py); `history`: earlier (user Message, answer Message) pairs.
+    The model computes its own 3D positions from the token types and image grids, as training's are (tests/test_vl.py)."""
+    import numpy as np
+    import torch
+
+    from erniekit_lite.data.vl import Message, VLTemplate
+
+    prompt = VLTemplate(tokenizer, processor).prompt(system, history or [], Message("user", user), "chat")
+    device = next(model.parameters()).device
+    inputs = {"input_ids": torch.tensor([prompt.input_ids], device=device),
+              "attention_mask": torch.ones((1, len(prompt)), dtype=torch.long, device=device),
+              "mm_token_type_ids": torch.tensor([prompt.image_types], device=device),
+              "moe_mm_token_type_ids": torch.tensor([prompt.routing_types], device=device)}
+    if prompt.grids:
+        inputs["pixel_values"] = torch.from_numpy(np.concatenate(prompt.pixel_values)).to(device, model.dtype)
+        inputs["image_grid_thw"] = torch.tensor(prompt.grids, device=device)
+    stop = stop_ids(model, tokenizer)
+    generate_kwargs.setdefault("do_sample", False)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, eos_token_id=stop, use_cache=True,
+                             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0], **generate_kwargs)
+    model.train(was_training)
+    row = out[0, len(prompt):].tolist()
+    end = next((k for k, t in enumerate(row) if t in stop), len(row))
+    return tokenizer.decode(row[:end], skip_special_tokens=True)
+
+
 def greedy_ids(model, tokenizer, text: str, max_new_tokens: int) -> tuple[list[int], list[int]]:
     """The prompt ids training builds for one user turn, and the greedy answer's ids before the first stop token:
     what other engines (llama.cpp, vLLM) are compared with, token for token."""

@@ -123,6 +123,7 @@ class Shape:
 
     @classmethod
     def from_config(cls, config) -> Shape:
+        config = config.get_text_config()  # ERNIE-4.5-VL: its language model (the vision encoder is planned apart)
         heads = config.num_attention_heads
         shape = dict(
             hidden=config.hidden_size,
@@ -135,14 +136,17 @@ class Shape:
         )
         experts = getattr(config, "moe_num_experts", 0) or 0
         if experts:
-            # the same rule as Ernie4_5_MoeDecoderLayer
-            start, end = config.moe_layer_start_index, config.moe_layer_end_index
-            interval = config.moe_layer_interval
-            moe = frozenset(i for i in range(shape["layers"]) if (i + 1) % interval == 0 and start <= i <= end)
+            if getattr(config, "mlp_layer_types", None):  # ERNIE-4.5-VL names each layer's kind
+                moe = frozenset(i for i, kind in enumerate(config.mlp_layer_types) if kind == "sparse")
+            else:  # the same rule as Ernie4_5_MoeDecoderLayer
+                start, end = config.moe_layer_start_index, config.moe_layer_end_index
+                interval = config.moe_layer_interval
+                moe = frozenset(i for i in range(shape["layers"]) if (i + 1) % interval == 0 and start <= i <= end)
             shape.update(
                 experts=experts,
                 top_k=config.moe_k,
-                moe_intermediate=config.moe_intermediate_size,
+                # ERNIE-4.5-VL: [text experts' width, vision experts'] (the text experts planned; the vision ones are narrower)
+                moe_intermediate=config.moe_intermediate_size if isinstance(config.moe_intermediate_size, int) else config.moe_intermediate_size[0],
                 shared_experts=getattr(config, "moe_num_shared_experts", 0) or 0,
                 moe_layers=moe,
             )

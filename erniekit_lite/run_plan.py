@@ -29,6 +29,9 @@ class Applied:
     host_bytes: int  # what the plan says the offloaded state takes on the host, per process
 
 
+VL_METHODS = ("sft",)  # the methods an ERNIE-4.5-VL model trains with
+
+
 @dataclass(frozen=True)
 class RunPlan:
     method: str
@@ -38,6 +41,7 @@ class RunPlan:
     tokenizer: str  # where the tokenizer is read (an adapter folder without one: its base)
     architecture: str  # the model's class as its config.json names it
     moe: bool
+    vl: bool  # ERNIE-4.5-VL: image-text data, images encoded by the model (model/vl.py)
     dtype: str
     load_in_4bit: bool
     trust_remote_code: bool
@@ -173,6 +177,7 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
 
     from erniekit_lite.model.attention import resolve_attention
     from erniekit_lite.model.source import locate
+    from erniekit_lite.model.vl import is_vl
     from erniekit_lite.trainer_args import router_losses
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -186,6 +191,9 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
     # in a run that decides nothing from memory (a ZeRO-3 worker would build it sharded)
     layout = (lambda: arch) if arch is not None else functools.cache(lambda: architecture(source.weights, recipe, config))
     moe = memory.Shape.from_config(config).experts > 0
+    vl = is_vl(config)
+    if vl and recipe.method not in VL_METHODS:
+        raise UserError(f"method: {recipe.method}: not available for ERNIE-4.5-VL here; VL runs take {', '.join(VL_METHODS)}")
     router, _ = router_losses(recipe, moe)
     if cuda:
         choose_checkpointing(recipe, args, layout, free_bytes, log)
@@ -199,6 +207,7 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
         tokenizer=source.tokenizer,
         architecture=(getattr(config, "architectures", None) or [config.model_type])[0],
         moe=moe,
+        vl=vl,
         dtype=recipe.model.dtype,
         load_in_4bit=recipe.model.load_in_4bit,
         trust_remote_code=recipe.model.trust_remote_code,
@@ -214,9 +223,9 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
         sync=recipe.distributed,
         compile_layers=recipe.model.compile_layers,
         compile_backend=args.torch_compile_backend,
-        router={k: v for k, v in router.items() if moe},
+        router={k: v for k, v in router.items() if moe and not vl},  # VL: its text_moe/vision_moe routers not yet
         ema=recipe.train.get("ema"),
-        expert_load=moe and recipe.output.expert_load,
+        expert_load=moe and recipe.output.expert_load and not vl,  # VL: not recorded yet (docs/vl.md)
         data=recipe.data,
         rewards=tuple(recipe.rewards or ()),
         sample_prompts=tuple(recipe.output.sample_prompts),
@@ -340,12 +349,13 @@ def architecture(path: str, recipe: Recipe, config=None) -> dict:
     """Parameter counts from the config alone (`config`: the model's at `path`, read here when not given): the model
     is built on the meta device, no weights are read."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from erniekit_lite.model.source import read_config
+    from erniekit_lite.model.vl import is_vl
 
     config = config if config is not None else read_config(path, recipe.model.trust_remote_code)
-    auto = AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if is_vl(config) else AutoModelForCausalLM
     if recipe.method == "rm":  # the base's body under a new one-output `score` head (model/reward.py)
         from erniekit_lite.model.reward import AutoRewardModel as auto, check_start
 

@@ -137,7 +137,7 @@ def test_a_packed_row_scores_each_sample_as_it_scores_alone(tiny_vl_dir, images)
     with torch.no_grad():
         expected = torch.cat([alone(s) for s in samples])
         model.set_attn_implementation(NAME)
-        batch = vl.VLPackedCollator(256)([samples])
+        batch = vl.VLPackedCollator(256)([vl.VLRow(samples)])
         assert batch["position_ids"].shape == (3, 1, sum(map(len, samples))) and batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6], [1, 4, 8]]
         features = model.model.get_image_features(batch.pop("pixel_values"), batch.pop("image_grid_thw"), return_dict=True)
         inputs = {k: batch[k] for k in ("input_ids", "position_ids", "moe_mm_token_type_ids", "cu_seq_lens_q", "cu_seq_lens_k",

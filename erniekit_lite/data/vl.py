@@ -288,6 +288,15 @@ class VLTemplate:
             return pieces + [Piece(text), Piece(NO_THINKING, special=True)]
         return pieces + [Piece(text + NO_THINKING)]
 
+    def prompt(self, system: str | None, history, user: Message, where: str) -> VLSample:
+        """What inference feeds the model: the training sample's pieces up to the generation prompt."""
+        self._where = where
+        loaded: list = []
+        pieces = self.prompt_pieces(system, history, user, loaded)
+        ids: list[int] = []
+        _extend(ids, [], pieces, iter(self.encoder.encode_pieces(pieces)))
+        return self.build(ids, [IGNORE] * len(ids), loaded)
+
     def sample(self, system, history, user: Message, answer: str, where: str) -> VLSample:
         self._where = where
         loaded: list = []
@@ -307,19 +316,90 @@ class VLTemplate:
 
 
 @dataclass
+class VLRow:
+    """A packed row of VL samples (data.packing: false: one sample a row)."""
+
+    samples: list[VLSample]
+
+    @property
+    def input_ids(self) -> list[int]:  # the packing-efficiency count reads the row's tokens
+        return [t for s in self.samples for t in s.input_ids]
+
+
+def prepare_vl(data, tokenizer, processor, seed: int = 42, log=print):
+    """`data` (the recipe's data section) read into packed rows of VL samples: the SFT data of a VL run. A sample
+    longer than data.max_length is dropped (cutting it could cut an image's tokens), counted like any other."""
+    from erniekit_lite.data.load import read_records
+    from erniekit_lite.data.packing import best_fit_decreasing
+    from erniekit_lite.data.prepare import PreparedData, SourceReport, Split, _hold_out
+    from erniekit_lite.data.tokenize import TokenStats
+
+    template = VLTemplate(tokenizer, processor)
+
+    def split(sources, pack_rows: bool = True):
+        samples, stats, reports = [], TokenStats(), []
+        for source in sources:
+            records = read_records(source.path, source.split, source.max_samples)
+            kept = 0
+            for record in records:
+                where = f"{record.path}:{record.line}"
+                fields = record.fields()
+                if data.system and not any(m.get("role") == "system" for m in fields.get("messages") or [] if isinstance(m, dict)):
+                    fields = {**fields, "messages": [{"role": "system", "content": data.system}, *fields.get("messages", [])]}
+                for sample in template.samples(messages_of(fields, Path(record.path).parent, where), where):
+                    if len(sample) > data.max_length:
+                        stats.dropped_overlong += 1
+                        continue
+                    stats.kept += 1
+                    stats.lengths.append(len(sample))
+                    stats.trained_tokens += sum(label != IGNORE for label in sample.labels)
+                    samples.append(sample)
+                    kept += 1
+            reports.append(SourceReport(source.path, "vl messages", False, len(records), kept))
+        return Split(rows(samples) if pack_rows else [], samples, stats, reports, max_length=data.max_length)
+
+    def rows(samples):
+        if not data.packing:
+            return [VLRow([s]) for s in samples]
+        return [VLRow([samples[i] for i in b]) for b in best_fit_decreasing([len(s) for s in samples], data.max_length)]
+
+    train = split(data.train, pack_rows=not data.eval_split)
+    if not train.samples:
+        from erniekit_lite.errors import DataError
+
+        raise DataError(", ".join(s.path for s in data.train), f"no image-text samples within data.max_length={data.max_length}")
+    evaluation = split(data.eval) if data.eval else None
+    if data.eval_split:
+        held, kept = _hold_out(train.samples, data.eval_split, seed, train.sources[0].path)
+        evaluation = Split(rows(held), held, TokenStats(), max_length=data.max_length)
+        train = Split(rows(kept), kept, train.stats, train.sources, max_length=data.max_length)
+    return PreparedData(train, evaluation, "ernie4.5-vl")
+
+
+def index_dataset(start: int, count: int):
+    """The `datasets.Dataset` the Trainer iterates (TRL takes no other kind): each item the index of a row the
+    collator holds, so the images stay numpy arrays in memory rather than Arrow columns."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"row": list(range(start, start + count))})
+
+
+@dataclass
 class VLPackedCollator:
     """Rows of VL samples laid end to end as the text collator lays them (`collate.PackedCollator`), with the VL
     model's inputs: 3D positions [3, 1, T] restarting per sample, the routing types, and the rows' images (pixel
     values concatenated, one grid row per image)."""
 
     max_length: int
+    rows: list[VLRow] = field(default_factory=list)  # what a dataset's `row` index names (`index_dataset`)
 
-    def __call__(self, rows: list[list[VLSample]]) -> dict:
+    def __call__(self, rows: list) -> dict:
         import torch
 
         from erniekit_lite.data.collate import bounds, host_facts
 
-        samples = [s for row in rows for s in row]
+        rows = [self.rows[r["row"]] if isinstance(r, dict) else r for r in rows]
+        samples = [s for row in rows for s in row.samples]
         _, varlen = bounds([len(s) for s in samples])
         labels = torch.tensor([t for s in samples for t in s.labels], dtype=torch.long)[None]
         batch = {
@@ -336,7 +416,3 @@ class VLPackedCollator:
             batch["pixel_values"] = torch.from_numpy(np.concatenate(pixels))
             batch["image_grid_thw"] = torch.tensor([g for s in samples for g in s.grids], dtype=torch.long)
         return batch
-
-
-def untrained(sample: VLSample) -> bool:
-    return all(label == IGNORE for label in sample.labels)

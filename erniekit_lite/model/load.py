@@ -52,7 +52,6 @@ def load_model(
     """A causal LM from a Hub id, a model dir, or a LoRA output dir (base + adapter); `load_in_4bit` for QLoRA.
     `model_class`: another auto class to load with (a reward model: `model.reward.AutoRewardModel`)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     import erniekit_lite.model.attention  # noqa: F401  registers packed_sdpa
 
@@ -65,9 +64,13 @@ def load_model(
 
         # bitsandbytes leaves the fused routed experts (3-D parameters) in model.dtype: NF4 too, as each is loaded
         context = quantized_as_loaded(splittable, getattr(torch, DTYPES[dtype]))
+    if model_class is None:
+        from erniekit_lite.model.vl import model_class as auto_class
+
+        model_class = auto_class(base or path, trust_remote_code)  # a causal LM, or ERNIE-4.5-VL's image-text class
     try:
         with context:
-            model = (model_class or AutoModelForCausalLM).from_pretrained(
+            model = model_class.from_pretrained(
                 base or path,
                 dtype=getattr(torch, DTYPES[dtype]),
                 attn_implementation=attn_implementation,

@@ -13,6 +13,7 @@ from typing import Callable
 from erniekit_lite import hub, run_plan
 from erniekit_lite.model.load import load_tokenizer
 from erniekit_lite.model import compile_layers, fused_lora
+from erniekit_lite.model.vl import image_processor
 from erniekit_lite.model.lora import initial_adapter, skip_input_casts
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.train import callbacks, distribution, ema, offload, rundir, sync
@@ -51,7 +52,8 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
         log(line)
     tokenizer = load_tokenizer(plan.tokenizer, plan.trust_remote_code)
     # launched: one process per machine tokenizes, handing off beside the run dir (data/handoff.py)
-    data = method.prepare(plan.data, tokenizer, seed=args.seed, log=log, beside=plan.out)
+    images = {"images": image_processor(plan.tokenizer)} if plan.vl else {}  # ERNIE-4.5-VL's image processor
+    data = method.prepare(plan.data, tokenizer, seed=args.seed, log=log, beside=plan.out, **images)
     log(method.describe(data))
     model = load_for_training(plan, log, apply_lora=not method.adapter_by_trainer)
     initial = initial_adapter(model)  # PiSSA/OLoRA's A and B as made, for the final save
@@ -88,6 +90,8 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
     if data.eval is not None:
         metrics.update(trainer.evaluate())
     callbacks.save_final(trainer, out, metrics, expert_load)
+    if images and trainer.args.should_save:  # chat and merge read a VL run's image processor from its output dir
+        images["images"].save_pretrained(out)
     log(f"done: {loss_line(metrics, trainer.state.log_history)}, {method.summary(metrics)}{metrics['train_tokens_per_second']:.0f} "
         f"real tokens/s, packing efficiency {metrics['packing_efficiency']:.1%}; saved to {out}")
     if method.finish is not None:

@@ -53,6 +53,10 @@ def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True, router
     positions, targets = inputs.pop("score_positions", None), inputs.pop("score_targets", None)
     if positions is None:  # a boolean mask: its size is read back from the device (the collators' `host_facts` avoid it)
         keep, targets = labelled_positions(labels)
+    if "pixel_values" in inputs:  # ERNIE-4.5-VL: images encoded apart from the packed attention's arguments
+        from erniekit_lite.model.vl import encode_images
+
+        inputs["mm_encoder_outputs"] = encode_images(model.base_model, inputs.pop("pixel_values"), inputs.pop("image_grid_thw"))
     out = model.base_model(**inputs, use_cache=False, **({"output_router_logits": True} if routed else {}))
     if tracker is not None and model.training and torch.is_grad_enabled():  # policy passes only, not the reference
         tracker.add(out.router_logits, inputs.get("attention_mask"))
@@ -65,7 +69,8 @@ def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True, router
     if moe:
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-        aux = load_balancing_loss_func(out.router_logits, model.config.moe_num_experts, model.config.moe_k, inputs.get("attention_mask"))
+        config = model.config.get_text_config()  # ERNIE-4.5-VL: its text model's (the vision experts route alike)
+        aux = load_balancing_loss_func(out.router_logits, config.moe_num_experts, config.moe_k, inputs.get("attention_mask"))
     return Scores(log_probs, entropy, log_sum_sq, mean_logits, is_top1, aux, out.router_logits if routed else None)
 
 

@@ -17,10 +17,28 @@ def run(recipe: Recipe, log=print) -> Path:
     return runner.run(recipe, METHOD, log)
 
 
+def prepare_data(data, tokenizer, seed: int = 42, log=print, beside: Path | None = None, images=None) -> PreparedData:
+    """The recipe's data as rows; `images`: a VL model's image processor (image-text records, data/vl.py)."""
+    if images is not None:
+        from erniekit_lite.data.vl import prepare_vl
+
+        return prepare_vl(data, tokenizer, images, seed, log)
+    return prepare(data, tokenizer, seed, log, beside)
+
+
 def build_trainer(model, tokenizer, args, data: PreparedData, plan: RunPlan):
     from erniekit_lite.train.trainer import ErnieSFTTrainer
 
-    return ErnieSFTTrainer(model=model, args=args, **trainer_inputs(data, tokenizer, plan, PackedCollator, PaddedCollator))
+    if plan.vl:  # rows of image-text samples, always laid end to end (data.packing: false puts one in a row)
+        from erniekit_lite.data.vl import VLPackedCollator, index_dataset
+
+        held = data.eval.rows if data.eval is not None else []
+        inputs = {"train_dataset": index_dataset(0, len(data.train.rows)),
+                  "eval_dataset": index_dataset(len(data.train.rows), len(held)) if data.eval is not None else None,
+                  "processing_class": tokenizer, "data_collator": VLPackedCollator(plan.data.max_length, data.train.rows + held)}
+    else:
+        inputs = trainer_inputs(data, tokenizer, plan, PackedCollator, PaddedCollator)
+    return ErnieSFTTrainer(model=model, args=args, **inputs)
 
 
 def write_samples(model, tokenizer, plan: RunPlan, out: Path | None, log=print) -> None:
@@ -45,5 +63,5 @@ def _answer_prompts(trainer, tokenizer, plan: RunPlan, out: Path | None, log) ->
         write_samples(trainer.model, tokenizer, plan, out, log)
 
 
-METHOD = runner.Method(prepare=prepare, describe=describe_data, build_trainer=build_trainer,
+METHOD = runner.Method(prepare=prepare_data, describe=describe_data, build_trainer=build_trainer,
                        trained=lambda data: len(data.train.samples), finish=_answer_prompts)
