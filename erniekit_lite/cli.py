@@ -280,8 +280,10 @@ def _merge(args) -> int:
     from erniekit_lite.model.reward import is_reward_run
 
     out = merge(args.output_dir, args.out, args.overwrite)
+    from erniekit_lite.model.vl import model_class
+
     loads = ("AutoModelForSequenceClassification.from_pretrained({!r}) once erniekit_lite.model.reward is imported"
-             if is_reward_run(str(out)) else "AutoModelForCausalLM.from_pretrained({!r})")
+             if is_reward_run(str(out)) else model_class(str(out)).__name__ + ".from_pretrained({!r})")
     print(f"merged {args.output_dir} into {out}: loads with {loads.format(str(out))}")
     return 0
 

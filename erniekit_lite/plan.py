@@ -30,7 +30,10 @@ def plan(recipe: Recipe, log=print, launch: run_plan.Launch | None = None) -> di
     source = locate(recipe.model.path, recipe.model.trust_remote_code)  # first: its error names config.json
     arch = architecture(source.weights, recipe, source.config)
     if has_tokenizer(source.tokenizer):
-        info, data_lines = data_plan(recipe, args, load_tokenizer(source.tokenizer, recipe.model.trust_remote_code), log)
+        from erniekit_lite.model.vl import image_processor, is_vl
+
+        images = image_processor(source.tokenizer) if is_vl(source.config) else None  # ERNIE-4.5-VL: image-text data
+        info, data_lines = data_plan(recipe, args, load_tokenizer(source.tokenizer, recipe.model.trust_remote_code), log, images)
     else:
         info, data_lines = unread_data_plan(recipe, args, source.tokenizer, log)
     info = {"architecture": arch["class"], "parameters": arch["parameters"], "trainable_parameters": arch["trainable"], **info}
@@ -124,9 +127,10 @@ def auto_by_gpu(recipe: Recipe, args, arch: dict) -> str:
     return "; ".join(f"neither fits {sizes(gb)}" if mode == "neither" else f"{mode} on {sizes(gb)}" for mode, gb in said.items())
 
 
-def data_plan(recipe: Recipe, args, tokenizer, log) -> tuple[dict, list[str]]:
+def data_plan(recipe: Recipe, args, tokenizer, log, images=None) -> tuple[dict, list[str]]:
     """The data read and tokenized as training will: its figures, and the lines `validate` prints after the model's
-    (what the data preparation says, and its description, are logged here as they come)."""
+    (what the data preparation says, and its description, are logged here as they come). `images`: a VL model's
+    image processor (its image-text data read as `train` reads it)."""
     from erniekit_lite.data.prepare import describe_data, describe_pairs, prepare, prepare_pairs
     from erniekit_lite.trainer_args import PAIR_METHODS
 
@@ -158,7 +162,12 @@ def data_plan(recipe: Recipe, args, tokenizer, log) -> tuple[dict, list[str]]:
         truncated, dropped = data.train.stats.cut, data.train.stats.empty
         count = data.train.stats.documents
     else:
-        data = prepare(recipe.data, tokenizer, seed=args.seed, log=log)
+        if images is not None:
+            from erniekit_lite.data.vl import prepare_vl
+
+            data = prepare_vl(recipe.data, tokenizer, images, seed=args.seed, log=log)
+        else:
+            data = prepare(recipe.data, tokenizer, seed=args.seed, log=log)
         describe, units = describe_data, "samples"
         truncated = data.train.stats.truncated
         dropped = data.train.stats.dropped_overlong + data.train.stats.dropped_untrained

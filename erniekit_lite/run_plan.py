@@ -68,7 +68,7 @@ class RunPlan:
     def lines(self, where: str = "") -> list[str]:
         """The plan as `train` prints it, and `validate` (`where`: " on this machine")."""
         source = self.source + (f" (an adapter on {self.base})" if self.base else "")
-        adapters = (f"LoRA r={self.lora.r}" + (f", routed experts {self.lora.expert_compute}" if self.moe and
+        adapters = (f"LoRA r={self.lora.r}" + (f", routed experts {self.lora.expert_compute}" if self.moe and not self.vl and
                     self.lora.routed_experts else "")) if self.lora is not None else "full fine-tuning"
         head = ("trains, chunks " + (f"kept for backward (up to {self.head_keep_positions:,} positions)"
                                      if self.head_keep_positions else "recomputed in backward")) if self.head_trains else "frozen"

@@ -48,17 +48,29 @@ def test_the_vl_quick_start_learns_each_pictures_colour(tmp_path, capsys, tiny_v
 
 def test_vl_lora_trains_the_text_model_and_leaves_the_vision_encoder_alone(tmp_path, capsys, tiny_vl):
     """LoRA's default targets on the VL model: adapters on the text layers only (none in the vision encoder or the
-    resampler); the run's adapter dir answers through chat, its base and image processor found from it."""
+    resampler); the run's adapter dir answers through chat, its base and image processor found from it; `merge`
+    writes a VL checkpoint that answers the same."""
     from safetensors.torch import load_file
 
     train(tmp_path, tiny_vl, tmp_path / "lora", "lora.r=8", "lora.alpha=16", "train.max_steps=20", "train.learning_rate=1e-2")
     names = list(load_file(tmp_path / "lora" / "adapter_model.safetensors"))
     assert names and all(".language_model." in n for n in names), names
     assert not any(part in n for n in names for part in ("vision_tower", "resampler_model"))
-    assert ask(capsys, tmp_path / "lora", "green")  # an answer (20 steps do not teach it the colours)
+    said = ask(capsys, tmp_path / "lora", "green")
+    assert said  # an answer (20 steps do not teach it the colours)
+    # merged: a checkpoint transformers loads as the VL model, with the image processor, that answers the same
+    assert main(["merge", str(tmp_path / "lora"), "--out", str(tmp_path / "merged")]) == 0
+    assert "loads with AutoModelForImageTextToText.from_pretrained" in capsys.readouterr().out
+    assert ask(capsys, tmp_path / "merged", "green") == said
 
 
 def test_a_vl_run_refuses_what_it_cannot_train_and_chat_refuses_images_for_a_text_model(tmp_path, capsys, tiny_vl, tiny_own_dir):
+    """`validate` reads the image-text data as `train` does; a method VL runs do not take yet is one line; so is
+    an image for a text model."""
+    code = main(["validate", str(RECIPES / "quickstart-vl.yaml"), f"model.path={tiny_vl}", f"output.dir={tmp_path / 'v'}",
+                 f"data.train.0.path={RECIPES / 'data' / 'colours.jsonl'}"])
+    out = capsys.readouterr().out
+    assert code == 0 and "colours.jsonl [vl messages]: 8 records -> 8 samples" in out and "8 samples in 3 rows" in out, out
     code = main(["train", str(RECIPES / "quickstart-vl.yaml"), f"model.path={tiny_vl}", f"output.dir={tmp_path / 'dpo'}",
                  "method=dpo"])
     assert code == 2 and "method: dpo: not available for ERNIE-4.5-VL here; VL runs take sft" in capsys.readouterr().err

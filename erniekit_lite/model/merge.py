@@ -72,6 +72,10 @@ def merge(adapter_dir: str, out_dir: str, overwrite: bool = False, log=print) ->
         load_tokenizer(tokenizer_dir).save_pretrained(staging)
         if getattr(merged, "generation_config", None) is not None:  # a reward model has none
             merged.generation_config.save_pretrained(staging)
+        from erniekit_lite.model.vl import is_vl, processor_for
+
+        if is_vl(merged.config):  # ERNIE-4.5-VL: its image processor goes with it
+            processor_for(adapter_dir).save_pretrained(staging)
         # a reward model has no LM head: the base's is never carried into it
         carried = carry_over(base, staging, tied=bool(getattr(merged.config, "tie_word_embeddings", False)) or model_class is not None)
         (staging / MARKER).write_text(json.dumps({"adapter": str(adapter_dir), "base": base, "dequantized_4bit": qlora_dtype is not None,
