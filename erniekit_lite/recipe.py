@@ -140,6 +140,10 @@ class LoraSection(_Section):
     routed_experts: bool = Field(
         True, description="MoE only: also adapt the fused routed-expert weights (one rank-r adapter per expert)."
     )
+    vision: bool = Field(
+        False, description="ERNIE-4.5-VL only: also adapt the vision encoder and the resampler (their Linear layers: "
+        "attention qkv and proj, MLP fc1 and fc2, the resampler's); by default they stay frozen."
+    )
     expert_r: int | None = Field(
         None, ge=1, description="MoE only: the routed experts' rank (default: r), at scale alpha / expert_r. Each token "
         "passes 6 of the 64 experts, and at r=32 their adapters are 97% of the 21B-A3B's trainable parameters, so a lower "

@@ -160,3 +160,50 @@ def test_bad_image_records_are_one_line_naming_the_record_and_file(tiny_vl_dir, 
         with pytest.raises(UserError) as error:
             samples_of(template, images, [record])
         assert str(error.value).startswith(said) and "\n" not in str(error.value), str(error.value)
+
+
+def test_lora_adapts_text_and_vision_experts_and_the_split_path_computes_peft_s(tiny_vl_dir, images):
+    """Default LoRA targets on the VL model: adapters on the text layers, the text and the vision routed experts of
+    every MoE layer (none on the vision encoder); `lora.vision` adds the encoder and resampler. The project's
+    per-expert path (`expert_compute: split`) gives peft's own (`merged`) logits and adapter gradients on a packed row
+    with images (fp32: 1e-5 and 1e-6)."""
+    import copy
+
+    from transformers import Ernie4_5_VLMoeForConditionalGeneration
+
+    from erniekit_lite.model.attention import NAME
+    from erniekit_lite.model.expert_lora import set_expert_compute
+    from erniekit_lite.model.lora import apply_lora, trainable_groups
+    from erniekit_lite.recipe import LoraSection
+
+    def load():
+        return Ernie4_5_VLMoeForConditionalGeneration.from_pretrained(tiny_vl_dir, dtype=torch.float32, attn_implementation=NAME)
+
+    torch.manual_seed(0)
+    model = apply_lora(load(), LoraSection(r=4, alpha=8))
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    for kind in ("text_moe", "vision_moe"):
+        assert {int(n.split(".layers.")[1].split(".")[0]) for n in trained if f".mlp.{kind}.experts." in n} == {1, 2}
+    assert not any("vision_tower" in n or "resampler_model" in n for n in trained)
+    groups = trainable_groups(apply_lora(load(), LoraSection(r=4, alpha=8, vision=True)))
+    assert groups["vision encoder"] > 0 and groups["routed experts"] == trainable_groups(model)["routed experts"]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # peft starts B at zero, which would hide half the backward
+    batch = vl.VLPackedCollator(256)([vl.VLRow(samples_of(template_of(tiny_vl_dir), images)[:2])])
+
+    def run(mode):
+        copied = copy.deepcopy(model)
+        assert set_expert_compute(copied, mode) == 4  # 2 MoE layers x (text, vision)
+        features = copied.get_base_model().model.get_image_features(batch["pixel_values"], batch["image_grid_thw"], return_dict=True)
+        inputs = {k: batch[k] for k in ("input_ids", "position_ids", "moe_mm_token_type_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+                                        "max_length_q", "max_length_k")}
+        logits = copied(**inputs, mm_encoder_outputs={"image": features}).logits
+        logits.square().mean().backward()
+        return logits.detach(), {n: p.grad for n, p in copied.named_parameters() if p.grad is not None}
+
+    (split, split_grads), (merged, merged_grads) = run("split"), run("merged")
+    assert (split - merged).abs().max().item() <= 1e-5
+    assert split_grads.keys() == merged_grads.keys() and len(split_grads) == len(trained)
+    assert max((split_grads[k] - merged_grads[k]).abs().max().item() for k in split_grads) <= 1e-6

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 import warnings
 from collections import Counter
 
@@ -31,7 +32,7 @@ from erniekit_lite.files import follow_umask
 # Fused routed-expert parameter -> the per-expert projections it holds (transformers 5 layout)
 EXPERT_PARAMS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 ROUTER = "gate"  # the MoE router module (`mlp.gate`): never adapted, frozen under LoRA
-GROUPS = ("attention", "dense MLP", "shared experts", "routed experts", "other")
+GROUPS = ("attention", "dense MLP", "shared experts", "routed experts", "vision encoder", "other")
 HEAD = "score"  # a reward model's head (model/reward.py): trained in full, no adapter
 
 
@@ -41,7 +42,21 @@ def unwrap(model):
 
 
 def is_moe(model) -> bool:
-    return getattr(model.config, "moe_num_experts", 0) > 0
+    return getattr(model.config.get_text_config(), "moe_num_experts", 0) > 0  # ERNIE-4.5-VL: its text model's
+
+
+# ERNIE-4.5-VL's vision encoder and resampler Linears (lora.vision), as name suffixes peft matches (`mlp` alone would
+# also name the text layers' dense MLP module)
+VISION_TARGETS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2", "spatial_linear.fc1", "spatial_linear.fc2",
+                  "temporal_linear.fc1", "temporal_linear.fc2", "resampler_model.mlp")
+
+
+def expert_blocks(model) -> list[str]:
+    """Where a layer's routed experts sit, below the layer: `mlp` (ERNIE 4.5 MoE), or `mlp.text_moe` and
+    `mlp.vision_moe` (ERNIE-4.5-VL's modality-isolated experts)."""
+    found = {re.sub(r"^.*\.layers\.\d+\.", "", name) for name, m in model.named_modules()
+             if hasattr(m, "experts") and hasattr(m, ROUTER) and re.search(r"\.layers\.\d+\.", name)}
+    return sorted(found)
 
 
 def lora_config(model, lora: LoraSection):
@@ -50,6 +65,10 @@ def lora_config(model, lora: LoraSection):
 
     if ROUTER in lora.targets and is_moe(model):
         raise UserError("lora.targets: 'gate' is the MoE router; it stays frozen and gets no adapter (remove it)")
+    vl = getattr(model.config, "model_type", None) == "ernie4_5_vl_moe"
+    if lora.vision and not vl:
+        raise UserError("lora.vision: this model has no vision encoder (ERNIE-4.5-VL models do); remove it")
+    targets = list(lora.targets) + [t for t in VISION_TARGETS if lora.vision and t not in lora.targets]
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     unknown = [t for t in lora.targets if t not in names]
     if unknown:
@@ -66,7 +85,7 @@ def lora_config(model, lora: LoraSection):
             if present and len(present) < len(parts):
                 raise UserError(f"lora.targets: the routed experts fuse {' and '.join(parts)} into one weight; target both or neither")
             if present:
-                parameters.append(f"mlp.experts.{fused}")
+                parameters += [f"{block}.experts.{fused}" for block in expert_blocks(model)]
             if present and (len(parts) > 1 or lora.expert_r):
                 # Rank r per fused projection, as transformers 4's separate gate_proj/up_proj had (peft's own convention),
                 # at the scale of a rank-r adapter: alpha x 2 keeps alpha / r, alpha x sqrt(2) keeps rsLoRA's alpha / sqrt(r)
@@ -76,7 +95,7 @@ def lora_config(model, lora: LoraSection):
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=list(lora.targets),
+        target_modules=targets,
         target_parameters=parameters or None,
         rank_pattern=rank,
         alpha_pattern=alpha,
@@ -295,11 +314,12 @@ def check_adapters(peft_model, config) -> None:
     """peft may target fewer weights than asked; verify every targeted module and expert weight got an adapter."""
     adapted = set(peft_model.base_model.targeted_module_names) | set(getattr(peft_model.base_model, "targeted_parameter_names", []))
     for target in config.target_modules:
-        if not any(name.rsplit(".", 1)[-1] == target for name in adapted):
+        if not any(name == target or name.endswith(f".{target}") for name in adapted):
             raise UserError(f"lora.targets: peft created no adapter for {target!r}")
     moe_blocks = [n for n, m in peft_model.get_base_model().named_modules() if hasattr(m, "experts") and hasattr(m, ROUTER)]
     for fused in config.target_parameters or []:
-        missing = [b for b in moe_blocks if f"{b}.{fused.removeprefix('mlp.')}" not in adapted]
+        block, leaf = fused.split(".experts.")  # `mlp` or (VL) `mlp.text_moe`, and the fused weight
+        missing = [b for b in moe_blocks if b.endswith(f".{block}") and f"{b}.experts.{leaf}" not in adapted]
         if missing:
             raise UserError(f"lora: peft left the routed experts ({fused}) of {words.count(len(missing), 'layer')} without an adapter")
     for name, param in peft_model.named_parameters():
@@ -309,6 +329,8 @@ def check_adapters(peft_model, config) -> None:
 
 def group_of(name: str) -> str:
     """The group a parameter belongs to, from its name (used for the trainable-parameter table)."""
+    if "vision_tower." in name or "resampler_model." in name:  # ERNIE-4.5-VL
+        return "vision encoder"
     if ".self_attn." in name:
         return "attention"
     if ".shared_experts." in name:
@@ -338,5 +360,7 @@ def _linear_names(model) -> set[str]:
 def groups_line(model) -> str:
     groups, moe = trainable_groups(model), is_moe(model)
     # Zeros are shown for every group the architecture has, so a group left without adapters is visible
-    shown = [g for g in GROUPS if groups[g] or g in ("attention", "dense MLP") or (moe and g != "other")]
+    vision = getattr(model.config, "model_type", None) == "ernie4_5_vl_moe"
+    shown = [g for g in GROUPS if groups[g] or g in ("attention", "dense MLP") or (moe and g not in ("other", "vision encoder"))
+             or (vision and g == "vision encoder")]
     return "  trainable by group: " + ", ".join(f"{g} {groups[g]:,}" for g in shown)
