@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import TEST_EXTRA, needs, optional
 
 from erniekit_lite.cli import main
 
@@ -76,3 +77,24 @@ def test_a_vl_run_refuses_what_it_cannot_train_and_chat_refuses_images_for_a_tex
     assert code == 2 and "method: dpo: not available for ERNIE-4.5-VL here; VL runs take sft" in capsys.readouterr().err
     code = main(["chat", str(tiny_own_dir), "--image", str(COLOURS / "red.png"), "--prompt", QUESTION])
     assert code == 2 and "--image: this model reads text only" in capsys.readouterr().err
+
+
+@needs(optional("bitsandbytes") is not None, "bitsandbytes", TEST_EXTRA)
+def test_vl_qlora_quantizes_the_text_model_and_keeps_the_vision_encoder(tmp_path, tiny_vl):
+    """QLoRA on the VL model: the text layers' Linears in NF4 and every MoE layer's text and vision routed experts
+    4-bit (the 21B-A3B's 4-bit experts), the vision encoder and resampler in the model's dtype; ten steps train with
+    adapters on the text and vision experts."""
+    import torch
+
+    from erniekit_lite.model.expert_4bit import is_4bit
+    from erniekit_lite.model.load import load_model
+
+    model = load_model(str(tiny_vl), "bfloat16", "sdpa", load_in_4bit=True)
+    assert sum(is_4bit(m) for m in model.modules()) == 2 * 3  # (text, vision) x 3 MoE layers
+    assert type(model.model.language_model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+    assert all(type(m) is torch.nn.Linear for n, m in model.named_modules() if n.startswith(("model.vision_tower.", "model.resampler_model."))
+               and isinstance(m, torch.nn.Linear))
+    state = train(tmp_path, tiny_vl, tmp_path / "qlora", "lora.r=8", "model.load_in_4bit=true", "model.dtype=bfloat16", "train.max_steps=10",
+                  "train.logging_steps=5")
+    losses = [h["loss"] for h in state["log_history"] if "loss" in h]
+    assert len(losses) == 2 and all(l == l for l in losses)  # finite: no NaN from the 4-bit path

@@ -75,7 +75,7 @@ def load_model(
                 dtype=getattr(torch, DTYPES[dtype]),
                 attn_implementation=attn_implementation,
                 trust_remote_code=trust_remote_code,
-                **({"quantization_config": four_bit_config()} if load_in_4bit else {}),
+                **({"quantization_config": four_bit_config(four_bit_skip(model_class))} if load_in_4bit else {}),
             )
     except (OSError, ValueError) as e:
         raise UserError(missing_source(base or path, e) or f"{base or path}: could not load the model: {one_line(e)}") from None
@@ -126,9 +126,17 @@ def keep_cpu_layout(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def four_bit_config():
+def four_bit_skip(model_class) -> tuple[str, ...]:
+    """What QLoRA leaves unquantized besides what transformers does (the LM head): ERNIE-4.5-VL's vision encoder and
+    resampler (0.6B of the 28B; their LayerNorms meet 4-bit Linear outputs in another dtype on CPU)."""
+    from transformers import AutoModelForImageTextToText
+
+    return ("model.vision_tower", "model.resampler_model", "lm_head") if model_class is AutoModelForImageTextToText else ()
+
+
+def four_bit_config(skip: tuple[str, ...] = ()):
     """NF4 with double quantization, the QLoRA paper's settings (as ERNIEKit's and TRL's recipes); bitsandbytes runs
-    it on CUDA GPUs and on CPUs, computing in `compute_dtype()`."""
+    it on CUDA GPUs and on CPUs, computing in `compute_dtype()`. `skip`: modules left in the model's dtype."""
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
@@ -136,7 +144,8 @@ def four_bit_config():
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype()
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype(),
+        **({"llm_int8_skip_modules": list(skip)} if skip else {}),
     )
 
 
