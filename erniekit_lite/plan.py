@@ -135,7 +135,12 @@ def data_plan(recipe: Recipe, args, tokenizer, log, images=None) -> tuple[dict, 
     from erniekit_lite.trainer_args import PAIR_METHODS
 
     if recipe.method in PAIR_METHODS:
-        data = prepare_pairs(recipe.data, tokenizer, seed=args.seed, log=log)
+        if images is not None:
+            from erniekit_lite.data.vl import prepare_vl_pairs
+
+            data = prepare_vl_pairs(recipe.data, tokenizer, images, seed=args.seed, log=log)
+        else:
+            data = prepare_pairs(recipe.data, tokenizer, seed=args.seed, log=log)
         describe, units = describe_pairs, "pairs"
         truncated, dropped = data.train.stats.truncated, sum(data.train.stats.skipped.values())
         count = len(data.train.pairs)

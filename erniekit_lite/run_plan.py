@@ -29,7 +29,7 @@ class Applied:
     host_bytes: int  # what the plan says the offloaded state takes on the host, per process
 
 
-VL_METHODS = ("sft",)  # the methods an ERNIE-4.5-VL model trains with
+VL_METHODS = ("sft", "dpo")  # the methods an ERNIE-4.5-VL model trains with
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,8 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
     vl = is_vl(config)
     if vl and recipe.method not in VL_METHODS:
         raise UserError(f"method: {recipe.method}: not available for ERNIE-4.5-VL here; VL runs take {', '.join(VL_METHODS)}")
+    if vl and getattr(args, "precompute_ref_log_probs", False):
+        raise UserError("train.precompute_ref_log_probs: not for ERNIE-4.5-VL runs yet (the reference is scored in each step)")
     router, _ = router_losses(recipe, moe)
     if cuda:
         choose_checkpointing(recipe, args, layout, free_bytes, log)

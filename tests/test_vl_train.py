@@ -72,9 +72,9 @@ def test_a_vl_run_refuses_what_it_cannot_train_and_chat_refuses_images_for_a_tex
                  f"data.train.0.path={RECIPES / 'data' / 'colours.jsonl'}"])
     out = capsys.readouterr().out
     assert code == 0 and "colours.jsonl [vl messages]: 8 records -> 8 samples" in out and "8 samples in 3 rows" in out, out
-    code = main(["train", str(RECIPES / "quickstart-vl.yaml"), f"model.path={tiny_vl}", f"output.dir={tmp_path / 'dpo'}",
-                 "method=dpo"])
-    assert code == 2 and "method: dpo: not available for ERNIE-4.5-VL here; VL runs take sft" in capsys.readouterr().err
+    code = main(["train", str(RECIPES / "quickstart-vl.yaml"), f"model.path={tiny_vl}", f"output.dir={tmp_path / 'orpo'}",
+                 "method=orpo"])
+    assert code == 2 and "method: orpo: not available for ERNIE-4.5-VL here; VL runs take sft, dpo" in capsys.readouterr().err
     code = main(["chat", str(tiny_own_dir), "--image", str(COLOURS / "red.png"), "--prompt", QUESTION])
     assert code == 2 and "--image: this model reads text only" in capsys.readouterr().err
 
@@ -98,3 +98,15 @@ def test_vl_qlora_quantizes_the_text_model_and_keeps_the_vision_encoder(tmp_path
                   "train.logging_steps=5")
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]
     assert len(losses) == 2 and all(l == l for l in losses)  # finite: no NaN from the 4-bit path
+
+
+def test_vl_dpo_on_image_pairs_learns_the_right_colour(tmp_path, tiny_vl):
+    """DPO LoRA on the shipped image pairs (`colours_dpo.jsonl`: each picture's colour chosen, another rejected; both
+    record forms) from the tiny VL base: packed rows of whole pairs, the reference the base with the adapter disabled;
+    over the last 10 of 20 steps the policy prefers the right colour on most pairs (measured 0.92 of them), by a margin
+    that grew."""
+    state = train(tmp_path, tiny_vl, tmp_path / "dpo", "method=dpo", f"data.train.0.path={RECIPES / 'data' / 'colours_dpo.jsonl'}",
+                  "lora.r=8", "train.max_steps=20", "train.learning_rate=5e-3", "train.logging_steps=10")
+    logged = [h for h in state["log_history"] if "rewards/accuracies" in h]
+    assert logged[-1]["rewards/accuracies"] >= 0.75 and logged[-1]["loss"] < logged[0]["loss"] < 0.7, logged
+    assert logged[-1]["rewards/margins"] > logged[0]["rewards/margins"] > 0, logged

@@ -416,3 +416,153 @@ class VLPackedCollator:
             batch["pixel_values"] = torch.from_numpy(np.concatenate(pixels))
             batch["image_grid_thw"] = torch.tensor([g for s in samples for g in s.grids], dtype=torch.long)
         return batch
+
+
+# Preference pairs with images (DPO): one prompt (its images) and two answers
+
+
+def answer_text(value, where: str, key: str) -> str:
+    """A pair's answer: text, an assistant message, or a list of them (TRL's conversational form)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    if isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in value):
+        return "".join(m["content"] for m in value)
+    raise UserError(f"{where}: `{key}`: expected the answer as text or an assistant message")
+
+
+@dataclass
+class VLPair:
+    chosen: VLSample
+    rejected: VLSample
+
+    def __len__(self) -> int:
+        return len(self.chosen) + len(self.rejected)
+
+
+@dataclass
+class VLPairRow:
+    """Whole pairs in a row: chosen, rejected, chosen, rejected, ..."""
+
+    samples: list[VLSample]
+
+    @property
+    def input_ids(self) -> list[int]:
+        return [t for s in self.samples for t in s.input_ids]
+
+
+def vl_pair(template: VLTemplate, fields: dict, base: Path, where: str) -> VLPair:
+    """A record's pair: `messages` (the prompt, ending with the user's turn; `<image>` placeholders with `images`, or
+    content parts), `chosen` and `rejected` answers."""
+    for key in ("chosen", "rejected"):
+        if key not in fields:
+            raise UserError(f"{where}: a preference record needs `messages`, `chosen` and `rejected` (missing {key})")
+    messages = messages_of(fields, base, where)
+    system = "".join(p for m in messages if m.role == "system" for p in m.parts) or None
+    turns = [m for m in messages if m.role != "system"]
+    if not turns or len(turns) % 2 == 0 or any(m.role != ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(turns)):
+        raise UserError(f"{where}: messages: the prompt's turns alternate user and assistant and end with the user's")
+    history = [(turns[i], turns[i + 1]) for i in range(0, len(turns) - 1, 2)]
+    chosen, rejected = (answer_text(fields[k], where, k) for k in ("chosen", "rejected"))
+    return VLPair(template.sample(system, history, turns[-1], chosen, where),
+                  template.sample(system, history, turns[-1], rejected, where))
+
+
+def prepare_vl_pairs(data, tokenizer, processor, seed: int = 42, log=print):
+    """`data` read into packed rows of whole VL pairs (DPO), as `prepare_vl` reads SFT data; a pair with a sequence
+    longer than data.max_length is skipped and counted."""
+    from erniekit_lite.data.load import read_records
+    from erniekit_lite.data.packing import best_fit_decreasing
+    from erniekit_lite.data.pairs import PairStats
+    from erniekit_lite.data.prepare import PairSplit, PreparedPairs, SourceReport, _hold_out
+
+    template = VLTemplate(tokenizer, processor)
+
+    def rows(pairs):
+        groups = best_fit_decreasing([len(p) for p in pairs], 2 * data.max_length) if data.packing else [[i] for i in range(len(pairs))]
+        return [VLPairRow([s for i in g for s in (pairs[i].chosen, pairs[i].rejected)]) for g in groups]
+
+    def split(sources, pack_rows: bool = True):
+        pairs, stats, reports = [], PairStats(), []
+        for source in sources:
+            records = read_records(source.path, source.split, source.max_samples)
+            kept = 0
+            for record in records:
+                where = f"{record.path}:{record.line}"
+                pair = vl_pair(template, record.fields(), Path(record.path).parent, where)
+                if max(len(pair.chosen), len(pair.rejected)) > data.max_length:
+                    stats.skipped["longer than max_length"] += 1
+                    continue
+                stats.kept += 1
+                stats.lengths += [len(pair.chosen), len(pair.rejected)]
+                pairs.append(pair)
+                kept += 1
+            reports.append(SourceReport(source.path, "vl pairs", False, len(records), kept))
+        return PairSplit(rows(pairs) if pack_rows else [], pairs, stats, reports, max_length=data.max_length)
+
+    train = split(data.train, pack_rows=not data.eval_split)
+    if not train.pairs:
+        from erniekit_lite.errors import DataError
+
+        raise DataError(", ".join(s.path for s in data.train), f"no image-text pairs within data.max_length={data.max_length}")
+    evaluation = split(data.eval) if data.eval else None
+    if data.eval_split:
+        held, kept = _hold_out(train.pairs, data.eval_split, seed, train.sources[0].path)
+        evaluation = PairSplit(rows(held), held, PairStats(), max_length=data.max_length)
+        train = PairSplit(rows(kept), kept, train.stats, train.sources, max_length=data.max_length)
+    return PreparedPairs(train, evaluation, "ernie4.5-vl")
+
+
+@dataclass
+class VLPackedPairCollator:
+    """Rows of VL pairs -> what `PackedPairCollator` (data/pairs.py) gives TRL's DPO loss (the padded [2B, L] layout,
+    `logp_index`) and the packed sequence the model runs on, with the VL model's inputs under `packed_*` names (TRL
+    hands every batch key to the model's forward; train/pair_scoring.py takes these)."""
+
+    max_length: int
+    rows: list[VLPairRow] = field(default_factory=list)
+
+    def __call__(self, items: list) -> dict:
+        import torch
+
+        from erniekit_lite.data.collate import bounds, host_facts
+
+        rows = [self.rows[r["row"]] if isinstance(r, dict) else r for r in items]
+        samples = [s for row in rows for s in row.samples]
+        lengths = [len(s) for s in samples]
+        pairs, width = len(samples) // 2, max(lengths)
+        padded = torch.zeros((2 * pairs, width), dtype=torch.long)
+        attention = torch.zeros_like(padded)
+        completion = torch.zeros_like(padded)
+        index = []
+        for k, s in enumerate(samples):
+            row = k // 2 + (pairs if k % 2 else 0)  # chosen first, rejected second
+            labels = torch.tensor(s.labels)
+            padded[row, : len(s)] = torch.tensor(s.input_ids)
+            attention[row, : len(s)] = 1
+            completion[row, : len(s)] = (labels != IGNORE).long()
+            index.append(row * (width - 1) + (labels[1:] != IGNORE).nonzero().flatten())
+        ids = torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.long)[None]
+        labels = torch.tensor([t for s in samples for t in s.labels], dtype=torch.long)[None]
+        _, varlen = bounds(lengths)
+        batch = {
+            "input_ids": padded,
+            "attention_mask": attention,
+            "completion_mask": completion,
+            "packed_input_ids": ids,
+            "packed_labels": labels,
+            "packed_position_ids": torch.from_numpy(np.concatenate([s.positions for s in samples], axis=1))[:, None],
+            "packed_moe_mm_token_type_ids": torch.tensor([t for s in samples for t in s.routing_types], dtype=torch.long)[None],
+            **varlen,
+            "logp_index": torch.cat(index),
+            "token_slots": len(rows) * 2 * self.max_length,
+            "row_units": [len(row.samples) // 2 for row in rows],
+            "chosen_tokens": int(completion[:pairs].sum()),
+            **host_facts(labels, ids.numel(), varlen["cu_seq_lens_q"]),
+        }
+        pixels = [p for s in samples for p in s.pixel_values]
+        if pixels:
+            batch["packed_pixel_values"] = torch.from_numpy(np.concatenate(pixels))
+            batch["packed_image_grid_thw"] = torch.tensor([g for s in samples for g in s.grids], dtype=torch.long)
+        return batch

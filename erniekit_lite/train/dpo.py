@@ -20,11 +20,28 @@ def run(recipe: Recipe, log=print) -> Path:
     return runner.run(recipe, METHOD, log)
 
 
+def prepare_data(data, tokenizer, seed: int = 42, log=print, beside: Path | None = None, images=None) -> PreparedPairs:
+    """The recipe's pairs as rows; `images`: a VL model's image processor (image-text pairs, data/vl.py)."""
+    if images is not None:
+        from erniekit_lite.data.vl import prepare_vl_pairs
+
+        return prepare_vl_pairs(data, tokenizer, images, seed, log)
+    return prepare_pairs(data, tokenizer, seed, log, beside)
+
+
 def build_trainer(model, tokenizer, args, data: PreparedPairs, plan: RunPlan):
     from erniekit_lite.train.dpo_trainer import ErnieDPOTrainer
 
-    return trl_trainer(ErnieDPOTrainer, model, plan, args=args, reference_cache=plan.data.cache,
-                       **trainer_inputs(data, tokenizer, plan, PackedPairCollator, PaddedPairCollator))
+    if plan.vl:  # rows of image-text pairs, always laid end to end, held by the collator (data/vl.py)
+        from erniekit_lite.data.vl import VLPackedPairCollator, index_dataset
+
+        held = data.eval.rows if data.eval is not None else []
+        inputs = {"train_dataset": index_dataset(0, len(data.train.rows)),
+                  "eval_dataset": index_dataset(len(data.train.rows), len(held)) if data.eval is not None else None,
+                  "processing_class": tokenizer, "data_collator": VLPackedPairCollator(plan.data.max_length, data.train.rows + held)}
+    else:
+        inputs = trainer_inputs(data, tokenizer, plan, PackedPairCollator, PaddedPairCollator)
+    return trl_trainer(ErnieDPOTrainer, model, plan, args=args, reference_cache=plan.data.cache, **inputs)
 
 
 def last_rewards(trainer) -> dict:
@@ -35,7 +52,7 @@ def last_rewards(trainer) -> dict:
 
 
 METHOD = runner.Method(
-    prepare=prepare_pairs, describe=describe_pairs, build_trainer=build_trainer, trained=lambda data: len(data.train.pairs),
+    prepare=prepare_data, describe=describe_pairs, build_trainer=build_trainer, trained=lambda data: len(data.train.pairs),
     adapter_by_trainer=True, metrics=last_rewards,
     summary=lambda metrics: f"reward accuracy {metrics.get('rewards/accuracies', float('nan')):.2f}, ",
 )

@@ -25,6 +25,9 @@ def pair_scores(model, kwargs: dict) -> FusedCausalLMOutput:
             "position_ids": kwargs["packed_position_ids"],
             **{k: kwargs[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")},
         }
+        for key in ("moe_mm_token_type_ids", "pixel_values", "image_grid_thw"):  # ERNIE-4.5-VL pairs (data/vl.py)
+            if f"packed_{key}" in kwargs:
+                inputs[key] = kwargs[f"packed_{key}"]
     else:  # padded [2B, L] rows
         labels = kwargs["pair_labels"]
         inputs = {"input_ids": kwargs["input_ids"], "attention_mask": kwargs["attention_mask"]}
