@@ -286,13 +286,14 @@ def params_of(model, lora_dropout: float = 0.0) -> Params:
     linear = fp32 = other = trainable = experts_frozen = stacks = per_stack = 0
     for name, p in base.named_parameters():
         n = p.numel()
-        if name.replace(".base_layer", "").endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) and not p.requires_grad:
+        # the routed experts' fused stacks (ERNIE-4.5-VL: `mlp.text_moe.experts.*` and `mlp.vision_moe.experts.*` too)
+        if name.replace(".base_layer", "").endswith((".experts.gate_up_proj", ".experts.down_proj")) and not p.requires_grad:
             experts_frozen, stacks, per_stack = experts_frozen + n, stacks + 1, p.shape[0]
         if p.requires_grad:
             trainable += n
         elif id(p) in linear_ids:
             linear += n
-        elif ".mlp.gate." in name:  # the router and its statistics: kept in fp32 (_keep_in_fp32_modules_strict)
+        elif ".mlp.gate." in name or "_moe.gate." in name:  # the routers and their statistics: fp32 (_keep_in_fp32_modules_strict)
             fp32 += n
         else:
             other += n

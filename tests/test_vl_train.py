@@ -110,3 +110,31 @@ def test_vl_dpo_on_image_pairs_learns_the_right_colour(tmp_path, tiny_vl):
     logged = [h for h in state["log_history"] if "rewards/accuracies" in h]
     assert logged[-1]["rewards/accuracies"] >= 0.75 and logged[-1]["loss"] < logged[0]["loss"] < 0.7, logged
     assert logged[-1]["rewards/margins"] > logged[0]["rewards/margins"] > 0, logged
+
+
+@pytest.mark.slow  # ~30 s: four 29B-parameter models built on the meta device
+def test_the_vl_recipes_memory_table_is_what_validate_prints(tmp_path, tiny_vl):
+    """docs/vl.md's table: each figure is `validate`'s estimate for that shipped recipe (to 0.1 GiB) with the released
+    VL-28B-A3B configuration (transformers' Ernie4_5_VLMoeConfig defaults) and the tiny VL model's tokenizer and image
+    processor (the demo data read as training reads it)."""
+    import re
+    import shutil
+
+    from transformers import Ernie4_5_VLMoeConfig
+
+    from erniekit_lite import recipe as recipes
+    from erniekit_lite.plan import plan
+
+    released = tmp_path / "released"
+    shutil.copytree(tiny_vl, released, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    Ernie4_5_VLMoeConfig(architectures=["Ernie4_5_VLMoeForConditionalGeneration"]).save_pretrained(released)
+    text = (Path(__file__).resolve().parents[1] / "docs" / "vl.md").read_text(encoding="utf-8")
+    table = text[text.index("| recipe | estimate | fits |"):].split("\n\n")[0].splitlines()[2:]
+    rows = [re.match(r"\| `([^`]+)` \| ([\d.]+) GiB \| (.+) \|", row).groups() for row in table]
+    assert len(rows) == 4
+    for name, stated, fits in rows:
+        recipe = recipes.load(str(RECIPES / f"{name}.yaml"), [f"model.path={released}", f"output.dir={tmp_path / 'out'}"])
+        lines = []
+        plan(recipe, log=lines.append)
+        printed = next(x for x in lines if x.startswith("memory per device (estimate): "))
+        assert printed.split(": ")[1].startswith(f"{stated} GiB for ") and printed.endswith(f"fits {fits}"), (name, printed)
