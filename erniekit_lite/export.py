@@ -66,6 +66,11 @@ def export(run: str, to: str, out: str, outtype: str = "f16", ollama: bool = Fal
     if outtype not in CONVERTER_TYPES and outtype not in QUANTIZER_TYPES:
         raise UserError(f"--outtype: {outtype!r}; expected one of {', '.join([*CONVERTER_TYPES, *QUANTIZER_TYPES])}")
     source = finished(run)
+    from erniekit_lite.model.vl import is_vl_run
+
+    if is_vl_run(str(source)):
+        raise UserError(f"{run}: an ERNIE-4.5-VL model; llama.cpp's GGUF converter has no ERNIE-4.5-VL architecture "
+                        "(vision encoder, modality-isolated experts): serve it with vLLM (`erniekit-lite serve RUN --engine vllm`)")
     converter = find_converter(llama_cpp)
     if outtype in QUANTIZER_TYPES:
         quantizer()  # refused before any work when llama-cpp-python is missing

@@ -52,6 +52,11 @@ def serve_command(run: str, engine: str, host: str, port: int, vllm: str | None,
     if missing:  # transformers serve's own error is a traceback from inside its CLI
         raise UserError(f"--engine transformers: `transformers serve` needs {', '.join(missing)}: "
                         "pip install 'transformers[serving]' (erniekit-lite's own install includes it)")
+    from erniekit_lite.model.vl import is_vl_run
+
+    if engine == "transformers" and is_vl_run(run):
+        raise UserError(f"{run}: an ERNIE-4.5-VL model; serve's transformers engine does not take VL models here: use "
+                        "--engine vllm (vLLM runs Ernie4_5_VLMoeForConditionalGeneration; not tested here)")
     model = servable(run, log)
     if engine == "vllm":
         python = interpreter(executable)

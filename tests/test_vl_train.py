@@ -66,8 +66,8 @@ def test_vl_lora_trains_the_text_model_and_leaves_the_vision_encoder_alone(tmp_p
 
 
 def test_a_vl_run_refuses_what_it_cannot_train_and_chat_refuses_images_for_a_text_model(tmp_path, capsys, tiny_vl, tiny_own_dir):
-    """`validate` reads the image-text data as `train` does; a method VL runs do not take yet is one line; so is
-    an image for a text model."""
+    """`validate` reads the image-text data as `train` does; a method VL runs do not take yet is one line; so are
+    an image for a text model, a GGUF export and the transformers serve engine for a VL model."""
     code = main(["validate", str(RECIPES / "quickstart-vl.yaml"), f"model.path={tiny_vl}", f"output.dir={tmp_path / 'v'}",
                  f"data.train.0.path={RECIPES / 'data' / 'colours.jsonl'}"])
     out = capsys.readouterr().out
@@ -77,6 +77,10 @@ def test_a_vl_run_refuses_what_it_cannot_train_and_chat_refuses_images_for_a_tex
     assert code == 2 and "method: orpo: not available for ERNIE-4.5-VL here; VL runs take sft, dpo" in capsys.readouterr().err
     code = main(["chat", str(tiny_own_dir), "--image", str(COLOURS / "red.png"), "--prompt", QUESTION])
     assert code == 2 and "--image: this model reads text only" in capsys.readouterr().err
+    assert main(["export", str(tiny_vl), "--to", "gguf", "--out", str(tmp_path / "gguf")]) == 2
+    assert "an ERNIE-4.5-VL model; llama.cpp's GGUF converter has no ERNIE-4.5-VL architecture" in capsys.readouterr().err
+    assert main(["serve", str(tiny_vl), "--engine", "transformers"]) == 2
+    assert "serve's transformers engine does not take VL models here: use --engine vllm" in capsys.readouterr().err
 
 
 @needs(optional("bitsandbytes") is not None, "bitsandbytes", TEST_EXTRA)

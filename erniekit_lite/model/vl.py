@@ -60,6 +60,19 @@ def processor_for(path: str):
     return image_processor(path)
 
 
+def is_vl_run(path: str) -> bool:
+    """Whether a model dir or a LoRA run's output dir (read through its base) holds an ERNIE-4.5-VL model."""
+    import json
+
+    from erniekit_lite.model.source import adapter_base
+
+    for folder in (Path(path).expanduser(), adapter_base(path)):
+        config = Path(folder).expanduser() / "config.json" if folder else None
+        if config is not None and config.is_file():
+            return json.loads(config.read_text()).get("model_type") == MODEL_TYPE
+    return False
+
+
 def encode_images(model, pixel_values, grid) -> dict:
     """`mm_encoder_outputs` for the VL model's forward: the images' features, encoded apart (module doc). `model`:
     the VL model's base (`Ernie4_5_VLMoeModel`)."""
