@@ -202,3 +202,11 @@ def tiny_moe_dir(tmp_path_factory) -> Path:
     from erniekit_lite.tiny import write_tiny
 
     return write_tiny(str(tmp_path_factory.mktemp("tiny-moe")), "moe", None, hidden_size=64, layers=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_dir(tmp_path_factory) -> Path:
+    """Tiny ERNIE-4.5-VL with the project's own small tokenizer (the VL tokens added): fast to run."""
+    from erniekit_lite.tiny import write_tiny
+
+    return write_tiny(str(tmp_path_factory.mktemp("tiny-vl")), "vl", None, hidden_size=64, layers=3)

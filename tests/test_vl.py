@@ -18,14 +18,6 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 @pytest.fixture(scope="session")
-def tiny_vl_dir(tmp_path_factory) -> Path:
-    """Tiny ERNIE-4.5-VL with the project's own small tokenizer (the VL tokens added): fast to run."""
-    from erniekit_lite.tiny import write_tiny
-
-    return write_tiny(str(tmp_path_factory.mktemp("tiny-vl")), "vl", None, hidden_size=64, layers=3)
-
-
-@pytest.fixture(scope="session")
 def images(tmp_path_factory) -> Path:
     """Solid-colour images of three sizes (4, 6 and 8 image tokens under the tiny model's pixel budget)."""
     from PIL import Image

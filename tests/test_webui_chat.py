@@ -10,6 +10,7 @@ import pytest
 import erniekit_lite.generate
 from erniekit_lite import recipe as recipes
 from erniekit_lite.data.formats import Turn
+from erniekit_lite.errors import UserError
 from erniekit_lite.webui.chat_tab import base_of, stream, turns
 
 
@@ -22,6 +23,28 @@ def test_stream_grows_to_the_greedy_answer(tiny_own_dir):
     pieces = list(stream(model, tokenizer, "Who are you?", "S", history, {"max_new_tokens": 12, "do_sample": False}))
     assert pieces[-1] == expected and len(pieces) > 2
     assert all(later.startswith(earlier) for earlier, later in zip(pieces, pieces[1:]))
+
+
+def test_an_image_goes_to_a_vl_model_and_is_refused_for_a_text_model(tiny_vl_dir, tiny_own_dir, tmp_path):
+    """The chat tab's image: streamed to an ERNIE-4.5-VL model, the answer ends in exactly `chat --image`'s greedy one;
+    a text model refuses it in one line (the tab shows it in the status box)."""
+    from PIL import Image
+
+    from erniekit_lite.chat import image_processor_of, load
+    from erniekit_lite.data.vl import Image as Picture
+
+    picture = tmp_path / "red.png"
+    Image.new("RGB", (56, 56), (220, 30, 30)).save(picture)
+    model, tokenizer = load(str(tiny_vl_dir))
+    processor = image_processor_of(model, str(tiny_vl_dir))
+    sampling = {"max_new_tokens": 8, "do_sample": False}
+    expected = erniekit_lite.generate.image_answer(model, tokenizer, processor, [Picture(picture), "Colour?"], **sampling)
+    pieces = list(stream(model, tokenizer, "Colour?", None, [], sampling, str(picture), processor))
+    assert pieces[-1] == expected
+    text_model, text_tokenizer = load(str(tiny_own_dir))
+    assert image_processor_of(text_model, str(tiny_own_dir)) is None
+    with pytest.raises(UserError, match="this model reads text only"):
+        list(stream(text_model, text_tokenizer, "q", None, [], sampling, str(picture), None))
 
 
 def test_a_failing_generation_ends_the_stream(monkeypatch):

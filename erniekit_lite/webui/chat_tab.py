@@ -47,18 +47,31 @@ def base_of(path: str) -> str:
     return recipes.load(run_recipe).model.path if run_recipe.is_file() else ""
 
 
-def stream(model, tokenizer, prompt: str, system: str | None, history: list[Turn], sampling: dict):
-    """Yield the answer so far as tokens arrive (generation runs in a thread), then the exact final answer."""
+def stream(model, tokenizer, prompt: str, system: str | None, history: list[Turn], sampling: dict, image: str | None = None,
+           processor=None):
+    """Yield the answer so far as tokens arrive (generation runs in a thread), then the exact final answer. `image`: a
+    file shown with the prompt to an ERNIE-4.5-VL model (its image `processor` given); earlier turns go as text."""
     from transformers import TextIteratorStreamer
 
-    from erniekit_lite.generate import answer
+    from erniekit_lite.generate import answer, image_answer
 
+    if image and processor is None:
+        raise UserError("this model reads text only (ERNIE-4.5-VL models take images); remove the image")
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     result: dict = {}
 
+    def respond():
+        if processor is None:
+            return answer(model, tokenizer, prompt, system=system, history=history, streamer=streamer, **sampling)
+        from erniekit_lite.data.vl import Image, Message
+
+        past = [(Message("user", [t.user]), Message("assistant", [t.assistant])) for t in history]
+        user = ([Image(Path(image))] if image else []) + [prompt]
+        return image_answer(model, tokenizer, processor, user, system, past, streamer=streamer, **sampling)
+
     def generate():
         try:
-            result["text"] = answer(model, tokenizer, prompt, system=system, history=history, streamer=streamer, **sampling)
+            result["text"] = respond()
         except Exception as e:  # re-raised below; ending the stream keeps the reader from waiting forever
             result["error"] = e
             streamer.end()
@@ -104,7 +117,10 @@ def build(root: Path) -> None:
         with gr.Row():
             first = gr.Chatbot(label="model", elem_id="chat-first")
             second = gr.Chatbot(label="compared", visible=False, elem_id="chat-second")
-        message = gr.Textbox(label="message", placeholder="type and press Enter", elem_id="chat-message")
+        with gr.Row():
+            message = gr.Textbox(label="message", placeholder="type and press Enter", elem_id="chat-message", scale=4)
+            image = gr.Image(type="filepath", label="image (ERNIE-4.5-VL models; goes with the next message)", height=120,
+                             elem_id="chat-image", scale=1)
         with gr.Row():
             send_button = gr.Button("Send", variant="primary", elem_id="chat-send")
             clear_button = gr.Button("Clear")
@@ -128,30 +144,36 @@ def build(root: Path) -> None:
             return (pair, gr.update(value=[], label=model_path), gr.update(value=[], label=pair[1], visible=bool(pair[1])),
                     f"loaded {' and '.join(filter(None, pair))}")
 
-        def send(text: str, pair, history_a, history_b, system_prompt, max_new, temp, nucleus):
-            from erniekit_lite.chat import sampling_settings
+        def send(text: str, picture: str | None, pair, history_a, history_b, system_prompt, max_new, temp, nucleus):
+            from erniekit_lite.chat import image_processor_of, sampling_settings
 
             if not pair[0]:
-                yield gr.skip(), gr.skip(), gr.skip(), "load a model first"
+                yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), "load a model first"
                 return
             if not text.strip():
-                yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
+                yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
                 return
             sampling = sampling_settings(int(max_new), float(temp), float(nucleus))
             histories, started = [history_a, history_b], time.time()
+            shown = f"{text}\n(with an image)" if picture else text
             # One model after the other: on a CPU two generations at once would each run at half speed
             for i, p in enumerate(filter(None, pair)):
                 model, tokenizer = models.get(p)
                 before = histories[i]
-                for answer in stream(model, tokenizer, text, system_prompt or None, turns(before), sampling):
-                    histories[i] = before + [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
-                    yield "", histories[0], histories[1], ""
-            yield "", histories[0], histories[1], f"answered in {time.time() - started:.1f} s"
+                try:
+                    processor = image_processor_of(model, p)
+                    for answer in stream(model, tokenizer, text, system_prompt or None, turns(before), sampling, picture, processor):
+                        histories[i] = before + [{"role": "user", "content": shown}, {"role": "assistant", "content": answer}]
+                        yield "", None, histories[0], histories[1], ""
+                except UserError as e:
+                    yield gr.skip(), gr.skip(), histories[0], histories[1], f"error ({p}): {e}"
+                    return
+            yield "", None, histories[0], histories[1], f"answered in {time.time() - started:.1f} s"
 
         tab.select(lambda: gr.update(choices=model_dirs(root)), None, path)
         path.input(chosen, path, other)
         load_button.click(load, [path, other], [loaded, first, second, status])
-        inputs = [message, loaded, first, second, system, max_new_tokens, temperature, top_p]
-        message.submit(send, inputs, [message, first, second, status])
-        send_button.click(send, inputs, [message, first, second, status])
+        inputs = [message, image, loaded, first, second, system, max_new_tokens, temperature, top_p]
+        message.submit(send, inputs, [message, image, first, second, status])
+        send_button.click(send, inputs, [message, image, first, second, status])
         clear_button.click(lambda: ([], []), None, [first, second])
