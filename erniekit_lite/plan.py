@@ -35,6 +35,7 @@ def plan(recipe: Recipe, log=print, launch: run_plan.Launch | None = None) -> di
         images = image_processor(source.tokenizer) if is_vl(source.config) else None  # ERNIE-4.5-VL: image-text data
         info, data_lines = data_plan(recipe, args, load_tokenizer(source.tokenizer, recipe.model.trust_remote_code), log, images)
     else:
+        images = None
         info, data_lines = unread_data_plan(recipe, args, source.tokenizer, log)
     info = {"architecture": arch["class"], "parameters": arch["parameters"], "trainable_parameters": arch["trainable"], **info}
     log(
@@ -86,6 +87,11 @@ def plan(recipe: Recipe, log=print, launch: run_plan.Launch | None = None) -> di
         info["memory_gb_head_kept"] = round(kept.total / memory.GIB, 2)
         log(f"  LM head trains: the estimate recomputes its logit chunks in backward; keeping them instead (what train "
             f"does when the device has room, a third less LM-head compute) needs {kept.total / memory.GIB:.1f} GiB")
+    if images is not None:  # ERNIE-4.5-VL
+        from erniekit_lite.model.vl import vision_plan
+
+        trained = recipe.lora is None or recipe.lora.vision
+        log(f"  {vision_plan(source.config, images, trained, 4 if recipe.model.dtype == 'float32' else 2)}")
     log(compile_layers.describe(recipe.model.compile_layers, args.torch_compile_backend))
     if not cuda:
         log(f"  this machine has no CUDA GPU: `train` here runs on its CPU with mixed precision: {cpu_precision(recipe)} "

@@ -77,3 +77,28 @@ def encode_images(model, pixel_values, grid) -> dict:
     """`mm_encoder_outputs` for the VL model's forward: the images' features, encoded apart (module doc). `model`:
     the VL model's base (`Ernie4_5_VLMoeModel`)."""
     return {"image": model.get_image_features(pixel_values, grid, return_dict=True)}
+
+
+def vision_plan(config, processor, trained: bool, dtype_bytes: int = 2) -> str:
+    """`validate`'s line on the images: tokens an image takes at the processor's pixel budget, and the vision
+    encoder's activations for the largest image, which the memory estimate does not hold yet. Frozen (the default),
+    the encoder keeps nothing for backward: one block's working set at a time; trained (`lora.vision`, full
+    fine-tuning), every block keeps about (6 x width + 2 x MLP width) values a patch (inputs of its norms, q/k/v,
+    attention output, MLP input and hidden)."""
+    vision = config.vision_config
+    side = vision.patch_size * vision.spatial_merge_size  # pixels of one image token's side (28)
+    size = getattr(processor, "size", None) or {}
+    low, high = (size.get("shortest_edge") if isinstance(size, dict) else size.shortest_edge,
+                 size.get("longest_edge") if isinstance(size, dict) else size.longest_edge)
+    tokens_low, tokens_high = max(1, (low or side * side) // (side * side)), (high or side * side) // (side * side)
+    patches = tokens_high * vision.spatial_merge_size**2
+    width, hidden = vision.hidden_size, vision.intermediate_size
+    if trained:
+        held = vision.depth * patches * (6 * width + 2 * hidden) * dtype_bytes
+        how = f"kept for backward over its {vision.depth} blocks"
+    else:
+        held = patches * (5 * width + hidden) * dtype_bytes
+        how = "one block's working set (frozen: nothing kept for backward)"
+    return (f"images: {tokens_low:,} to {tokens_high:,} tokens an image at the image processor's pixel budget "
+            f"({low:,} to {high:,} pixels); the vision encoder's activations for the largest: about "
+            f"{held / 2**30:.2f} GiB, {how}, not in the estimate above")
