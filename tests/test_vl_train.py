@@ -143,3 +143,20 @@ def test_the_vl_recipes_memory_table_is_what_validate_prints(tmp_path, tiny_vl):
         plan(recipe, log=lines.append)
         printed = next(x for x in lines if x.startswith("memory per device (estimate): "))
         assert printed.split(": ")[1].startswith(f"{stated} GiB for ") and printed.endswith(f"fits {fits}"), (name, printed)
+
+
+def test_vl_router_losses_cover_the_text_and_the_vision_routers(tmp_path, tiny_vl):
+    """`train.router_z_loss_coef` and `train.router_orthogonal_loss_coef` on the VL model: the z-loss over each token's
+    own router's logits, the orthogonal loss over both routers of every MoE layer (text and vision: 6 here), whose
+    value at step 0 is the formula's over the saved base's router weights."""
+    from erniekit_lite.model.load import load_model
+    from erniekit_lite.train.router_losses import orthogonal_loss, routers
+
+    state = train(tmp_path, tiny_vl, tmp_path / "router", "train.router_z_loss_coef=0.001", "train.router_orthogonal_loss_coef=0.01",
+                  "train.max_steps=1", "train.logging_steps=1", "train.learning_rate=0.0")
+    logged = next(h for h in state["log_history"] if "orthogonal_loss" in h)
+    base = load_model(str(tiny_vl), "float32", "sdpa")
+    weights = [p.detach() for n, p in base.named_parameters() if n.endswith(("text_moe.gate.weight", "vision_moe.gate.weight"))]
+    assert len(weights) == 6 and len(routers(base)) == 6
+    assert logged["orthogonal_loss"] == pytest.approx(orthogonal_loss(weights).item(), rel=1e-5)
+    assert logged["z_loss"] > 0

@@ -59,7 +59,8 @@ def watch_moe(trainer, plan: RunPlan, log=print):
     if not plan.moe:
         return None
     aux = f"coefficient {trainer.router_aux_loss_coef:g}, logged as aux_loss" if trainer.aux_loss_enabled else "off"
-    router = "trained" if any(p.requires_grad for n, p in trainer.model.named_parameters() if ".mlp.gate." in n) else "frozen"
+    router = "trained" if any(p.requires_grad for n, p in trainer.model.named_parameters()
+                              if ".mlp.gate." in n or "_moe.gate." in n) else "frozen"  # ERNIE-4.5-VL: text_moe/vision_moe
     log(f"moe: router {router}, router aux loss {aux} (train.router_aux_loss_coef; 0 turns it off)")
     if plan.router:
         trainer.router.z_coef, trainer.router.orthogonal_coef = plan.router["router_z_loss_coef"], plan.router["router_orthogonal_loss_coef"]

@@ -42,8 +42,9 @@ def orthogonal_loss(weights: list[torch.Tensor]) -> torch.Tensor:
 
 
 def routers(model) -> list[torch.Tensor]:
-    """The MoE routers' weights [E, H], in layer order (transformers' `mlp.gate.weight` of each MoE layer)."""
-    return [p for name, p in model.named_parameters() if name.endswith("mlp.gate.weight")]
+    """The MoE routers' weights [E, H], in layer order (transformers' `mlp.gate.weight` of each MoE layer;
+    ERNIE-4.5-VL's `mlp.text_moe.gate.weight` and `mlp.vision_moe.gate.weight`, two a layer)."""
+    return [p for name, p in model.named_parameters() if name.endswith(("mlp.gate.weight", "_moe.gate.weight"))]
 
 
 class RouterLosses:
