@@ -144,11 +144,14 @@ def test_a_run_trains_the_same_adapter_fused_as_through_peft(tmp_path, monkeypat
     ({"dropout": 0.1}, {}, "peft's (dropout)"),
     ({"use_dora": True}, {}, "peft's (DoRA)"),
     ({}, {"load_in_4bit": True}, "peft's (a 4-bit base (QLoRA))"),
+    ({}, {"zero3": True}, "peft's (ZeRO-3 sharding)"),
 ])
 def test_the_run_plan_says_which_forward_the_adapters_take(tmp_path, tiny_own_dir, lora, model, said):
     from erniekit_lite import recipe as recipes
     from erniekit_lite.run_plan import lora_forward
 
     path = write_recipe(tmp_path / "r.yaml", tiny_own_dir, lora={"r": 4, **lora}, out=tmp_path / "out")
+    model = dict(model)
+    zero3 = model.pop("zero3", False)  # how the launch shards, not a recipe key
     overrides = [f"model.{k}={str(v).lower()}" for k, v in model.items()]
-    assert lora_forward(recipes.load(path, overrides), "plain") == said
+    assert lora_forward(recipes.load(path, overrides), zero3=zero3) == said
