@@ -39,9 +39,24 @@ def ask(capsys, run: Path, colour: str) -> str:
 def test_the_vl_quick_start_learns_each_pictures_colour(tmp_path, capsys, tiny_vl):
     """The shipped recipe as it is (60 steps, full fine-tuning, packed rows of about 3 samples) on the tiny VL model: the
     same question on the red and the blue picture gets each picture's own answer, from the saved run in a new load."""
-    state = train(tmp_path, tiny_vl, tmp_path / "run")
+    state = train(tmp_path, tiny_vl, tmp_path / "run", "output.expert_load=true")
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]
     assert losses[-1] < 0.2 * losses[0], losses
+    # expert load per router: each MoE layer's text and vision routers count their own tokens; 60 steps over the 3
+    # rows are 20 passes over every sample, so the vision routers' share of the routed tokens is the data's
+    from transformers import AutoTokenizer
+
+    from erniekit_lite.data import vl
+    from erniekit_lite.model.vl import image_processor
+
+    load = json.loads((tmp_path / "run" / "expert_load.json").read_text())
+    assert load["layers"] == [1, 1, 2, 2, 3, 3] and load["routers"] == ["text", "vision"] * 3 and load["top_k"] == 2
+    template = vl.VLTemplate(AutoTokenizer.from_pretrained(tiny_vl), image_processor(str(tiny_vl)))
+    records = [json.loads(line) for line in (RECIPES / "data" / "colours.jsonl").read_text().splitlines()]
+    samples = [s for r in records for s in template.samples(vl.messages_of(r, RECIPES / "data", "x"), "x")]
+    vision, tokens = sum(sum(s.routing_types) for s in samples), sum(len(s) for s in samples)
+    for text_row, vision_row in zip(load["counts"][0::2], load["counts"][1::2]):
+        assert sum(vision_row) == 20 * 2 * vision and sum(text_row) + sum(vision_row) == 20 * 2 * tokens
     assert (tmp_path / "run" / "preprocessor_config.json").is_file()  # chat finds the image processor in the run
     assert ask(capsys, tmp_path / "run", "red") == "It is red."
     assert ask(capsys, tmp_path / "run", "blue") == "It is blue."

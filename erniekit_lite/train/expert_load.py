@@ -18,17 +18,27 @@ from erniekit_lite.model.lora import unwrap
 
 class ExpertLoad:
     def __init__(self, model):
-        # Routers in forward order; `router_logits` has one entry per MoE layer in the same order
-        self.routers = [(name, m) for name, m in model.named_modules() if name.endswith("mlp.gate") and hasattr(m, "top_k")]
+        # Routers in forward order; `router_logits` has one entry per MoE layer in the same order. ERNIE-4.5-VL has
+        # two a layer (`mlp.text_moe.gate`, `mlp.vision_moe.gate`) and one entry of logits, each token's row from
+        # the router of its modality (`moe_mm_token_type_ids`): each router counts its own tokens
+        self.routers = [(name, m) for name, m in model.named_modules()
+                        if name.endswith(("mlp.gate", "mlp.text_moe.gate", "mlp.vision_moe.gate")) and hasattr(m, "top_k")]
         self.layers = [int(name.split("layers.")[1].split(".")[0]) for name, _ in self.routers]
+        self.kinds = [1 if name.endswith("vision_moe.gate") else 0 if name.endswith("text_moe.gate") else None
+                      for name, _ in self.routers]  # the modality a router takes (None: every token)
         self.counts: torch.Tensor | None = None
         self._biases: list[torch.Tensor | None] | None = None  # the frozen correction biases, whole (`_whole_biases`)
 
-    def add(self, router_logits, attention_mask: torch.Tensor | None = None) -> None:
+    def add(self, router_logits, attention_mask: torch.Tensor | None = None, modality: torch.Tensor | None = None) -> None:
+        """Count one forward's routing; `modality`: ERNIE-4.5-VL's `moe_mm_token_type_ids` (0 text, else vision)."""
         keep = attention_mask.reshape(-1).bool() if attention_mask is not None else None
-        rows = []
+        vision = modality.reshape(-1).bool() if modality is not None else None
+        per_layer = iter(router_logits)
+        rows, logits = [], None
         with torch.no_grad():
-            for (_, router), logits, bias in zip(self.routers, router_logits, self._whole_biases()):
+            for (_, router), kind, bias in zip(self.routers, self.kinds, self._whole_biases()):
+                if kind != 1:  # a text router (or the only one) starts its layer's entry; the vision one shares it
+                    logits = next(per_layer)
                 probs = torch.softmax(logits.detach().float(), dim=-1)
                 chosen = torch.topk(probs + (bias if bias is not None else _bias(router)), router.top_k, dim=-1).indices
                 real = torch.ones_like(chosen)
@@ -37,6 +47,9 @@ class ExpertLoad:
                         raise ValueError(f"expert load: the attention mask covers {keep.numel()} tokens, the router "
                                          f"logits {chosen.shape[0]}; cannot tell real tokens from padding")
                     real = real * keep[:, None]
+                if kind is not None:  # weights, not a boolean index (its size is a host read)
+                    mine = (vision if kind == 1 else ~vision) if vision is not None else torch.full_like(chosen[:, 0], kind == 0, dtype=torch.bool)
+                    real = real * mine[:, None]
                 # a scatter, not `bincount` or a boolean mask: their output sizes are host reads, a GPU sync each
                 rows.append(chosen.new_zeros(router.num_experts).scatter_add_(0, chosen.reshape(-1), real.reshape(-1)))
             counts = torch.stack(rows)
@@ -62,9 +75,10 @@ class ExpertLoad:
             return
         out = Path(out)
         counts = counts.cpu()
-        routed = int(counts[0].sum()) if len(counts) else 0
+        routed = int(counts[: 2 if self.kinds[0] is not None else 1].sum()) if len(counts) else 0  # the first layer's routers
         data = {
             "layers": self.layers,
+            **({"routers": ["vision" if k == 1 else "text" for k in self.kinds]} if any(k is not None for k in self.kinds) else {}),
             "experts": counts.shape[1],
             "top_k": self.routers[0][1].top_k,
             "routed_tokens": routed // max(1, self.routers[0][1].top_k),
@@ -101,7 +115,8 @@ def _heatmap(data: dict, path: Path) -> None:
     image = ax.imshow(share / uniform, aspect="auto", cmap="magma", vmin=0)
     ax.set_xlabel(f"expert ({data['routed_tokens']:,} tokens routed, top-{data['top_k']})")
     ax.set_ylabel("layer")
-    ax.set_yticks(range(len(data["layers"])), [str(i) for i in data["layers"]])
+    kinds = data.get("routers") or [""] * len(data["layers"])
+    ax.set_yticks(range(len(data["layers"])), [f"{i} {k}".strip() for i, k in zip(data["layers"], kinds)])
     ax.set_title("expert load: share of tokens relative to uniform")
     fig.colorbar(image, ax=ax, label="x uniform share")
     fig.tight_layout()

@@ -59,7 +59,7 @@ def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True, router
         inputs["mm_encoder_outputs"] = encode_images(model.base_model, inputs.pop("pixel_values"), inputs.pop("image_grid_thw"))
     out = model.base_model(**inputs, use_cache=False, **({"output_router_logits": True} if routed else {}))
     if tracker is not None and model.training and torch.is_grad_enabled():  # policy passes only, not the reference
-        tracker.add(out.router_logits, inputs.get("attention_mask"))
+        tracker.add(out.router_logits, inputs.get("attention_mask"), inputs.get("moe_mm_token_type_ids"))
     hidden = out.last_hidden_state[keep] if positions is None else out.last_hidden_state.flatten(0, 1).index_select(0, positions)
     head = model.get_output_embeddings()
     log_probs, entropy, log_sum_sq, mean_logits, is_top1 = head_scores(
