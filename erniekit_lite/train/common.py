@@ -102,6 +102,17 @@ def trainer_inputs(data, tokenizer, plan: RunPlan, packed, padded, rows=rows_dat
             "processing_class": tokenizer, "data_collator": collator}
 
 
+def vl_trainer_inputs(data, tokenizer, plan: RunPlan, collator) -> dict:
+    """`trainer_inputs` for ERNIE-4.5-VL rows (data/vl.py): the datasets are row indices, and the `collator` class,
+    which always lays samples end to end, holds the rows (train, then eval)."""
+    from erniekit_lite.data.vl import index_dataset
+
+    held = data.eval.rows if data.eval is not None else []
+    return {"train_dataset": index_dataset(0, len(data.train.rows)),
+            "eval_dataset": index_dataset(len(data.train.rows), len(held)) if data.eval is not None else None,
+            "processing_class": tokenizer, "data_collator": collator(plan.data.max_length, data.train.rows + held)}
+
+
 def trl_trainer(trainer_class, model, plan: RunPlan, **kwargs):
     """A TRL trainer (built with `kwargs`) that adds the recipe's adapter itself (given a peft config, its reference is
     then the base with the adapter disabled: no copy), with the adapters checked."""

@@ -13,7 +13,7 @@ from erniekit_lite.data.prepare import PreparedPairs, describe_pairs, prepare_pa
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.run_plan import RunPlan
 from erniekit_lite.train import run as runner
-from erniekit_lite.train.common import trainer_inputs, trl_trainer
+from erniekit_lite.train.common import trainer_inputs, trl_trainer, vl_trainer_inputs
 
 
 def run(recipe: Recipe, log=print) -> Path:
@@ -33,12 +33,9 @@ def build_trainer(model, tokenizer, args, data: PreparedPairs, plan: RunPlan):
     from erniekit_lite.train.dpo_trainer import ErnieDPOTrainer
 
     if plan.vl:  # rows of image-text pairs, always laid end to end, held by the collator (data/vl.py)
-        from erniekit_lite.data.vl import VLPackedPairCollator, index_dataset
+        from erniekit_lite.data.vl import VLPackedPairCollator
 
-        held = data.eval.rows if data.eval is not None else []
-        inputs = {"train_dataset": index_dataset(0, len(data.train.rows)),
-                  "eval_dataset": index_dataset(len(data.train.rows), len(held)) if data.eval is not None else None,
-                  "processing_class": tokenizer, "data_collator": VLPackedPairCollator(plan.data.max_length, data.train.rows + held)}
+        inputs = vl_trainer_inputs(data, tokenizer, plan, VLPackedPairCollator)
     else:
         inputs = trainer_inputs(data, tokenizer, plan, PackedPairCollator, PaddedPairCollator)
     return trl_trainer(ErnieDPOTrainer, model, plan, args=args, reference_cache=plan.data.cache, **inputs)

@@ -10,7 +10,7 @@ from erniekit_lite.data.prepare import PreparedData, describe_data, prepare
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.run_plan import RunPlan
 from erniekit_lite.train import run as runner
-from erniekit_lite.train.common import trainer_inputs
+from erniekit_lite.train.common import trainer_inputs, vl_trainer_inputs
 
 
 def run(recipe: Recipe, log=print) -> Path:
@@ -30,12 +30,9 @@ def build_trainer(model, tokenizer, args, data: PreparedData, plan: RunPlan):
     from erniekit_lite.train.trainer import ErnieSFTTrainer
 
     if plan.vl:  # rows of image-text samples, always laid end to end (data.packing: false puts one in a row)
-        from erniekit_lite.data.vl import VLPackedCollator, index_dataset
+        from erniekit_lite.data.vl import VLPackedCollator
 
-        held = data.eval.rows if data.eval is not None else []
-        inputs = {"train_dataset": index_dataset(0, len(data.train.rows)),
-                  "eval_dataset": index_dataset(len(data.train.rows), len(held)) if data.eval is not None else None,
-                  "processing_class": tokenizer, "data_collator": VLPackedCollator(plan.data.max_length, data.train.rows + held)}
+        inputs = vl_trainer_inputs(data, tokenizer, plan, VLPackedCollator)
     else:
         inputs = trainer_inputs(data, tokenizer, plan, PackedCollator, PaddedCollator)
     return ErnieSFTTrainer(model=model, args=args, **inputs)
