@@ -142,7 +142,7 @@ def data_plan(recipe: Recipe, args, tokenizer, log, images=None) -> tuple[dict, 
 
     if recipe.method in PAIR_METHODS:
         if images is not None:
-            from erniekit_lite.data.vl import prepare_vl_pairs
+            from erniekit_lite.data.vl_rows import prepare_vl_pairs
 
             data = prepare_vl_pairs(recipe.data, tokenizer, images, seed=args.seed, log=log)
         else:
@@ -174,7 +174,7 @@ def data_plan(recipe: Recipe, args, tokenizer, log, images=None) -> tuple[dict, 
         count = data.train.stats.documents
     else:
         if images is not None:
-            from erniekit_lite.data.vl import prepare_vl
+            from erniekit_lite.data.vl_rows import prepare_vl
 
             data = prepare_vl(recipe.data, tokenizer, images, seed=args.seed, log=log)
         else:

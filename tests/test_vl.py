@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from erniekit_lite.data import vl
+from erniekit_lite.data import vl, vl_rows
 from erniekit_lite.errors import UserError
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -129,7 +129,7 @@ def test_a_packed_row_scores_each_sample_as_it_scores_alone(tiny_vl_dir, images)
     with torch.no_grad():
         expected = torch.cat([alone(s) for s in samples])
         model.set_attn_implementation(NAME)
-        batch = vl.VLPackedCollator(256)([vl.VLRow(samples)])
+        batch = vl_rows.VLPackedCollator(256)([vl_rows.VLRow(samples)])
         assert batch["position_ids"].shape == (3, 1, sum(map(len, samples))) and batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6], [1, 4, 8]]
         features = model.model.get_image_features(batch.pop("pixel_values"), batch.pop("image_grid_thw"), return_dict=True)
         inputs = {k: batch[k] for k in ("input_ids", "position_ids", "moe_mm_token_type_ids", "cu_seq_lens_q", "cu_seq_lens_k",
@@ -183,7 +183,7 @@ def test_lora_adapts_text_and_vision_experts_and_the_split_path_computes_peft_s(
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)  # peft starts B at zero, which would hide half the backward
-    batch = vl.VLPackedCollator(256)([vl.VLRow(samples_of(template_of(tiny_vl_dir), images)[:2])])
+    batch = vl_rows.VLPackedCollator(256)([vl_rows.VLRow(samples_of(template_of(tiny_vl_dir), images)[:2])])
 
     def run(mode):
         copied = copy.deepcopy(model)

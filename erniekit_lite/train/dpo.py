@@ -23,7 +23,7 @@ def run(recipe: Recipe, log=print) -> Path:
 def prepare_data(data, tokenizer, seed: int = 42, log=print, beside: Path | None = None, images=None) -> PreparedPairs:
     """The recipe's pairs as rows; `images`: a VL model's image processor (image-text pairs, data/vl.py)."""
     if images is not None:
-        from erniekit_lite.data.vl import prepare_vl_pairs
+        from erniekit_lite.data.vl_rows import prepare_vl_pairs
 
         return prepare_vl_pairs(data, tokenizer, images, seed, log)
     return prepare_pairs(data, tokenizer, seed, log, beside)
@@ -33,7 +33,7 @@ def build_trainer(model, tokenizer, args, data: PreparedPairs, plan: RunPlan):
     from erniekit_lite.train.dpo_trainer import ErnieDPOTrainer
 
     if plan.vl:  # rows of image-text pairs, always laid end to end, held by the collator (data/vl.py)
-        from erniekit_lite.data.vl import VLPackedPairCollator
+        from erniekit_lite.data.vl_rows import VLPackedPairCollator
 
         inputs = vl_trainer_inputs(data, tokenizer, plan, VLPackedPairCollator)
     else:

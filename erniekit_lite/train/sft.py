@@ -20,7 +20,7 @@ def run(recipe: Recipe, log=print) -> Path:
 def prepare_data(data, tokenizer, seed: int = 42, log=print, beside: Path | None = None, images=None) -> PreparedData:
     """The recipe's data as rows; `images`: a VL model's image processor (image-text records, data/vl.py)."""
     if images is not None:
-        from erniekit_lite.data.vl import prepare_vl
+        from erniekit_lite.data.vl_rows import prepare_vl
 
         return prepare_vl(data, tokenizer, images, seed, log)
     return prepare(data, tokenizer, seed, log, beside)
@@ -30,7 +30,7 @@ def build_trainer(model, tokenizer, args, data: PreparedData, plan: RunPlan):
     from erniekit_lite.train.trainer import ErnieSFTTrainer
 
     if plan.vl:  # rows of image-text samples, always laid end to end (data.packing: false puts one in a row)
-        from erniekit_lite.data.vl import VLPackedCollator
+        from erniekit_lite.data.vl_rows import VLPackedCollator
 
         inputs = vl_trainer_inputs(data, tokenizer, plan, VLPackedCollator)
     else:
