@@ -103,7 +103,7 @@ def trainer_inputs(data, tokenizer, plan: RunPlan, packed, padded, rows=rows_dat
 
 
 def vl_trainer_inputs(data, tokenizer, plan: RunPlan, collator) -> dict:
-    """`trainer_inputs` for ERNIE-4.5-VL rows (data/vl.py): the datasets are row indices, and the `collator` class,
+    """`trainer_inputs` for ERNIE-4.5-VL rows (data/vl_rows.py): the datasets are row indices, and the `collator` class,
     which always lays samples end to end, holds the rows (train, then eval)."""
     from erniekit_lite.data.vl_rows import index_dataset
 

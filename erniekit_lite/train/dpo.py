@@ -32,7 +32,7 @@ def prepare_data(data, tokenizer, seed: int = 42, log=print, beside: Path | None
 def build_trainer(model, tokenizer, args, data: PreparedPairs, plan: RunPlan):
     from erniekit_lite.train.dpo_trainer import ErnieDPOTrainer
 
-    if plan.vl:  # rows of image-text pairs, always laid end to end, held by the collator (data/vl.py)
+    if plan.vl:  # rows of image-text pairs, always laid end to end, held by the collator (data/vl_rows.py)
         from erniekit_lite.data.vl_rows import VLPackedPairCollator
 
         inputs = vl_trainer_inputs(data, tokenizer, plan, VLPackedPairCollator)

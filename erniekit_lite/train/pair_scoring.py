@@ -25,7 +25,7 @@ def pair_scores(model, kwargs: dict) -> FusedCausalLMOutput:
             "position_ids": kwargs["packed_position_ids"],
             **{k: kwargs[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")},
         }
-        for key in ("moe_mm_token_type_ids", "pixel_values", "image_grid_thw"):  # ERNIE-4.5-VL pairs (data/vl.py)
+        for key in ("moe_mm_token_type_ids", "pixel_values", "image_grid_thw"):  # ERNIE-4.5-VL pairs (data/vl_rows.py)
             if f"packed_{key}" in kwargs:
                 inputs[key] = kwargs[f"packed_{key}"]
     else:  # padded [2B, L] rows
