@@ -44,6 +44,10 @@ class ModelSection(_Section):
     load_in_4bit: bool = Field(
         False, description="QLoRA: load the frozen base in 4-bit NF4 through bitsandbytes (CUDA GPU or CPU; needs lora:)."
     )
+    train_vision: bool = Field(
+        False, description="ERNIE-4.5-VL, full fine-tuning: also train the vision encoder and resampler (default: frozen, "
+        "as LLaMA-Factory's freeze_vision_tower; LoRA's own switch is lora.vision)."
+    )
     compile_layers: bool = Field(
         False, description="Compile each decoder layer with torch.compile (dynamic row length: no recompile per row), "
         "one compiled layer reused by all, so the eager step's elementwise work (RoPE, RMSNorm, SiLU x up, casts) fuses; "

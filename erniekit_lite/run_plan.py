@@ -42,6 +42,7 @@ class RunPlan:
     architecture: str  # the model's class as its config.json names it
     moe: bool
     vl: bool  # ERNIE-4.5-VL: image-text data, images encoded by the model (model/vl.py)
+    vision_trains: bool  # ERNIE-4.5-VL: the vision encoder and resampler train (model.train_vision, lora.vision)
     dtype: str
     load_in_4bit: bool
     trust_remote_code: bool
@@ -192,6 +193,8 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
     layout = (lambda: arch) if arch is not None else functools.cache(lambda: architecture(source.weights, recipe, config))
     moe = memory.Shape.from_config(config).experts > 0
     vl = is_vl(config)
+    if recipe.model.train_vision and (not vl or recipe.lora is not None):
+        raise UserError("model.train_vision: full fine-tuning of an ERNIE-4.5-VL model only" + (" (with lora:, lora.vision: true)" if vl else ""))
     if vl and recipe.method not in VL_METHODS:
         raise UserError(f"method: {recipe.method}: not available for ERNIE-4.5-VL here; VL runs take {', '.join(VL_METHODS)}")
     if vl and getattr(args, "precompute_ref_log_probs", False):
@@ -210,6 +213,7 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
         architecture=(getattr(config, "architectures", None) or [config.model_type])[0],
         moe=moe,
         vl=vl,
+        vision_trains=vl and (recipe.lora.vision if recipe.lora is not None else recipe.model.train_vision),
         dtype=recipe.model.dtype,
         load_in_4bit=recipe.model.load_in_4bit,
         trust_remote_code=recipe.model.trust_remote_code,
@@ -365,7 +369,11 @@ def architecture(path: str, recipe: Recipe, config=None) -> dict:
     with torch.device("meta"):
         model = auto.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
     total = sum(p.numel() for p in model.parameters())
-    trainable = total
+    if is_vl(config) and recipe.lora is None and not recipe.model.train_vision:  # as load_for_training freezes it
+        from erniekit_lite.model.vl import freeze_vision
+
+        freeze_vision(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if recipe.lora is not None:
         from erniekit_lite.model.lora import apply_lora
 

@@ -58,6 +58,15 @@ def test_the_vl_quick_start_learns_each_pictures_colour(tmp_path, capsys, tiny_v
     for text_row, vision_row in zip(load["counts"][0::2], load["counts"][1::2]):
         assert sum(vision_row) == 20 * 2 * vision and sum(text_row) + sum(vision_row) == 20 * 2 * tokens
     assert (tmp_path / "run" / "preprocessor_config.json").is_file()  # chat finds the image processor in the run
+    # full fine-tuning leaves the vision encoder and resampler as they were (model.train_vision: false, the default)
+    import torch
+
+    from erniekit_lite.model.load import load_model
+
+    before, after = (dict(load_model(str(p), "float32", "sdpa").named_parameters()) for p in (tiny_vl, tmp_path / "run"))
+    vision = [n for n in before if n.startswith(("model.vision_tower.", "model.resampler_model."))]
+    assert vision and all(torch.equal(before[n], after[n]) for n in vision)
+    assert not torch.equal(before["model.language_model.layers.0.self_attn.q_proj.weight"], after["model.language_model.layers.0.self_attn.q_proj.weight"])
     assert ask(capsys, tmp_path / "run", "red") == "It is red."
     assert ask(capsys, tmp_path / "run", "blue") == "It is blue."
 
@@ -91,6 +100,8 @@ def test_a_vl_run_refuses_what_it_cannot_train_and_chat_refuses_images_for_a_tex
     code = main(["train", str(RECIPES / "quickstart-vl.yaml"), f"model.path={tiny_vl}", f"output.dir={tmp_path / 'orpo'}",
                  "method=orpo"])
     assert code == 2 and "method: orpo: not available for ERNIE-4.5-VL here; VL runs take sft, dpo" in capsys.readouterr().err
+    code = main(["validate", str(RECIPES / "quickstart-vl.yaml"), f"model.path={tiny_vl}", "model.train_vision=true", "lora.r=8"])
+    assert code == 2 and "model.train_vision: full fine-tuning of an ERNIE-4.5-VL model only (with lora:, lora.vision: true)" in capsys.readouterr().err
     code = main(["chat", str(tiny_own_dir), "--image", str(COLOURS / "red.png"), "--prompt", QUESTION])
     assert code == 2 and "--image: this model reads text only" in capsys.readouterr().err
     assert main(["export", str(tiny_vl), "--to", "gguf", "--out", str(tmp_path / "gguf")]) == 2

@@ -73,6 +73,20 @@ def is_vl_run(path: str) -> bool:
     return False
 
 
+VISION_MODULES = ("model.vision_tower.", "model.resampler_model.")  # the image side of the model, by parameter name
+
+
+def freeze_vision(model) -> int:
+    """Freeze the vision encoder and the resampler (`model.train_vision: false`, the default); returns the parameters
+    frozen."""
+    frozen = 0
+    for name, param in model.named_parameters():
+        if name.startswith(VISION_MODULES):
+            param.requires_grad_(False)
+            frozen += param.numel()
+    return frozen
+
+
 def encode_images(model, pixel_values, grid) -> dict:
     """`mm_encoder_outputs` for the VL model's forward: the images' features, encoded apart (module doc). `model`:
     the VL model's base (`Ernie4_5_VLMoeModel`)."""

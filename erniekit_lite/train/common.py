@@ -45,6 +45,10 @@ def load_for_training(plan: RunPlan, log=print, apply_lora: bool = True):
         scored.take(unwrap(model), plan.head_keep_positions)
     if plan.lora is not None and hasattr(model, "peft_config"):
         raise UserError("lora: model.path is already a LoRA output dir; omit lora: to keep training that adapter")
+    if plan.vl and plan.lora is None and not plan.vision_trains:  # full fine-tuning keeps the vision encoder frozen
+        from erniekit_lite.model.vl import freeze_vision
+
+        freeze_vision(unwrap(model))
     if plan.lora is not None and apply_lora:
         from erniekit_lite.model.lora import apply_lora as add_adapters
 
