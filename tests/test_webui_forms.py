@@ -400,7 +400,7 @@ def test_unset_new_keys_stay_unset():
         edited = forms.parse(forms.apply(recipe, form).to_yaml(), "r.yaml")
         assert edited.lora == recipes.LoraSection(r=4)
         assert edited.lora.model_dump() == {"r": 4, "alpha": 16.0, "dropout": 0.0, "targets": recipes.DEFAULT_LORA_TARGETS,
-                                            "routed_experts": True, "expert_r": None, "expert_compute": "split", "use_rslora": False,
+                                            "routed_experts": True, "vision": False, "expert_r": None, "expert_compute": "split", "use_rslora": False,
                                             "use_dora": False, "init": True, "plus_lr_ratio": None}
         assert edited.train == {**COMMON_TRAIN, "max_steps": 9}
 
