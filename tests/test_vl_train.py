@@ -4,6 +4,7 @@ solid-colour pictures answers each picture's own colour through `chat --image`; 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,26 @@ def test_vl_router_losses_cover_the_text_and_the_vision_routers(tmp_path, tiny_v
     assert len(weights) == 6 and len(routers(base)) == 6
     assert logged["orthogonal_loss"] == pytest.approx(orthogonal_loss(weights).item(), rel=1e-5)
     assert logged["z_loss"] > 0
+
+
+@pytest.mark.slow  # ~30 s: a launch of two processes and a single one
+def test_vl_two_processes_train_like_one_with_twice_the_accumulation(tmp_path, tiny_vl):
+    """DDP over 2 gloo processes, a packed row of image-text samples each, against 1 process accumulating 2 rows:
+    the same step losses (fp32; only summation order differs, rel 1e-6), and the same tokens trained: each process
+    reads the data and its images itself and takes its share of the rows."""
+    import subprocess
+    import sys
+
+    def run(out: Path, *more: str):
+        command = [sys.executable, "-m", "erniekit_lite", "train", str(RECIPES / "quickstart-vl.yaml"), f"model.path={tiny_vl}",
+                   f"output.dir={out}", f"data.train.0.path={RECIPES / 'data' / 'colours.jsonl'}", "data.max_length=80",
+                   "train.max_steps=3", "train.logging_steps=1", "train.save_steps=100", *more]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        assert done.returncode == 0, done.stderr[-3000:]
+        state = json.loads((out / "trainer_state.json").read_text())
+        return [h["loss"] for h in state["log_history"] if "loss" in h], json.loads((out / "train_results.json").read_text())
+
+    two, two_results = run(tmp_path / "two", "--num-processes", "2")
+    one, one_results = run(tmp_path / "one", "train.gradient_accumulation_steps=2")
+    assert len(two) == 3 and two == pytest.approx(one, rel=1e-6)
+    assert two_results["train_tokens"] == one_results["train_tokens"] > 0
