@@ -98,6 +98,11 @@ def test_a_vl_run_refuses_what_it_cannot_train_and_chat_refuses_images_for_a_tex
     out = capsys.readouterr().out
     assert code == 0 and "colours.jsonl [vl messages]: 8 records -> 8 samples" in out and "8 samples in 3 rows" in out, out
     assert "images: 4 to 16 tokens an image at the image processor's pixel budget (3,136 to 12,544 pixels)" in out, out
+    for method, data, unit in (("sft", "colours.jsonl", "sample"), ("dpo", "colours_dpo.jsonl", "pair")):  # a held-out share
+        code = main(["validate", str(RECIPES / "quickstart-vl.yaml"), f"model.path={tiny_vl}", f"output.dir={tmp_path / 'v'}",
+                     f"data.train.0.path={RECIPES / 'data' / data}", "data.eval_split=0.25", f"method={method}", "lora.r=4"])
+        out = capsys.readouterr().out
+        assert code == 0 and f"train: 6 {unit}s in" in out and f"eval: 2 {unit}s in" in out, out
     code = main(["train", str(RECIPES / "quickstart-vl.yaml"), f"model.path={tiny_vl}", f"output.dir={tmp_path / 'orpo'}",
                  "method=orpo"])
     assert code == 2 and "method: orpo: not available for ERNIE-4.5-VL here; VL runs take sft, dpo" in capsys.readouterr().err

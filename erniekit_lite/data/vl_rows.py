@@ -33,7 +33,7 @@ def prepare_vl(data, tokenizer, processor, seed: int = 42, log=print):
     longer than data.max_length is dropped (cutting it could cut an image's tokens), counted like any other."""
     from erniekit_lite.data.load import read_records
     from erniekit_lite.data.packing import best_fit_decreasing
-    from erniekit_lite.data.prepare import PreparedData, SourceReport, Split, _hold_out
+    from erniekit_lite.data.prepare import PreparedData, SourceReport, Split
     from erniekit_lite.data.tokenize import TokenStats
 
     template = VLTemplate(tokenizer, processor)
@@ -45,9 +45,7 @@ def prepare_vl(data, tokenizer, processor, seed: int = 42, log=print):
             kept = 0
             for record in records:
                 where = f"{record.path}:{record.line}"
-                fields = record.fields()
-                if data.system and not any(m.get("role") == "system" for m in fields.get("messages") or [] if isinstance(m, dict)):
-                    fields = {**fields, "messages": [{"role": "system", "content": data.system}, *fields.get("messages", [])]}
+                fields = with_system(record.fields(), data.system)
                 for sample in template.samples(messages_of(fields, Path(record.path).parent, where), where):
                     if len(sample) > data.max_length:
                         stats.dropped_overlong += 1
@@ -65,16 +63,7 @@ def prepare_vl(data, tokenizer, processor, seed: int = 42, log=print):
             return [VLRow([s]) for s in samples]
         return [VLRow([samples[i] for i in b]) for b in best_fit_decreasing([len(s) for s in samples], data.max_length)]
 
-    train = split(data.train, pack_rows=not data.eval_split)
-    if not train.samples:
-        from erniekit_lite.errors import DataError
-
-        raise DataError(", ".join(s.path for s in data.train), f"no image-text samples within data.max_length={data.max_length}")
-    evaluation = split(data.eval) if data.eval else None
-    if data.eval_split:
-        held, kept = _hold_out(train.samples, data.eval_split, seed, train.sources[0].path)
-        evaluation = Split(rows(held), held, TokenStats(), max_length=data.max_length)
-        train = Split(rows(kept), kept, train.stats, train.sources, max_length=data.max_length)
+    train, evaluation = _splits(data, seed, split, rows, lambda s: s.samples, Split, TokenStats, "samples")
     return PreparedData(train, evaluation, "ernie4.5-vl")
 
 
@@ -137,7 +126,7 @@ def prepare_vl_pairs(data, tokenizer, processor, seed: int = 42, log=print):
     from erniekit_lite.data.load import read_records
     from erniekit_lite.data.packing import best_fit_decreasing
     from erniekit_lite.data.pairs import PairStats
-    from erniekit_lite.data.prepare import PairSplit, PreparedPairs, SourceReport, _hold_out
+    from erniekit_lite.data.prepare import PairSplit, PreparedPairs, SourceReport
 
     template = VLTemplate(tokenizer, processor)
 
@@ -152,7 +141,7 @@ def prepare_vl_pairs(data, tokenizer, processor, seed: int = 42, log=print):
             kept = 0
             for record in records:
                 where = f"{record.path}:{record.line}"
-                pair = vl_pair(template, record.fields(), Path(record.path).parent, where)
+                pair = vl_pair(template, with_system(record.fields(), data.system), Path(record.path).parent, where)
                 if max(len(pair.chosen), len(pair.rejected)) > data.max_length:
                     stats.skipped["longer than max_length"] += 1
                     continue
@@ -163,17 +152,34 @@ def prepare_vl_pairs(data, tokenizer, processor, seed: int = 42, log=print):
             reports.append(SourceReport(source.path, "vl pairs", False, len(records), kept))
         return PairSplit(rows(pairs) if pack_rows else [], pairs, stats, reports, max_length=data.max_length)
 
+    train, evaluation = _splits(data, seed, split, rows, lambda s: s.pairs, PairSplit, PairStats, "pairs")
+    return PreparedPairs(train, evaluation, "ernie4.5-vl")
+
+
+def _splits(data, seed: int, split, rows, items, split_class, stats_class, what: str):
+    """The train split (read, then packed unless a share is held out) and the eval one: data.eval's sources, or
+    `data.eval_split` of train's items, held out with the text data's rule (`prepare._hold_out`)."""
+    from erniekit_lite.data.prepare import _hold_out
+
     train = split(data.train, pack_rows=not data.eval_split)
-    if not train.pairs:
+    if not items(train):
         from erniekit_lite.errors import DataError
 
-        raise DataError(", ".join(s.path for s in data.train), f"no image-text pairs within data.max_length={data.max_length}")
+        raise DataError(", ".join(s.path for s in data.train), f"no image-text {what} within data.max_length={data.max_length}")
     evaluation = split(data.eval) if data.eval else None
     if data.eval_split:
-        held, kept = _hold_out(train.pairs, data.eval_split, seed, train.sources[0].path)
-        evaluation = PairSplit(rows(held), held, PairStats(), max_length=data.max_length)
-        train = PairSplit(rows(kept), kept, train.stats, train.sources, max_length=data.max_length)
-    return PreparedPairs(train, evaluation, "ernie4.5-vl")
+        held, kept = _hold_out(items(train), data.eval_split, seed, train.sources[0].path)
+        evaluation = split_class(rows(held), held, stats_class(), max_length=data.max_length)
+        train = split_class(rows(kept), kept, train.stats, train.sources, max_length=data.max_length)
+    return train, evaluation
+
+
+def with_system(fields: dict, system: str | None) -> dict:
+    """The record with `data.system` as its system message when it has none."""
+    messages = fields.get("messages")
+    if not system or not isinstance(messages, list) or any(isinstance(m, dict) and m.get("role") == "system" for m in messages):
+        return fields
+    return {**fields, "messages": [{"role": "system", "content": system}, *messages]}
 
 
 @dataclass
