@@ -8,7 +8,8 @@ from erniekit_lite.errors import UserError
 from erniekit_lite.model.load import load_model
 from erniekit_lite.model.lora import groups_line, unwrap
 from erniekit_lite.recipe import Recipe
-from erniekit_lite.run_plan import RunPlan, gpu_free, host_available
+from erniekit_lite import run_plan
+from erniekit_lite.run_plan import RunPlan
 from erniekit_lite.trainer_args import router_line, training_args
 
 
@@ -26,7 +27,8 @@ def free_memory() -> int:
     any other sharing the card), not its total; on CPU the memory available to new allocations."""
     import torch
 
-    return gpu_free() if torch.cuda.is_available() else host_available()
+    # looked up on the module at each call, not bound at import (a test's stand-in for either then reaches it)
+    return run_plan.gpu_free() if torch.cuda.is_available() else run_plan.host_available()
 
 
 def load_for_training(plan: RunPlan, log=print, apply_lora: bool = True):
