@@ -31,31 +31,26 @@ class VLRow:
 def prepare_vl(data, tokenizer, processor, seed: int = 42, log=print):
     """`data` (the recipe's data section) read into packed rows of VL samples: the SFT data of a VL run. A sample
     longer than data.max_length is dropped (cutting it could cut an image's tokens), counted like any other."""
-    from erniekit_lite.data.load import read_records
     from erniekit_lite.data.packing import best_fit_decreasing
-    from erniekit_lite.data.prepare import PreparedData, SourceReport, Split
+    from erniekit_lite.data.prepare import PreparedData, Split
     from erniekit_lite.data.tokenize import TokenStats
 
     template = VLTemplate(tokenizer, processor)
 
     def split(sources, pack_rows: bool = True):
-        samples, stats, reports = [], TokenStats(), []
-        for source in sources:
-            records = read_records(source.path, source.split, source.max_samples)
-            kept = 0
-            for record in records:
-                where = f"{record.path}:{record.line}"
-                fields = with_system(record.fields(), data.system)
-                for sample in template.samples(messages_of(fields, Path(record.path).parent, where), where):
-                    if len(sample) > data.max_length:
-                        stats.dropped_overlong += 1
-                        continue
-                    stats.kept += 1
-                    stats.lengths.append(len(sample))
-                    stats.trained_tokens += sum(label != IGNORE for label in sample.labels)
-                    samples.append(sample)
-                    kept += 1
-            reports.append(SourceReport(source.path, "vl messages", False, len(records), kept))
+        stats = TokenStats()
+
+        def keep(sample) -> bool:
+            if len(sample) > data.max_length:
+                stats.dropped_overlong += 1
+                return False
+            stats.kept += 1
+            stats.lengths.append(len(sample))
+            stats.trained_tokens += sum(label != IGNORE for label in sample.labels)
+            return True
+
+        samples, reports = _read(sources, data.system, "vl messages", keep,
+                                 lambda fields, base, where: template.samples(messages_of(fields, base, where), where))
         return Split(rows(samples) if pack_rows else [], samples, stats, reports, max_length=data.max_length)
 
     def rows(samples):
@@ -123,10 +118,9 @@ class VLPairRow:
 def prepare_vl_pairs(data, tokenizer, processor, seed: int = 42, log=print):
     """`data` read into packed rows of whole VL pairs (DPO), as `prepare_vl` reads SFT data; a pair with a sequence
     longer than data.max_length is skipped and counted."""
-    from erniekit_lite.data.load import read_records
     from erniekit_lite.data.packing import best_fit_decreasing
     from erniekit_lite.data.pairs import PairStats
-    from erniekit_lite.data.prepare import PairSplit, PreparedPairs, SourceReport
+    from erniekit_lite.data.prepare import PairSplit, PreparedPairs
 
     template = VLTemplate(tokenizer, processor)
 
@@ -135,25 +129,39 @@ def prepare_vl_pairs(data, tokenizer, processor, seed: int = 42, log=print):
         return [VLPairRow([s for i in g for s in (pairs[i].chosen, pairs[i].rejected)]) for g in groups]
 
     def split(sources, pack_rows: bool = True):
-        pairs, stats, reports = [], PairStats(), []
-        for source in sources:
-            records = read_records(source.path, source.split, source.max_samples)
-            kept = 0
-            for record in records:
-                where = f"{record.path}:{record.line}"
-                pair = vl_pair(template, with_system(record.fields(), data.system), Path(record.path).parent, where)
-                if max(len(pair.chosen), len(pair.rejected)) > data.max_length:
-                    stats.skipped["longer than max_length"] += 1
-                    continue
-                stats.kept += 1
-                stats.lengths += [len(pair.chosen), len(pair.rejected)]
-                pairs.append(pair)
-                kept += 1
-            reports.append(SourceReport(source.path, "vl pairs", False, len(records), kept))
+        stats = PairStats()
+
+        def keep(pair) -> bool:
+            if max(len(pair.chosen), len(pair.rejected)) > data.max_length:
+                stats.skipped["longer than max_length"] += 1
+                return False
+            stats.kept += 1
+            stats.lengths += [len(pair.chosen), len(pair.rejected)]
+            return True
+
+        pairs, reports = _read(sources, data.system, "vl pairs", keep,
+                               lambda fields, base, where: [vl_pair(template, fields, base, where)])
         return PairSplit(rows(pairs) if pack_rows else [], pairs, stats, reports, max_length=data.max_length)
 
     train, evaluation = _splits(data, seed, split, rows, lambda s: s.pairs, PairSplit, PairStats, "pairs")
     return PreparedPairs(train, evaluation, "ernie4.5-vl")
+
+
+def _read(sources, system: str | None, kind: str, keep, make) -> tuple[list, list]:
+    """The items `make(fields, images' folder, "file:line")` makes of every record of `sources` (`data.system` added
+    to a record without one) that `keep` keeps, and a report per source."""
+    from erniekit_lite.data.load import read_records
+    from erniekit_lite.data.prepare import SourceReport
+
+    items, reports = [], []
+    for source in sources:
+        records = read_records(source.path, source.split, source.max_samples)
+        before = len(items)
+        for record in records:
+            where = f"{record.path}:{record.line}"
+            items += [item for item in make(with_system(record.fields(), system), Path(record.path).parent, where) if keep(item)]
+        reports.append(SourceReport(source.path, kind, False, len(records), len(items) - before))
+    return items, reports
 
 
 def _splits(data, seed: int, split, rows, items, split_class, stats_class, what: str):

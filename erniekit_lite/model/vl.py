@@ -21,19 +21,26 @@ def is_vl(config) -> bool:
     return getattr(config, "model_type", None) == MODEL_TYPE
 
 
-def model_class(path: str, trust_remote_code: bool = False):
-    """The auto class a model folder or Hub id loads with: the VL model's image-text class, else a causal LM."""
+def model_type(path: str, trust_remote_code: bool = False) -> str | None:
+    """The `model_type` of a model folder's config.json (or a Hub id's, from the Hub or its cache); None when unread
+    (whoever loads the model then says what is missing, in its own words)."""
     import json
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
     config = Path(path).expanduser() / "config.json"
     try:
-        kind = (json.loads(config.read_text()) if config.is_file() else
+        return (json.loads(config.read_text()) if config.is_file() else
                 AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).to_dict()).get("model_type")
     except (OSError, ValueError):
-        kind = None  # from_pretrained says what is missing, in the caller's words
-    return AutoModelForImageTextToText if kind == MODEL_TYPE else AutoModelForCausalLM
+        return None
+
+
+def model_class(path: str, trust_remote_code: bool = False):
+    """The auto class a model folder or Hub id loads with: the VL model's image-text class, else a causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if model_type(path, trust_remote_code) == MODEL_TYPE else AutoModelForCausalLM
 
 
 def image_processor(path: str):
@@ -62,15 +69,10 @@ def processor_for(path: str):
 
 def is_vl_run(path: str) -> bool:
     """Whether a model dir or a LoRA run's output dir (read through its base) holds an ERNIE-4.5-VL model."""
-    import json
-
     from erniekit_lite.model.source import adapter_base
 
-    for folder in (Path(path).expanduser(), adapter_base(path)):
-        config = Path(folder).expanduser() / "config.json" if folder else None
-        if config is not None and config.is_file():
-            return json.loads(config.read_text()).get("model_type") == MODEL_TYPE
-    return False
+    folder = adapter_base(path) or path
+    return Path(folder).expanduser().is_dir() and model_type(folder) == MODEL_TYPE  # local only: no Hub request here
 
 
 VISION_MODULES = ("model.vision_tower.", "model.resampler_model.")  # the image side of the model, by parameter name
