@@ -206,6 +206,7 @@ class Run:
     host_offload: str = "none"  # train.offload as applied: none | optimizer | parameters (`offload` above is checkpointing's)
     processes: int = 1  # over which FSDP2 shards what `parameters` offloads
     sync: str = "every_step"  # distributed.sync of a multi-process DDP run: powersgd and local_sgd hold memory (sync_bytes)
+    sequence_parallel: int = 1  # processes sharing each row's tokens: `tokens` and `scored` are already this process's share
 
 
 @dataclass
@@ -396,6 +397,20 @@ def _layer_kind(name: str) -> tuple[int | None, str]:
 # The estimate
 
 
+def all_to_all_bytes(shape: Shape, run: Run) -> int:
+    """Per layer and token of this process's share, what Ulysses attention keeps beyond a process with the whole
+    row (model/sequence_parallel.py): attention's output before the inverse all-to-all, a tensor apart from o_proj's
+    input (one tensor otherwise), and the key/value heads repeated where N does not divide them."""
+    n = run.sequence_parallel
+    if n == 1:
+        return 0
+    from math import gcd
+
+    b = 2 if run.autocast else run.dtype_bytes
+    repeats = n // gcd(shape.kv_heads, n)
+    return b * shape.head_dim * (shape.heads + 2 * (repeats - 1) * shape.kv_heads)
+
+
 def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
     r = run.dtype_bytes
     lora_bytes = 2 if run.load_in_4bit else 4
@@ -428,8 +443,14 @@ def estimate(shape: Shape, params: Params, run: Run) -> Estimate:
         kept += 0 if run.offload else len(ckpt) * r * shape.hidden
         kept += 8 * shape.head_dim  # the rope cos/sin every checkpointed layer recomputes from
     kept += _final_norm(shape, params, run)
+    exchange = all_to_all_bytes(shape, run)
+    kept += exchange * (shape.layers - len(ckpt))
     activations = kept * t
-    recompute = max((layer[i] for i in ckpt), default=0) * t  # the layer being recomputed in backward
+    recompute = (max((layer[i] for i in ckpt), default=0) + (exchange if ckpt else 0)) * t  # the layer recomputed in backward
+    if exchange:
+        notes.append(f"distributed.sequence_parallel {run.sequence_parallel}: activations and LM-head positions are this "
+                     f"process's 1/{run.sequence_parallel} of each row; the all-to-all copies attention keeps add "
+                     f"{size(exchange * t * max(1, shape.layers - len(ckpt)))}")
     merged = params.expert_params_per_layer * r if params.expert_lora and not params.expert_split else 0
     # peft merges W + B@A per MoE layer in every forward; autograd keeps the merged stack for backward
     if merged:

@@ -234,6 +234,11 @@ class DistributedSection(_Section):
     )
     sync_every: int | None = Field(None, description="sync: local_sgd only: optimizer steps between averagings (H; default 8).")
     powersgd_rank: int | None = Field(None, description="sync: powersgd only: the rank R of each gradient matrix's factors (default 4).")
+    sequence_parallel: int = Field(
+        1, ge=1, description="Processes that share each packed row's tokens (Ulysses attention over heads): N divides "
+        "the launch's processes (data-parallel groups x N) and the model's attention heads; each process holds 1/N of "
+        "a row's activations (docs/distributed.md, \"One sequence across GPUs\")."
+    )
 
     @model_validator(mode="after")
     def _knobs_fit_the_mode(self) -> DistributedSection:

@@ -56,6 +56,7 @@ class RunPlan:
     head_keep_positions: int  # a trained head keeps its chunks for backward up to this many positions (0: recompute)
     offload: Applied
     sync: DistributedSection
+    sequence_parallel: int  # distributed.sequence_parallel: processes sharing each row's tokens (1: none)
     compile_layers: bool
     compile_backend: str | None
     router: dict  # the MoE router's z-loss and orthogonal-loss coefficients the method takes ({} for none)
@@ -83,7 +84,9 @@ class RunPlan:
             + (f" (forward {self.lora_forward})" if self.lora is not None else ""),
             f"  activation checkpointing {checkpointing}; LM head {head}; train.offload {offload}; "
             f"compile {'on (' + (self.compile_backend or 'inductor') + ')' if self.compile_layers else 'off'}; "
-            f"sync {self.sync.sync}" + (f"; ema decay {self.ema['decay']:g} from step {self.ema['start']}" if self.ema else "")
+            f"sync {self.sync.sync}" + (f"; sequence parallel {self.sequence_parallel} (each process holds 1/"
+                                         f"{self.sequence_parallel} of a row's tokens)" if self.sequence_parallel > 1 else "")
+            + (f"; ema decay {self.ema['decay']:g} from step {self.ema['start']}" if self.ema else "")
             + ("; router " + ", ".join(f"{k.removeprefix('router_').removesuffix('_coef')} {v:g}" for k, v in self.router.items())
                if self.router else ""),
         ]
@@ -111,6 +114,13 @@ def refuse_unlaunchable(recipe: Recipe, launch: Launch) -> None:
     if recipe.train.get("ema") and (launch.how == "fsdp" or launch.zero3):
         raise UserError("train.ema: the parameters are sharded across processes (FSDP, ZeRO-3), and the EMA would gather "
                         "them every step; use DDP or ZeRO-1/2, or remove train.ema")
+    split = recipe.distributed.sequence_parallel
+    if split > 1 and launch.how == "deepspeed":
+        raise UserError("distributed.sequence_parallel: runs under DDP or FSDP2 (--accelerate-config "
+                        "recipes/accelerate/fsdp2.yaml), not DeepSpeed")
+    if split > 1 and launch.processes > 1 and launch.processes % split:
+        raise UserError(f"distributed.sequence_parallel: {split} must divide the launch's {launch.processes} processes "
+                        f"(data-parallel groups x {split}); use --num-processes {split * max(1, launch.processes // split)}")
     mode = own_train(recipe, "offload")
     if mode != "none" and launch.how == "deepspeed":
         raise UserError(f"train.offload: {mode}: DeepSpeed offloads through its own config (offload_optimizer_device, "
@@ -122,6 +132,41 @@ def refuse_unlaunchable(recipe: Recipe, launch: Launch) -> None:
         raise UserError("train.offload: parameters runs under FSDP2, which `erniekit-lite train` launches itself; this "
                         "process was started another way: use `accelerate launch --use_fsdp --fsdp_version 2 "
                         "--fsdp_offload_params true ...` or `erniekit-lite train`")
+
+
+SEQUENCE_METHODS = ("sft", "pt", "dpo", "orpo", "simpo", "kto")  # the packing methods whose scores come back whole
+
+
+def check_sequence_parallel(recipe: Recipe, config, vl: bool, args) -> None:
+    """What `distributed.sequence_parallel` > 1 needs of the recipe and the model, each refusal one line."""
+    from erniekit_lite.model.attention import PACKED
+    from erniekit_lite.model.sequence_parallel import kv_repeats, splits_of
+
+    n, key = recipe.distributed.sequence_parallel, "distributed.sequence_parallel"
+    if recipe.method not in SEQUENCE_METHODS:
+        why = {"grpo": "its generation batches are not split", "rm": "its reward reads each sequence's last token"}
+        raise UserError(f"{key}: method {recipe.method}: not available ({why.get(recipe.method, 'not split')}); it "
+                        f"takes {', '.join(SEQUENCE_METHODS)}")
+    if vl:
+        raise UserError(f"{key}: not for ERNIE-4.5-VL runs yet (images are encoded whole on each process)")
+    if not recipe.data.packing:
+        raise UserError(f"{key}: splits packed rows; set data.packing: true")
+    attention = recipe.model.attn_implementation
+    if attention not in ("auto", *PACKED):
+        raise UserError(f"{key}: attention runs per sample between two all-to-alls ({' or '.join(PACKED)}); "
+                        f"model.attn_implementation {attention} cannot: use auto")
+    if recipe.distributed.sync == "local_sgd":
+        raise UserError(f"{key}: the processes of a row must sum their gradients every step; distributed.sync: "
+                        "local_sgd does not")
+    if getattr(args, "precompute_ref_log_probs", False):
+        raise UserError(f"{key}: train.precompute_ref_log_probs: not with split rows yet (the reference is scored in "
+                        "each step)")
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if kv_repeats(heads, kv, n) is None:
+        raise UserError(f"{key}: {n} does not divide this model's {heads} attention heads; it takes "
+                        f"{', '.join(map(str, splits_of(heads, kv))) or 'none'}")
 
 
 def lora_forward(recipe: Recipe, zero3: bool) -> str:
@@ -183,6 +228,7 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
     this = worker_launch(args.world_size)
+    planning = launch is not None  # validate, planning how `train` would launch the run
     launch = launch or this.how
     # the one refusal of what a sharded launch cannot run (the set-ups after the trainer trust it)
     refuse_unlaunchable(recipe, Launch(launch, args.world_size, this.zero3))
@@ -200,6 +246,13 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
     if vl and getattr(args, "precompute_ref_log_probs", False):
         raise UserError("train.precompute_ref_log_probs: not for ERNIE-4.5-VL runs yet (the reference is scored in each step)")
     router, _ = router_losses(recipe, moe)
+    split = recipe.distributed.sequence_parallel
+    if split > 1:
+        check_sequence_parallel(recipe, config, vl, args)
+        if not planning and (args.world_size == 1 or args.world_size % split):
+            raise UserError(f"distributed.sequence_parallel: {split}: this run has {args.world_size} "
+                            f"process{'es' if args.world_size > 1 else ''}; launch a multiple of {split} "
+                            f"(`erniekit-lite train RECIPE --num-processes {split}`)")
     if cuda:
         choose_checkpointing(recipe, args, layout, free_bytes, log)
     offload = resolve_offload(recipe, args, layout, free_bytes, log, cuda, launch, host_check)
@@ -217,7 +270,7 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
         dtype=recipe.model.dtype,
         load_in_4bit=recipe.model.load_in_4bit,
         trust_remote_code=recipe.model.trust_remote_code,
-        attention=resolve_attention(recipe.model.attn_implementation, recipe.data.packing),
+        attention=resolve_attention(recipe.model.attn_implementation, recipe.data.packing, split > 1),
         seed=args.seed,
         lora=recipe.lora,
         lora_forward=lora_forward(recipe, this.zero3),
@@ -227,6 +280,7 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
         head_keep_positions=head_keep_positions(recipe, args, layout, free_bytes, log) if head_trains else 0,
         offload=offload,
         sync=recipe.distributed,
+        sequence_parallel=split,
         compile_layers=recipe.model.compile_layers,
         compile_backend=args.torch_compile_backend,
         router={k: v for k, v in router.items() if moe},
@@ -301,7 +355,8 @@ def memory_estimate(recipe: Recipe, args, arch, cuda: bool, head_keep: bool = Fa
     from erniekit_lite.trainer_args import PAIR_METHODS
 
     capacity = recipe.data.max_length * (2 if recipe.method in PAIR_METHODS else 1)  # preference rows hold whole pairs
-    tokens = args.per_device_train_batch_size * capacity
+    split = recipe.distributed.sequence_parallel
+    tokens = -(-args.per_device_train_batch_size * capacity // split)  # this process's share of the rows' tokens
     if cuda:
         autocast = bool(args.bf16 or args.fp16)
     else:  # the GPU default is bf16 autocast (training_args): assume it unless the recipe turns it off
@@ -346,6 +401,7 @@ def memory_estimate(recipe: Recipe, args, arch, cuda: bool, head_keep: bool = Fa
         host_offload=offload,
         processes=processes,
         sync=recipe.distributed.sync,
+        sequence_parallel=split,
     )
     arch = arch() if callable(arch) else arch  # the run plan reads the model's layout only when a choice needs it
     return memory.estimate(arch["shape"], arch["memory"], run), run

@@ -6,7 +6,8 @@ Stock sdpa over a packed row needs a [T, T] block-diagonal mask and still comput
 whole row to `torch.nn.attention.varlen.varlen_attn` (PyTorch's flash kernel, CUDA, bf16/fp16), which takes the
 sample bounds on the device as flash-attn's varlen kernel does. Both read the bounds from `cu_seq_lens_q`, which the
 packed collator passes through the model's forward kwargs. Without them (generation, padded batches) both are plain
-sdpa.
+sdpa. Under `distributed.sequence_parallel` each process holds a shard of the row's tokens, and both run over the
+whole row between two all-to-alls (model/sequence_parallel.py).
 
 The row is cut with one `split` per tensor, not a slice per sample: a slice's backward materialises a zero gradient
 the size of the whole row, so n samples cost n full-row fills and adds per layer (quadratic in the row at 32k
@@ -20,6 +21,8 @@ import inspect
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from erniekit_lite.model import sequence_parallel
 
 NAME = "packed_sdpa"
 VARLEN = "packed_varlen"
@@ -60,6 +63,10 @@ def _packed(query, key, kwargs) -> bool:
 
 @torch.compiler.disable  # a loop over data-dependent bounds: traced, it would recompile for every new set of lengths
 def packed_sdpa_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    group = kwargs.pop(sequence_parallel.KWARG, None)
+    if group is not None:  # this process holds 1/N of the row's tokens (distributed.sequence_parallel)
+        return sequence_parallel.across(group, packed_sdpa_forward, module, query, key, value, attention_mask,
+                                        scaling=scaling, dropout=dropout, **kwargs)
     if not _packed(query, key, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     # query: [1, heads, T, dim]; key/value: [1, kv_heads, T, dim] (grouped-query attention)
@@ -86,6 +93,10 @@ def varlen_kernel():
 
 def packed_varlen_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The packed row through `varlen_attn`: no per-sample loop, no host sync; the bounds stay on the device."""
+    group = kwargs.pop(sequence_parallel.KWARG, None)
+    if group is not None:  # this process holds 1/N of the row's tokens (distributed.sequence_parallel)
+        return sequence_parallel.across(group, packed_varlen_forward, module, query, key, value, attention_mask,
+                                        scaling=scaling, dropout=dropout, **kwargs)
     dtype = query.dtype
     if dtype == torch.float32 and torch.is_autocast_enabled(query.device.type):
         dtype = torch.get_autocast_dtype(query.device.type)  # rotary embeddings may have upcast q and k
@@ -135,11 +146,14 @@ AttentionInterface.register(NAME, packed_sdpa_forward)
 AttentionInterface.register(VARLEN, packed_varlen_forward)
 
 
-def resolve_attention(setting: str, packing: bool) -> str:
+def resolve_attention(setting: str, packing: bool, split: bool = False) -> str:
     """`auto`: flash attention's varlen kernel on CUDA when installed, else PyTorch's own varlen attention there
-    (packed rows); per-sample sdpa for packed rows elsewhere."""
+    (packed rows); per-sample sdpa for packed rows elsewhere. `split` (distributed.sequence_parallel): one of this
+    module's two, which take the all-to-alls."""
     if setting != "auto":
         return setting
+    if split:
+        return VARLEN if torch.cuda.is_available() and varlen_kernel() is not None else NAME
     if torch.cuda.is_available():
         try:
             import flash_attn  # noqa: F401

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from trl.trainer.utils import FusedCausalLMOutput
 
+from erniekit_lite.data.sequence_shard import CUT_KEYS
 from erniekit_lite.train.scoring import score
 
 
@@ -32,7 +33,8 @@ def pair_scores(model, kwargs: dict) -> FusedCausalLMOutput:
         labels = kwargs["pair_labels"]
         inputs = {"input_ids": kwargs["input_ids"], "attention_mask": kwargs["attention_mask"]}
     inputs["output_router_logits"] = kwargs.get("output_router_logits", False)
-    for key in ("score_positions", "score_targets"):  # the collator's, for `labels` (`collate.host_facts`)
+    # the collator's, for `labels` (`collate.host_facts`), and a sequence-parallel cut's (data/sequence_shard.py)
+    for key in ("score_positions", "score_targets", *CUT_KEYS):
         if key in kwargs:
             inputs[key] = kwargs[key]
     scores = score(model, labels, inputs)

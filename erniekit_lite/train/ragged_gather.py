@@ -92,7 +92,9 @@ def ragged_class(cls: type) -> type:
             return cls.gather_for_metrics(self, data, use_gather_object=True)  # objects: accelerate's own
         rows, remainder = self.last_rows(), self.gradient_state.remainder
         if rows is not None and remainder > 0:
-            data = recursively_apply(real_part(rows, remainder, self.process_index), data)
+            # the batches' index: under distributed.sequence_parallel, the data-parallel group's (sequence_parallel.py)
+            group = self.process_index // getattr(self, "sequence_parallel", 1)
+            data = recursively_apply(real_part(rows, remainder, group), data)
         return self.gather(data)  # never cut again in rows: not the last batch, or cut above
 
     # last_rows: the pairs of each row of the micro-batch being scored when it is a dataloader's last, else None

@@ -16,7 +16,7 @@ from erniekit_lite.model import compile_layers, fused_lora
 from erniekit_lite.model.vl import image_processor
 from erniekit_lite.model.lora import initial_adapter, skip_input_casts
 from erniekit_lite.recipe import Recipe
-from erniekit_lite.train import callbacks, distribution, ema, offload, rundir, sync
+from erniekit_lite.train import callbacks, distribution, ema, offload, rundir, sequence_parallel, sync
 from erniekit_lite.train.common import describe_model, free_memory, load_for_training, run_arguments, watch_moe
 
 
@@ -74,6 +74,7 @@ def run(recipe: Recipe, method: Method, log=print) -> Path:
             log(compile_layers.describe(plan.compile_layers, plan.compile_backend))
         distribution.units_of_one_dtype(trainer)
         distribution.report(trainer, log)
+        sequence_parallel.setup(trainer, plan.sequence_parallel, log)
         expert_load = watch_moe(trainer, plan, log)
         ema.setup(trainer, plan, log)
         sync.setup(trainer, plan, log)

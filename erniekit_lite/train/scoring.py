@@ -28,6 +28,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from erniekit_lite.data.collate import labelled_positions
+from erniekit_lite.model import sequence_parallel
 from erniekit_lite.memory import MAX_CHUNK_ELEMENTS  # a module global here, so tests can make chunks small
 
 
@@ -57,21 +58,50 @@ def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True, router
         from erniekit_lite.model.vl import encode_images
 
         inputs["mm_encoder_outputs"] = encode_images(model.base_model, inputs.pop("pixel_values"), inputs.pop("image_grid_thw"))
+    shard = _shard(model, inputs)  # distributed.sequence_parallel: this process's tokens of the row
     out = model.base_model(**inputs, use_cache=False, **({"output_router_logits": True} if routed else {}))
+    router_logits = out.router_logits if routed else None
     if tracker is not None and model.training and torch.is_grad_enabled():  # policy passes only, not the reference
-        tracker.add(out.router_logits, inputs.get("attention_mask"), inputs.get("moe_mm_token_type_ids"))
+        tracker.add(router_logits, inputs.get("attention_mask") if shard is None else shard.real,
+                    inputs.get("moe_mm_token_type_ids"))
     hidden = out.last_hidden_state[keep] if positions is None else out.last_hidden_state.flatten(0, 1).index_select(0, positions)
     head = model.get_output_embeddings()
-    log_probs, entropy, log_sum_sq, mean_logits, is_top1 = head_scores(
-        head, hidden, targets, extras, getattr(model, "head_keep_positions", 0)
-    )
+    scores = head_scores(head, hidden, targets, extras, getattr(model, "head_keep_positions", 0))
+    if shard is not None:  # the whole row's, in its order, on every process of the group
+        scores = tuple(None if x is None else sequence_parallel.whole(x, shard.slots, shard.total, shard.group) for x in scores)
+        if routed:
+            router_logits = tuple(sequence_parallel.whole_rows(x, shard.tokens, shard.group) for x in router_logits)
+    log_probs, entropy, log_sum_sq, mean_logits, is_top1 = scores
     aux = None
     if moe:
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
         config = model.config.get_text_config()  # ERNIE-4.5-VL: its text model's (the vision experts route alike)
-        aux = load_balancing_loss_func(out.router_logits, config.moe_num_experts, config.moe_k, inputs.get("attention_mask"))
-    return Scores(log_probs, entropy, log_sum_sq, mean_logits, is_top1, aux, out.router_logits if routed else None)
+        aux = load_balancing_loss_func(router_logits, config.moe_num_experts, config.moe_k, inputs.get("attention_mask"))
+    return Scores(log_probs, entropy, log_sum_sq, mean_logits, is_top1, aux, router_logits)
+
+
+@dataclass
+class _Shard:
+    group: sequence_parallel.SequenceGroup
+    slots: torch.Tensor  # this shard's scored positions' places among the row's
+    total: int  # the row's scored positions
+    tokens: int  # the row's tokens, before the padding the cut added
+    real: torch.Tensor  # [1, S]: this shard's tokens that are the row's (not padding), for the expert load
+
+
+def _shard(model, inputs: dict) -> _Shard | None:
+    """The sequence-parallel keys of a cut batch (data/sequence_shard.py), taken from `inputs`; the group goes to
+    the attention through the forward's keywords (model/attention.py)."""
+    group = getattr(model, "sequence_group", None)
+    if group is None or "score_slots" not in inputs:
+        return None
+    inputs[sequence_parallel.KWARG] = group
+    ids = inputs["input_ids"]
+    tokens = inputs.pop("sequence_tokens")
+    here = tokens - group.rank * ids.shape[1]
+    real = torch.arange(ids.shape[1], device=ids.device)[None] < here
+    return _Shard(group, inputs.pop("score_slots"), inputs.pop("score_total"), tokens, real)
 
 
 def head_trains(head) -> bool:

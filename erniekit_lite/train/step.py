@@ -65,6 +65,7 @@ class ErnieTrainer:
     sync = None  # distributed.sync's callback (sync.py), read by the checkpoints and the guard
     lora_plus_ratio: float | None = None  # lora.plus_lr_ratio, from the run plan (train/run.py): LoRA+ (optimizer.py)
     initial_adapter: dict | None = None  # PiSSA/OLoRA's adapter before training (model/lora.py), for the final save
+    sequence_parallel = 1  # distributed.sequence_parallel: the processes that count each row (train/sequence_parallel.py)
 
     def __init__(self, *args, **kwargs):
         self.guard = checkpoints.DivergenceGuard()
@@ -276,11 +277,12 @@ class ErnieTrainer:
         return self.sync is not None and self.sync.section.sync == "local_sgd"
 
     def _all_processes(self, real: int, slots: int) -> tuple[int, int]:
-        """Token counts summed over the processes of a launched run (each counts its own batches)."""
+        """Token counts summed over the processes of a launched run (each counts its own batches; the processes of a
+        sequence group each count their group's rows)."""
         if self.accelerator.num_processes == 1:
             return real, slots
         total = self.accelerator.reduce(torch.tensor([real, slots], device=self.accelerator.device), reduction="sum")
-        return int(total[0]), int(total[1])
+        return int(total[0]) // self.sequence_parallel, int(total[1]) // self.sequence_parallel
 
     def _may_retry(self) -> bool:
         return (getattr(self.args, CHECKPOINTING_OFF_BY_PLAN, False) and not self.args.activation_checkpointing
