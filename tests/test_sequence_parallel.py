@@ -3,7 +3,7 @@ sequence across GPUs").
 
 Checked here on CPU over gloo, fp32: 2 processes sharing every row train the same weights as 1 process with the
 same rows (SFT full and LoRA, DPO LoRA, the MoE with its router aux loss, z-loss and expert load), and 4 processes
-(2 data-parallel groups x 2) the same as 1 process accumulating 2 rows; rows of 64 tokens cut at 32 put samples
+(2 data-parallel groups x 2, FSDP2 sharding every weight over the 4) the same as 1 process accumulating 2 rows; rows of 64 tokens cut at 32 put samples
 across the cut. One launch runs the methods one after another (tests/sequence_runs.py), so torch starts once per
 launch. The cut itself (ids, positions, the scored positions' places) is checked exactly without processes.
 """
@@ -27,7 +27,7 @@ from erniekit_lite.data.tokenize import IGNORE
 from erniekit_lite.errors import UserError
 from erniekit_lite.model.sequence_parallel import kv_repeats, splits_of
 from helpers import write_recipe
-from test_distributed import write_data
+from test_distributed import fsdp2_fp32, write_data
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = Path(__file__).with_name("sequence_runs.py")
@@ -105,8 +105,8 @@ def recipe(tmp_path: Path, name: str, model_dir: Path, method: str = "sft", lora
                                "save_steps": 100, "activation_checkpointing": False, "seed": 0, "bf16": False, **train})
 
 
-def launch(tmp_path: Path, processes: int, runs: list[tuple[Path, Path]], split: int) -> str:
-    """`runs` (recipe, output dir) in one process, or in one launch of `processes` sharing rows `split` ways."""
+def launch(tmp_path: Path, processes: int, runs: list[tuple[Path, Path]], config: Path | None = None) -> str:
+    """`runs` (recipe, output dir) in one process, or in one launch of `processes` (DDP, or as `config` says)."""
     argv = [str(p) for run in runs for p in run]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HOME": str(tmp_path / "hf")}
     if processes == 1:
@@ -116,9 +116,9 @@ def launch(tmp_path: Path, processes: int, runs: list[tuple[Path, Path]], split:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env.update(ACCELERATE_USE_CPU="true", ERNIEKIT_SHARDING_ON_CPU="1")
-        command = [sys.executable, "-m", "erniekit_lite.launcher", "--num_processes", str(processes), "--multi_gpu",
-                   "--mixed_precision", "no", "--dynamo_backend", "no", "--num_machines", "1", "--main_process_port",
-                   str(port), str(RUNS), *argv]
+        how = ["--config_file", str(config)] if config else ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        command = [sys.executable, "-m", "erniekit_lite.launcher", "--num_processes", str(processes), *how,
+                   "--num_machines", "1", "--main_process_port", str(port), str(RUNS), *argv]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-5000:])
     return done.stdout
@@ -153,15 +153,17 @@ def test_processes_sharing_rows_train_what_one_process_trains(tmp_path, tiny_own
     split = {name: Path(str(path).replace(".yaml", "-split.yaml")) for name, path in cases.items()}
     for name, path in cases.items():
         split[name].write_text(path.read_text() + "distributed:\n  sequence_parallel: 2\n")
-    # 2 data-parallel groups x 2: one process takes each step's 2 rows as 2 accumulated micro-batches of 1
-    groups = recipe(tmp_path, "groups", tiny_own_dir, per_device_train_batch_size=1, gradient_accumulation_steps=2)
+    # 2 data-parallel groups x 2 under FSDP2 (every weight sharded over the 4): one process takes each step's 2 rows
+    # as 2 accumulated micro-batches of 1
+    groups = recipe(tmp_path, "groups", tiny_own_dir, lora=False, per_device_train_batch_size=1, gradient_accumulation_steps=2)
     four = groups.with_name("groups-split.yaml")
     four.write_text(groups.read_text().replace("gradient_accumulation_steps: 2", "gradient_accumulation_steps: 1")
                     + "distributed:\n  sequence_parallel: 2\n")
-    launch(tmp_path, 1, [(path, tmp_path / name) for name, path in cases.items()] + [(groups, tmp_path / "groups")], 1)
-    said = launch(tmp_path, 2, [(split[name], tmp_path / f"{name}-split") for name in cases], 2)
+    launch(tmp_path, 1, [(path, tmp_path / name) for name, path in cases.items()] + [(groups, tmp_path / "groups")])
+    said = launch(tmp_path, 2, [(split[name], tmp_path / f"{name}-split") for name in cases])
     assert "sequence parallel: 2 processes share each row (2 processes = 1 data-parallel group x 2)" in said
-    launch(tmp_path, 4, [(four, tmp_path / "groups-split")], 2)
+    said = launch(tmp_path, 4, [(four, tmp_path / "groups-split")], fsdp2_fp32(tmp_path))
+    assert "(4 processes = 2 data-parallel groups x 2)" in said and "FSDP2" in said
     for name in ("sft-full", "sft-lora"):
         assert_same_training(tmp_path / name, tmp_path / f"{name}-split", "mean_token_accuracy")
     assert_same_training(tmp_path / "dpo-lora", tmp_path / "dpo-lora-split", "rewards/margins", "logps/chosen")
