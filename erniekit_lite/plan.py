@@ -64,6 +64,9 @@ def plan(recipe: Recipe, log=print, launch: run_plan.Launch | None = None) -> di
     if recipe.distributed.sync != "every_step":
         log(f"{recipe.distributed.describe()}; applies when training runs in more than one process (DDP); "
             f"{memory.sync_memory(est, run)}")
+    split = recipe.distributed.sequence_parallel
+    if split > 1:
+        log(sequence_line(split, arch["shape"], launch))
     gpu = memory.smallest_gpu(est.total)
     info["memory_gb"] = round(est.total / memory.GIB, 2)
     info["fits_gpu_gb"] = gpu
@@ -112,6 +115,12 @@ def plan(recipe: Recipe, log=print, launch: run_plan.Launch | None = None) -> di
                     "sharded states plus three gathered layers; not measured)"
                 ]
                 break
+    if gpu is None and split == 1 and recipe.data.packing and recipe.method in run_plan.SEQUENCE_METHODS:
+        from erniekit_lite.model.sequence_parallel import splits_of
+
+        takes = ", ".join(map(str, splits_of(arch["shape"].heads, arch["shape"].kv_heads)))
+        gpu_notes = gpu_notes + [f"distributed.sequence_parallel: N splits each packed row over N processes (activations "
+                                 f"and LM-head positions / N; this model takes N = {takes}; docs/distributed.md)"]
     if recipe.method == "grpo":
         gpu_notes = gpu_notes + grpo_notes(recipe, args, info.get("train_prompts"))
     if recipe.lora is not None and recipe.lora.use_dora:
@@ -120,6 +129,20 @@ def plan(recipe: Recipe, log=print, launch: run_plan.Launch | None = None) -> di
     for note in gpu_notes + est.notes:
         log(f"note: {note}")
     return info
+
+
+def sequence_line(split: int, shape, launch: run_plan.Launch | None) -> str:
+    """What `distributed.sequence_parallel` does to the plan, the processes it needs and the splits the model takes."""
+    from erniekit_lite.model.sequence_parallel import splits_of
+
+    takes = ", ".join(map(str, splits_of(shape.heads, shape.kv_heads)))
+    processes = launch.processes if launch is not None and launch.processes > 1 else None
+    groups = (f"{processes} processes = {processes // split} data-parallel group{'s' if processes // split > 1 else ''} "
+              f"x {split}" if processes else f"launch a multiple of {split} processes: `train --num-processes {split}`")
+    return (f"sequence parallel {split}: each process holds 1/{split} of every packed row's tokens and runs attention "
+            f"for 1/{split} of the heads over the whole row (all-to-alls before and after); the estimate below is one "
+            f"process's ({groups}); this model ({shape.heads} attention heads, {shape.kv_heads} key/value) takes "
+            f"N = {takes}")
 
 
 def auto_by_gpu(recipe: Recipe, args, arch: dict) -> str:

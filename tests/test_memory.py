@@ -340,12 +340,19 @@ def test_memory_table_is_what_validate_prints(tmp_path):
     moe = tmp_path / "21b"  # the released MoE config with the (shared) ERNIE 4.5 tokenizer: planning reads no weights
     shutil.copytree(ERNIE_TOKENIZER_DIR, moe, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
     shutil.copy(moe_config, moe / "config.json")
+    from erniekit_lite.run_plan import Launch
+
     figures = _memory_table()
-    assert len(figures) == 11
+    assert len(figures) == 12
     for name, stated in figures.items():
         path = ERNIE_TOKENIZER_DIR if name.startswith("ernie-4.5-0.3b") else moe
         recipe = recipes.load(str(ROOT / "recipes" / name), [f"model.path={path}", f"output.dir={tmp_path / 'out'}"])
         lines = []
+        if name.endswith("-2gpu.yaml"):  # launched as its comment says: 2 processes, FSDP2; the figure is one GPU's
+            plan(recipe, log=lines.append, launch=Launch("fsdp", 2))
+            printed = next(x for x in lines if x.startswith("  sharded over the launch's 2 processes (FSDP): "))
+            assert printed.split(": ")[1].startswith(f"about {stated} GiB per device"), (name, printed)
+            continue
         plan(recipe, log=lines.append)
         printed = next(x for x in lines if x.startswith("memory per device (estimate): "))
         assert printed.split(": ")[1].startswith(f"{stated} GiB for "), (name, printed)
