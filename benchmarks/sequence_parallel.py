@@ -4,7 +4,7 @@ on a tiny random model, not a forecast for a GPU.
 
     python benchmarks/sequence_parallel.py [--lengths 4096,8192] [--steps 4] [--rounds 3]
 
-Each run: `erniekit-lite train` of the tiny dense model (hidden 256, 4 layers, 8 attention heads and 2 key/value
+Each run: `erniekit-lite train` of the tiny dense model (hidden 256, 4 layers, 8 attention heads and 4 key/value
 heads, the project's own tokenizer), LoRA r 8 on every linear layer, fp32, no activation checkpointing, one packed
 row of LENGTH tokens per step (samples of 700-1,500 tokens, so rows hold several and samples straddle the cut),
 STEPS steps. Modes:

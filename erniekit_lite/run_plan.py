@@ -161,6 +161,9 @@ def check_sequence_parallel(recipe: Recipe, config, vl: bool, args) -> None:
     if getattr(args, "precompute_ref_log_probs", False):
         raise UserError(f"{key}: train.precompute_ref_log_probs: not with split rows yet (the reference is scored in "
                         "each step)")
+    if recipe.model.compile_layers:
+        raise UserError(f"{key}: model.compile_layers: not with split rows yet (the all-to-alls run inside each "
+                        "layer's attention); remove one of them")
     text = config.get_text_config()
     heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads

@@ -2,7 +2,7 @@
 sequence across GPUs").
 
 Checked here on CPU over gloo, fp32: 2 processes sharing every row train the same weights as 1 process with the
-same rows (SFT full and LoRA, DPO LoRA, the MoE with its router aux loss, z-loss and expert load), and 4 processes
+same rows (SFT full and LoRA, DPO and KTO LoRA, the MoE with its router aux loss, z-loss and expert load), and 4 processes
 (2 data-parallel groups x 2, FSDP2 sharding every weight over the 4) the same as 1 process accumulating 2 rows; rows of 64 tokens cut at 32 put samples
 across the cut. One launch runs the methods one after another (tests/sequence_runs.py), so torch starts once per
 launch. The cut itself (ids, positions, the scored positions' places) is checked exactly without processes.
@@ -93,10 +93,31 @@ def test_a_run_of_one_process_says_to_launch_n(tmp_path, tiny_own_dir, capsys):
     assert "must divide the launch's 3 processes" in capsys.readouterr().err
 
 
+def test_validate_plans_one_process_share_and_says_the_split(tmp_path, tiny_own_dir):
+    from erniekit_lite import recipe as recipes
+    from erniekit_lite.plan import plan
+
+    def planned(*overrides: str) -> list[str]:
+        lines: list[str] = []
+        plan(recipes.load(str(write_recipe(tmp_path / "r.yaml", tiny_own_dir)), list(overrides)), log=lines.append)
+        return lines
+
+    whole, split = planned(), planned("distributed.sequence_parallel=2")
+    tokens = [next(x for x in lines if x.startswith("memory per device")).split(" for ")[1].split(" tokens")[0]
+              for lines in (whole, split)]
+    assert tokens == ["1,024", "512"]  # 8 rows of max_length 128 (the default batch), half of each per process
+    said = next(x for x in split if x.startswith("sequence parallel 2: "))
+    assert "launch a multiple of 2 processes" in said and "(2 attention heads, 1 key/value) takes N = 2" in said
+    assert any("the all-to-all copies attention keeps add" in x for x in split)
+    assert not any(x.startswith("sequence parallel") for x in whole)
+
+
 # --- the runs ------------------------------------------------------------------------------------------------------
 
 def recipe(tmp_path: Path, name: str, model_dir: Path, method: str = "sft", lora: bool = True, **train) -> Path:
     data = {"train": [str(write_data(tmp_path / "data.jsonl"))], "max_length": 64} if method == "sft" else {"max_length": 128}
+    if method == "kto":
+        data["train"] = [str(ROOT / "recipes" / "data" / "identity_kto.jsonl")]
     return write_recipe(tmp_path / f"{name}.yaml", model_dir, method=method, data=data, output={"sample_prompts": []},
                         model={"dtype": "float32"}, lora={"r": 4, "alpha": 8, "dropout": 0.0} if lora else None,
                         # plain SGD, unclipped: a gradient off by a factor moves the weights by that factor (Adam's
@@ -139,6 +160,7 @@ def assert_same_training(one: Path, split: Path, *logged: str):
     worst = max(float((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=1e-3)) for k in a)
     assert worst < 1e-5, (split.name, worst)
     for key in ("loss", *logged):
+        assert history(one, key), key
         assert history(split, key) == pytest.approx(history(one, key), rel=1e-5), (split.name, key)
 
 
@@ -148,6 +170,7 @@ def test_processes_sharing_rows_train_what_one_process_trains(tmp_path, tiny_own
         "sft-full": recipe(tmp_path, "sft-full", tiny_own_dir, lora=False),
         "sft-lora": recipe(tmp_path, "sft-lora", tiny_own_dir),
         "dpo-lora": recipe(tmp_path, "dpo-lora", tiny_own_dir, method="dpo"),
+        "kto-lora": recipe(tmp_path, "kto-lora", tiny_own_dir, method="kto"),  # and its KL twins, a second packed row
         "moe-full": recipe(tmp_path, "moe-full", tiny_moe_dir, lora=False, router_z_loss_coef=0.01),
     }
     split = {name: Path(str(path).replace(".yaml", "-split.yaml")) for name, path in cases.items()}
@@ -167,6 +190,7 @@ def test_processes_sharing_rows_train_what_one_process_trains(tmp_path, tiny_own
     for name in ("sft-full", "sft-lora"):
         assert_same_training(tmp_path / name, tmp_path / f"{name}-split", "mean_token_accuracy")
     assert_same_training(tmp_path / "dpo-lora", tmp_path / "dpo-lora-split", "rewards/margins", "logps/chosen")
+    assert_same_training(tmp_path / "kto-lora", tmp_path / "kto-lora-split", "kl", "logps/chosen")
     assert_same_training(tmp_path / "moe-full", tmp_path / "moe-full-split", "aux_loss", "z_loss")
     load = [json.loads((tmp_path / name / "expert_load.json").read_text()) for name in ("moe-full", "moe-full-split")]
     assert load[0] == load[1]  # every routed token counted once, none of the padding
