@@ -88,6 +88,7 @@ Gradients are counted as fully allocated while all activations are alive: exact 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Logits per LM-head chunk (train/scoring.py scores in chunks of at most this many): 512 MiB in fp32, about 1,300
@@ -397,6 +398,21 @@ def _layer_kind(name: str) -> tuple[int | None, str]:
 # The estimate
 
 
+def kv_repeats(heads: int, kv_heads: int, n: int) -> int | None:
+    """How often each key/value head is repeated so that N processes sharing a row (distributed.sequence_parallel)
+    each hold whole query groups: 1 when N divides the key/value heads; None when N does not divide the query heads
+    (N cannot split this model)."""
+    if heads % n:
+        return None
+    repeats = n // math.gcd(kv_heads, n)
+    return repeats if heads % (kv_heads * repeats) == 0 else None
+
+
+def splits_of(heads: int, kv_heads: int, limit: int = 16) -> list[int]:
+    """The N > 1 (up to `limit`) a model with these heads takes (`validate` prints them)."""
+    return [n for n in range(2, limit + 1) if kv_repeats(heads, kv_heads, n) is not None]
+
+
 def all_to_all_bytes(shape: Shape, run: Run) -> int:
     """Per layer and token of this process's share, what Ulysses attention keeps beyond a process with the whole
     row (model/sequence_parallel.py): attention's output before the inverse all-to-all, a tensor apart from o_proj's
@@ -404,10 +420,8 @@ def all_to_all_bytes(shape: Shape, run: Run) -> int:
     n = run.sequence_parallel
     if n == 1:
         return 0
-    from math import gcd
-
     b = 2 if run.autocast else run.dtype_bytes
-    repeats = n // gcd(shape.kv_heads, n)
+    repeats = kv_repeats(shape.heads, shape.kv_heads, n) or 1  # a split the model cannot take is refused by the plan
     return b * shape.head_dim * (shape.heads + 2 * (repeats - 1) * shape.kv_heads)
 
 

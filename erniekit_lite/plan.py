@@ -116,9 +116,7 @@ def plan(recipe: Recipe, log=print, launch: run_plan.Launch | None = None) -> di
                 ]
                 break
     if gpu is None and split == 1 and recipe.data.packing and recipe.method in run_plan.SEQUENCE_METHODS:
-        from erniekit_lite.model.sequence_parallel import splits_of
-
-        takes = ", ".join(map(str, splits_of(arch["shape"].heads, arch["shape"].kv_heads)))
+        takes = ", ".join(map(str, memory.splits_of(arch["shape"].heads, arch["shape"].kv_heads)))
         gpu_notes = gpu_notes + [f"distributed.sequence_parallel: N splits each packed row over N processes (activations "
                                  f"and LM-head positions / N; this model takes N = {takes}; docs/distributed.md)"]
     if recipe.method == "grpo":
@@ -133,9 +131,7 @@ def plan(recipe: Recipe, log=print, launch: run_plan.Launch | None = None) -> di
 
 def sequence_line(split: int, shape, launch: run_plan.Launch | None) -> str:
     """What `distributed.sequence_parallel` does to the plan, the processes it needs and the splits the model takes."""
-    from erniekit_lite.model.sequence_parallel import splits_of
-
-    takes = ", ".join(map(str, splits_of(shape.heads, shape.kv_heads)))
+    takes = ", ".join(map(str, memory.splits_of(shape.heads, shape.kv_heads)))
     processes = launch.processes if launch is not None and launch.processes > 1 else None
     groups = (f"{processes} processes = {processes // split} data-parallel group{'s' if processes // split > 1 else ''} "
               f"x {split}" if processes else f"launch a multiple of {split} processes: `train --num-processes {split}`")

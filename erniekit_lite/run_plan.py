@@ -140,7 +140,6 @@ SEQUENCE_METHODS = ("sft", "pt", "dpo", "orpo", "simpo", "kto")  # the packing m
 def check_sequence_parallel(recipe: Recipe, config, vl: bool, args) -> None:
     """What `distributed.sequence_parallel` > 1 needs of the recipe and the model, each refusal one line."""
     from erniekit_lite.model.attention import PACKED
-    from erniekit_lite.model.sequence_parallel import kv_repeats, splits_of
 
     n, key = recipe.distributed.sequence_parallel, "distributed.sequence_parallel"
     if recipe.method not in SEQUENCE_METHODS:
@@ -167,9 +166,9 @@ def check_sequence_parallel(recipe: Recipe, config, vl: bool, args) -> None:
     text = config.get_text_config()
     heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads
-    if kv_repeats(heads, kv, n) is None:
+    if memory.kv_repeats(heads, kv, n) is None:
         raise UserError(f"{key}: {n} does not divide this model's {heads} attention heads; it takes "
-                        f"{', '.join(map(str, splits_of(heads, kv))) or 'none'}")
+                        f"{', '.join(map(str, memory.splits_of(heads, kv))) or 'none'}")
 
 
 def lora_forward(recipe: Recipe, zero3: bool) -> str:
@@ -252,10 +251,9 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
     split = recipe.distributed.sequence_parallel
     if split > 1:
         check_sequence_parallel(recipe, config, vl, args)
-        if not planning and (args.world_size == 1 or args.world_size % split):
-            raise UserError(f"distributed.sequence_parallel: {split}: this run has {args.world_size} "
-                            f"process{'es' if args.world_size > 1 else ''}; launch a multiple of {split} "
-                            f"(`erniekit-lite train RECIPE --num-processes {split}`)")
+        if not planning and args.world_size == 1:  # a launch's count: refuse_unlaunchable above
+            raise UserError(f"distributed.sequence_parallel: {split}: this run has 1 process; launch a multiple of "
+                            f"{split} (`erniekit-lite train RECIPE --num-processes {split}`)")
     if cuda:
         choose_checkpointing(recipe, args, layout, free_bytes, log)
     offload = resolve_offload(recipe, args, layout, free_bytes, log, cuda, launch, host_check)

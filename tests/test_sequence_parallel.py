@@ -25,7 +25,7 @@ from erniekit_lite.data.collate import PackedCollator
 from erniekit_lite.data.sequence_shard import SequenceShard
 from erniekit_lite.data.tokenize import IGNORE
 from erniekit_lite.errors import UserError
-from erniekit_lite.model.sequence_parallel import kv_repeats, splits_of
+from erniekit_lite.memory import kv_repeats, splits_of
 from helpers import write_recipe
 from test_distributed import fsdp2_fp32, write_data
 

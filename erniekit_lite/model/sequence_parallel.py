@@ -21,11 +21,12 @@ a sum), written here on torch.distributed's public `all_to_all_single` and `all_
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from erniekit_lite.memory import kv_repeats
 
 KWARG = "sequence_group"  # the forward keyword the attention reads its group from (scoring.score passes it)
 
@@ -38,20 +39,6 @@ class SequenceGroup:
     group: object
     rank: int
     size: int
-
-
-def kv_repeats(heads: int, kv_heads: int, n: int) -> int | None:
-    """How often each key/value head is repeated so that N processes each hold whole query groups: 1 when N divides
-    the key/value heads; None when N does not divide the query heads (N cannot split this model)."""
-    if heads % n:
-        return None
-    repeats = n // math.gcd(kv_heads, n)
-    return repeats if heads % (kv_heads * repeats) == 0 else None
-
-
-def splits_of(heads: int, kv_heads: int, limit: int = 16) -> list[int]:
-    """The N > 1 (up to `limit`) a model with these heads takes (`validate` prints them)."""
-    return [n for n in range(2, limit + 1) if kv_repeats(heads, kv_heads, n) is not None]
 
 
 def _to_heads(x: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
