@@ -134,7 +134,7 @@ def refuse_unlaunchable(recipe: Recipe, launch: Launch) -> None:
                         "--fsdp_offload_params true ...` or `erniekit-lite train`")
 
 
-SEQUENCE_METHODS = ("sft", "pt", "dpo", "orpo", "simpo", "kto")  # the packing methods whose scores come back whole
+SEQUENCE_METHODS = ("sft", "pt", "dpo", "orpo", "simpo", "kto", "rm")  # the packing methods whose scores come back whole
 
 
 def check_sequence_parallel(recipe: Recipe, config, vl: bool, args) -> None:
@@ -143,8 +143,7 @@ def check_sequence_parallel(recipe: Recipe, config, vl: bool, args) -> None:
 
     n, key = recipe.distributed.sequence_parallel, "distributed.sequence_parallel"
     if recipe.method not in SEQUENCE_METHODS:
-        why = {"grpo": "its generation batches are not split", "rm": "its reward reads each sequence's last token"}
-        raise UserError(f"{key}: method {recipe.method}: not available ({why.get(recipe.method, 'not split')}); it "
+        raise UserError(f"{key}: method {recipe.method}: not available (its generation batches are not split); it "
                         f"takes {', '.join(SEQUENCE_METHODS)}")
     if vl:
         raise UserError(f"{key}: not for ERNIE-4.5-VL runs yet (images are encoded whole on each process)")

@@ -2,7 +2,7 @@
 sequence across GPUs").
 
 Checked here on CPU over gloo, fp32: 2 processes sharing every row train the same weights as 1 process with the
-same rows (SFT full and LoRA; DPO, KTO, ORPO, SimPO and PT with LoRA; the MoE with its router aux loss, z-loss and
+same rows (SFT full and LoRA; DPO, KTO, ORPO, SimPO, PT and the reward model with LoRA; the MoE with its router aux loss, z-loss and
 expert load), and 4 processes (2 data-parallel groups x 2, FSDP2 sharding every weight over the 4) the same as 1
 process accumulating 2 rows; rows of 64 tokens cut at 32 put samples across the cut. One launch runs the methods one
 after another (tests/sequence_runs.py), so torch starts once per launch. The cut itself (ids, positions, the scored positions' places) is checked exactly without processes.
@@ -62,7 +62,7 @@ def test_which_splits_a_model_takes():
 
 
 @pytest.mark.parametrize("change, says", [
-    ({"method": "rm"}, "method rm: not available"),
+    ({"method": "grpo", "rewards": [{"name": "length"}]}, "method grpo: not available"),
     ({"data__packing": False}, "set data.packing: true"),
     ({"distributed__sequence_parallel": 3}, "3 does not divide this model's 2 attention heads; it takes 2"),
     ({"model__attn_implementation": "eager"}, "model.attn_implementation eager cannot"),
@@ -116,7 +116,8 @@ def test_validate_plans_one_process_share_and_says_the_split(tmp_path, tiny_own_
 
 def recipe(tmp_path: Path, name: str, model_dir: Path, method: str = "sft", lora: bool = True, **train) -> Path:
     data = {"train": [str(write_data(tmp_path / "data.jsonl"))], "max_length": 64} if method == "sft" else {"max_length": 128}
-    demo = {"kto": "identity_kto.jsonl", "orpo": "identity_dpo.jsonl", "simpo": "identity_dpo.jsonl", "pt": "pt_demo.jsonl"}
+    demo = {"kto": "identity_kto.jsonl", "orpo": "identity_dpo.jsonl", "simpo": "identity_dpo.jsonl", "rm": "identity_dpo.jsonl",
+            "pt": "pt_demo.jsonl"}
     if method in demo:
         data["train"] = [str(ROOT / "recipes" / "data" / demo[method])]
     return write_recipe(tmp_path / f"{name}.yaml", model_dir, method=method, data=data, output={"sample_prompts": []},
@@ -176,6 +177,7 @@ def test_processes_sharing_rows_train_what_one_process_trains(tmp_path, tiny_own
         "orpo-lora": recipe(tmp_path, "orpo-lora", tiny_own_dir, method="orpo"),
         "simpo-lora": recipe(tmp_path, "simpo-lora", tiny_own_dir, method="simpo"),
         "pt-lora": recipe(tmp_path, "pt-lora", tiny_own_dir, method="pt"),
+        "rm-lora": recipe(tmp_path, "rm-lora", tiny_own_dir, method="rm"),  # each sequence's last token on either side
         "moe-full": recipe(tmp_path, "moe-full", tiny_moe_dir, lora=False, router_z_loss_coef=0.01),
     }
     split = {name: Path(str(path).replace(".yaml", "-split.yaml")) for name, path in cases.items()}
@@ -199,6 +201,7 @@ def test_processes_sharing_rows_train_what_one_process_trains(tmp_path, tiny_own
     assert_same_training(tmp_path / "orpo-lora", tmp_path / "orpo-lora-split", "rewards/margins", "log_odds_ratio")
     assert_same_training(tmp_path / "simpo-lora", tmp_path / "simpo-lora-split", "rewards/margins")
     assert_same_training(tmp_path / "pt-lora", tmp_path / "pt-lora-split")
+    assert_same_training(tmp_path / "rm-lora", tmp_path / "rm-lora-split", "accuracy", "margin")
     assert_same_training(tmp_path / "moe-full", tmp_path / "moe-full-split", "aux_loss", "z_loss")
     load = [json.loads((tmp_path / name / "expert_load.json").read_text()) for name in ("moe-full", "moe-full-split")]
     assert load[0] == load[1]  # every routed token counted once, none of the padding

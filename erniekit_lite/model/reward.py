@@ -54,11 +54,13 @@ def forward(self, *args, **kwargs):
 class Ernie4_5ForSequenceClassification(GenericForSequenceClassification, Ernie4_5PreTrainedModel):
     forward = forward
     expert_load = None  # an ExpertLoad while an MoE trains (train/expert_load.py `track`); read by `_body`
+    sequence_group = None  # distributed.sequence_parallel's group of this process (train/sequence_parallel.py)
 
 
 class Ernie4_5_MoeForSequenceClassification(GenericForSequenceClassification, Ernie4_5_MoePreTrainedModel):
     forward = forward
     expert_load = None
+    sequence_group = None
 
 
 CLASSES = {Ernie4_5Config: Ernie4_5ForSequenceClassification, Ernie4_5_MoeConfig: Ernie4_5_MoeForSequenceClassification}
@@ -158,11 +160,31 @@ def pair_rewards(model, batch: dict) -> torch.Tensor:
         bounds = batch["cu_seq_lens_q"]  # sequence starts, then the row's end
         inputs = {"input_ids": batch["packed_input_ids"], "position_ids": batch["packed_position_ids"],
                   **{k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}}
-        hidden = _body(model, inputs, None)[0]  # [T, h]
-        ends = bounds[1:].to(hidden.device, torch.long) - 1  # each sequence's last token
-        rewards = model.score(hidden[ends])  # packed order: chosen, rejected, chosen, rejected, ...
+        ends = bounds[1:batch["input_ids"].shape[0] + 1] - 1  # each sequence's last token (not a split's pad sample)
+        if model.sequence_group is not None and "sequence_tokens" in batch:  # this process holds a shard of the row
+            last = _split_ends(model, inputs, batch, ends)
+        else:
+            hidden = _body(model, inputs, None)[0]  # [T, h]
+            last = hidden[ends.to(hidden.device, torch.long)]
+        rewards = model.score(last)  # packed order: chosen, rejected, chosen, rejected, ...
         return rewards.view(-1, 2, rewards.shape[-1]).transpose(0, 1).reshape(-1, rewards.shape[-1])
     return padded_rewards(model, batch["input_ids"], batch["attention_mask"])  # rows already chosen first
+
+
+def _split_ends(model, inputs: dict, batch: dict, ends: torch.Tensor) -> torch.Tensor:
+    """The hidden states at `ends` (positions in the whole row) when this process holds one shard of it
+    (data/sequence_shard.py): each process picks the ends it holds, and a sum over the group makes them whole."""
+    from erniekit_lite.model import sequence_parallel
+
+    group = model.sequence_group
+    inputs = {**inputs, sequence_parallel.KWARG: group}
+    share = inputs["input_ids"].shape[1]
+    real = torch.arange(share)[None] < batch["sequence_tokens"] - group.rank * share  # the pad sample's tokens: not counted
+    hidden = _body(model, inputs, real.to(inputs["input_ids"].device))[0]  # [share, h]
+    local = ends.to(hidden.device, torch.long) - group.rank * share
+    mine = (local >= 0) & (local < share)
+    picked = hidden[local.clamp(0, share - 1)] * mine[:, None].to(hidden.dtype)
+    return sequence_parallel.summed(picked, group)
 
 
 def padded_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

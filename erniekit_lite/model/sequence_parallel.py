@@ -9,14 +9,14 @@ not divide the key/value heads (ERNIE 4.5 0.3B: 2, N=4) each key/value head is r
 holds the key/value heads of its query heads.
 
 What is summed or averaged over the whole row is made whole before it is used, by a sum over the group whose
-backward is a sum too (`torch.distributed.nn`): the per-token log-probabilities (`whole`: each process fills its
-positions, zeros elsewhere), and the MoE router logits (`whole_rows`). Every process of a group then computes the
-same loss from the same whole tensors; the backward of those sums hands each process the gradient of its own
-tokens, N times over (every process's identical loss contributes), and the N cancels where the gradients are
-averaged over all processes (DDP, FSDP2) and the step's counts are summed over them (each group counts its row N
-times). The two collectives' backwards are the textbook ones (an all-to-all's is the inverse all-to-all, a sum's is
-a sum), written here on torch.distributed's public `all_to_all_single` and `all_reduce`: torch 2.13 deprecates
-`torch.distributed.nn.functional`, which had them, for a private module.
+backward is a sum too (`summed`): the per-token log-probabilities (`whole`: each process fills its positions, zeros
+elsewhere), the MoE router logits (`whole_rows`), and a reward model's last-token hidden states (model/reward.py).
+Every process of a group then computes the same loss from the same whole tensors; the backward of those sums hands
+each process the gradient of its own tokens, N times over (every process's identical loss contributes), and the N
+cancels where the gradients are averaged over all processes (DDP, FSDP2) and the step's counts are summed over them
+(each group counts its row N times). The two collectives' backwards are the textbook ones (an all-to-all's is the
+inverse all-to-all, a sum's is a sum), written here on torch.distributed's public `all_to_all_single` and
+`all_reduce`: torch 2.13 deprecates `torch.distributed.nn.functional`, which had them, for a private module.
 """
 
 from __future__ import annotations
@@ -72,22 +72,23 @@ def across(sg: SequenceGroup, attention, module, query, key, value, attention_ma
 def whole(local: torch.Tensor, slots: torch.Tensor, total: int, sg: SequenceGroup) -> torch.Tensor:
     """Per-position values of this shard (`local` [n]) at their places `slots` in the row's [total]: summed over the
     group, every process gets the whole row's, in the row's order."""
-    full = local.new_zeros((total, *local.shape[1:])).index_put((slots,), local)
-    return _Sum.apply(full, sg.group) if full.requires_grad else _sum(full, sg)
+    return summed(local.new_zeros((total, *local.shape[1:])).index_put((slots,), local), sg)
 
 
 def whole_rows(local: torch.Tensor, tokens: int, sg: SequenceGroup) -> torch.Tensor:
     """This shard's rows [S, ...] placed among the group's, [:tokens] of the whole [N*S, ...] (the padding cut)."""
     s = local.shape[0]
     before, after = local.new_zeros((sg.rank * s, *local.shape[1:])), local.new_zeros(((sg.size - sg.rank - 1) * s, *local.shape[1:]))
-    full = torch.cat([before, local, after])
-    full = _Sum.apply(full, sg.group) if full.requires_grad else _sum(full, sg)
-    return full[:tokens]
+    return summed(torch.cat([before, local, after]), sg)[:tokens]
 
 
-def _sum(tensor: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
+def summed(tensor: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
+    """`tensor` summed over the group: each process holds its part, zeros elsewhere (with autograd: the backward sums
+    the gradients; without, in place)."""
+    if tensor.requires_grad:
+        return _Sum.apply(tensor, sg.group)
     if tensor.dtype == torch.bool:
-        return _sum(tensor.to(torch.int32), sg).bool()
+        return summed(tensor.to(torch.int32), sg).bool()
     dist.all_reduce(tensor, group=sg.group)
     return tensor
 
