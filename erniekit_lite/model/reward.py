@@ -179,8 +179,7 @@ def _split_ends(model, inputs: dict, batch: dict, ends: torch.Tensor) -> torch.T
     group = model.sequence_group
     inputs = {**inputs, sequence_parallel.KWARG: group}
     share = inputs["input_ids"].shape[1]
-    real = torch.arange(share)[None] < batch["sequence_tokens"] - group.rank * share  # the pad sample's tokens: not counted
-    hidden = _body(model, inputs, real.to(inputs["input_ids"].device))[0]  # [share, h]
+    hidden = _body(model, inputs, sequence_parallel.real_tokens(inputs["input_ids"], batch["sequence_tokens"], group))[0]
     local = ends.to(hidden.device, torch.long) - group.rank * share
     mine = (local >= 0) & (local < share)
     picked = hidden[local.clamp(0, share - 1)] * mine[:, None].to(hidden.dtype)

@@ -69,6 +69,12 @@ def across(sg: SequenceGroup, attention, module, query, key, value, attention_ma
     return _to_tokens(out, sg), weights
 
 
+def real_tokens(ids: torch.Tensor, tokens: int, sg: SequenceGroup) -> torch.Tensor:
+    """[1, S]: which of this shard's tokens (`ids` [1, S]) are the row's `tokens`, not the pad sample the cut added
+    (what the expert load counts)."""
+    return torch.arange(ids.shape[1], device=ids.device)[None] < tokens - sg.rank * ids.shape[1]
+
+
 def whole(local: torch.Tensor, slots: torch.Tensor, total: int, sg: SequenceGroup) -> torch.Tensor:
     """Per-position values of this shard (`local` [n]) at their places `slots` in the row's [total]: summed over the
     group, every process gets the whole row's, in the row's order."""

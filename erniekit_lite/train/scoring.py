@@ -97,10 +97,8 @@ def _shard(model, inputs: dict) -> _Shard | None:
     if group is None or "score_slots" not in inputs:
         return None
     inputs[sequence_parallel.KWARG] = group
-    ids = inputs["input_ids"]
     tokens = inputs.pop("sequence_tokens")
-    here = tokens - group.rank * ids.shape[1]
-    real = torch.arange(ids.shape[1], device=ids.device)[None] < here
+    real = sequence_parallel.real_tokens(inputs["input_ids"], tokens, group)
     return _Shard(group, inputs.pop("score_slots"), inputs.pop("score_total"), tokens, real)
 
 
