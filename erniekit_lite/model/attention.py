@@ -62,11 +62,8 @@ def _packed(query, key, kwargs) -> bool:
 
 
 @torch.compiler.disable  # a loop over data-dependent bounds: traced, it would recompile for every new set of lengths
+@sequence_parallel.over_the_row  # distributed.sequence_parallel: this process may hold 1/N of the row's tokens
 def packed_sdpa_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    group = kwargs.pop(sequence_parallel.KWARG, None)
-    if group is not None:  # this process holds 1/N of the row's tokens (distributed.sequence_parallel)
-        return sequence_parallel.across(group, packed_sdpa_forward, module, query, key, value, attention_mask,
-                                        scaling=scaling, dropout=dropout, **kwargs)
     if not _packed(query, key, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     # query: [1, heads, T, dim]; key/value: [1, kv_heads, T, dim] (grouped-query attention)
@@ -91,12 +88,9 @@ def varlen_kernel():
     return varlen_attn
 
 
+@sequence_parallel.over_the_row
 def packed_varlen_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The packed row through `varlen_attn`: no per-sample loop, no host sync; the bounds stay on the device."""
-    group = kwargs.pop(sequence_parallel.KWARG, None)
-    if group is not None:  # this process holds 1/N of the row's tokens (distributed.sequence_parallel)
-        return sequence_parallel.across(group, packed_varlen_forward, module, query, key, value, attention_mask,
-                                        scaling=scaling, dropout=dropout, **kwargs)
     dtype = query.dtype
     if dtype == torch.float32 and torch.is_autocast_enabled(query.device.type):
         dtype = torch.get_autocast_dtype(query.device.type)  # rotary embeddings may have upcast q and k

@@ -21,6 +21,7 @@ inverse all-to-all, a sum's is a sum), written here on torch.distributed's publi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,20 @@ def _to_tokens(out: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
     sent = out[0].reshape(sg.size, t // sg.size, heads, d).contiguous()  # block j: process j's tokens
     got = _Exchange.apply(sent, sg.group)  # block j: process j's heads
     return got.transpose(0, 1).reshape(t // sg.size, sg.size * heads, d)[None]
+
+
+def over_the_row(attention):
+    """`attention` (a per-sample packed attention of model/attention.py) as registered: when the forward's keywords
+    name a sequence group, run over the whole row from and to this process's shard (`across`); else as it is."""
+
+    @functools.wraps(attention)
+    def forward(module, query, key, value, attention_mask, **kwargs):
+        group = kwargs.pop(KWARG, None)
+        if group is None:
+            return attention(module, query, key, value, attention_mask, **kwargs)
+        return across(group, attention, module, query, key, value, attention_mask, **kwargs)
+
+    return forward
 
 
 def across(sg: SequenceGroup, attention, module, query, key, value, attention_mask, **kwargs):
