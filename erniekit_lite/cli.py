@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("push", help="upload a finished run to the Hugging Face Hub, with a model card and loss plot")
     p.add_argument("output_dir", help="a finished run's output dir")
     p.add_argument("--repo", required=True, metavar="USER/NAME", help="repository to push to (created if missing)")
-    p.add_argument("--private", action="store_true", help="create the repository as private")
+    public = p.add_mutually_exclusive_group()
+    public.add_argument("--public", action="store_true", help="create the repository as public (default: private)")
+    public.add_argument("--private", action="store_true", help="private, and refuse an existing public repository (default: a new repository is private, an existing one kept as it is)")
     p.add_argument("--merged", action="store_true", help="LoRA runs: push the adapter merged into its base")
     p.add_argument("--revision", metavar="BRANCH", help="push to this branch (created from main if missing)")
     p.add_argument("--ema", action="store_true", help="push the run's weight EMA (OUTPUT/ema, written with train.ema) instead")
@@ -146,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="also serve through a public gradio.live link")
     p.add_argument("--auth", metavar="USER:PASSWORD", help="require this login (default: $ERNIEKIT_WEBUI_AUTH, else none)")
+    p.add_argument("--llama-cpp", metavar="DIR", help="llama.cpp for the Export tab's GGUF (default: $LLAMA_CPP_DIR); pages never name it")
     p.set_defaults(handler=_webui)
 
     args = _parse(parser, sub, sys.argv[1:] if argv is None else argv)
@@ -308,7 +311,7 @@ def _push(args) -> int:
         run = str(Path(args.output_dir) / "ema")
         if not (Path(run) / "recipe.yaml").is_file():
             raise UserError(f"{args.output_dir}: no finished weight EMA in it ({run}); train with train.ema to write one")
-    push(run, settings(args.repo, args.private, args.merged, args.revision))
+    push(run, settings(args.repo, True if args.private else False if args.public else None, args.merged, args.revision))
     return 0
 
 
@@ -369,7 +372,7 @@ def _webui(args) -> int:
     _quiet_libraries()
     from erniekit_lite.webui.app import launch
 
-    launch(args.host, args.port, args.share, args.auth or os.environ.get("ERNIEKIT_WEBUI_AUTH"))
+    launch(args.host, args.port, args.share, args.auth or os.environ.get("ERNIEKIT_WEBUI_AUTH"), args.llama_cpp)
     return 0
 
 

@@ -128,7 +128,7 @@ def find_converter(llama_cpp: str | None) -> Path:
         raise UserError("export needs llama.cpp's converter: pass --llama-cpp DIR (a llama.cpp checkout, or the unpacked source "
                         "distribution of llama-cpp-python: pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all:) "
                         "or set LLAMA_CPP_DIR")
-    root = Path(given).expanduser()
+    root = Path(given).expanduser().resolve()  # absolute: the converter runs with its own folder as cwd
     for candidate in (root / "convert_hf_to_gguf.py", root / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"):
         if candidate.is_file():
             return candidate

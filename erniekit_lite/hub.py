@@ -42,8 +42,9 @@ TRL_DEFAULTS = {"sft": {"learning_rate": 2e-5}, "pt": {"learning_rate": 2e-5}, "
                 "grpo": {"learning_rate": 1e-6, "beta": 0.0, "loss_type": "dapo", "num_generations": 8, "max_completion_length": 512}}
 
 
-def settings(repo_id: str, private: bool = False, merged: bool = False, revision: str | None = None) -> HubSection:
-    """The push options of the command line, checked like a recipe's hub: section."""
+def settings(repo_id: str, private: bool | None = None, merged: bool = False, revision: str | None = None) -> HubSection:
+    """The push options of the command line, checked like a recipe's hub: section. `private`: None (neither --private
+    nor --public) creates a new repository private and pushes to an existing one as it is."""
     try:
         return HubSection(repo_id=repo_id, private=private, merged=merged, revision=revision)
     except ValidationError as e:
@@ -74,7 +75,8 @@ def after_training(out: Path, recipe: Recipe, log=print) -> None:
         push(out, recipe.hub, log)
     except UserError as e:
         hub = recipe.hub
-        flags = "".join(f" {flag}" for flag, on in (("--private", hub.private), ("--merged", hub.merged)) if on)
+        flags = "".join(f" {flag}" for flag, on in (("--private", hub.private is True), ("--public", hub.private is False),
+                                                     ("--merged", hub.merged)) if on)
         flags += f" --revision {hub.revision}" if hub.revision else ""
         again = f"erniekit-lite push {out} --repo {hub.repo_id}{flags}"
         raise UserError(f"{e} (the trained run is saved in {out}; push it later: {again})") from None
@@ -115,9 +117,9 @@ def push(run_dir: str | Path, hub: HubSection, log=print) -> str:
 
 def _upload(api, stage: Path, hub: HubSection, log) -> str:
     repo, branch = hub.repo_id, hub.revision or "main"
-    # private=None lets the Hub apply the namespace's default visibility (some organisations default to private)
-    url = str(_with_retries(lambda: api.create_repo(repo, private=True if hub.private else None, exist_ok=True), repo, api, log))
-    if hub.private and _with_retries(lambda: api.repo_info(repo).private, repo, api, log) is False:
+    # private unless asked to publish: a run pushed by mistake stays with its owner (an existing repo keeps its visibility)
+    url = str(_with_retries(lambda: api.create_repo(repo, private=hub.private is not False, exist_ok=True), repo, api, log))
+    if hub.private is True and _with_retries(lambda: api.repo_info(repo).private, repo, api, log) is False:
         raise UserError(f"push to {repo}: the repository exists and is public, and --private does not change that; "
                         "make it private in its settings on the Hub first, or push to a new repo")
     if branch != "main":

@@ -210,7 +210,9 @@ class OutputSection(_Section):
 
 class HubSection(_Section):
     repo_id: str = Field(description="USER/NAME (or ORG/NAME) on the Hugging Face Hub to push to when training ends.")
-    private: bool = Field(False, description="Create the repository as private.")
+    private: bool | None = Field(
+        None, description="Blank: a new repository is created private, an existing one keeps its visibility; true: "
+        "private (an existing public repository is refused); false: public.")
     merged: bool = Field(False, description="LoRA runs: push the merged model instead of the adapter.")
     revision: str | None = Field(None, description="Branch to push to (created if missing); default: main.")
 

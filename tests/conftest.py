@@ -146,6 +146,13 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _images_anywhere(monkeypatch):
+    """A web UI built in a test's process confines data records' images to its folder through the environment
+    (webui/gate.py, ERNIEKIT_IMAGES_INSIDE): put back after each test, so the next test's data reads are not."""
+    monkeypatch.setenv("ERNIEKIT_IMAGES_INSIDE", "")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_data_cache(tmp_path_factory):
     """Tests never write into (or read from) the user's own data cache (erniekit_lite/data/cache.py)."""

@@ -170,13 +170,15 @@ def test_a_users_readme_is_kept_and_the_upload_gets_the_card(lora_run, hub, tmp_
     result = cli(hub, tmp_path, "push", run, "--repo", REPO)
     assert result.returncode == 0, result.stderr
     assert (run / "README.md").read_text() == "# my own notes\n" and "kept" in result.stdout
+    assert hub.repos[REPO].private  # neither --private nor --public: a new repository is private
     assert CARD_MARK in hub.files(REPO)["README.md"].decode()
 
 
 def test_push_merged_uploads_a_plain_checkpoint(lora_run, hub, tmp_path):
     before = snapshot(lora_run)
-    result = cli(hub, tmp_path, "push", lora_run, "--repo", "someone/tiny-ernie-merged", "--merged")
+    result = cli(hub, tmp_path, "push", lora_run, "--repo", "someone/tiny-ernie-merged", "--merged", "--public")
     assert result.returncode == 0, result.stderr
+    assert not hub.repos["someone/tiny-ernie-merged"].private  # published only when asked
     uploaded = hub.files("someone/tiny-ernie-merged")
     assert {"model.safetensors", "config.json", "tokenizer.json", "recipe.yaml", "train_results.json", "loss.png", "README.md"} <= set(uploaded)
     assert not any(name.startswith("adapter_") for name in uploaded)
@@ -232,6 +234,7 @@ def test_recipe_hub_pushes_when_training_ends(tiny_own_dir, hub, tmp_path):
     for name in ("adapter_model.safetensors", "recipe.yaml", "train_results.json", "loss.png", "README.md"):
         assert uploaded[name] == (out / name).read_bytes(), name
     assert "train_samples" in json.loads(uploaded["train_results.json"])
+    assert hub.repos["someone/from-recipe"].private  # hub.private left blank: a new repository is private
     assert 'PeftModel.from_pretrained(base, "someone/from-recipe")' in uploaded["README.md"].decode()
     assert_token_kept_secret(hub, result, out)
 

@@ -296,9 +296,10 @@ def test_the_form_never_writes_a_field_its_method_hides():
 
 
 @contextlib.contextmanager
-def served_app(tmp_path: Path, monkeypatch, exposed: bool = False):
+def served_app(tmp_path: Path, monkeypatch, exposed: bool = False, llama_cpp: str | None = None):
     """The web UI served from a copy of the recipes on a free port, and a gradio_client on it (as a page calls it);
-    `exposed`: built as for a UI others reach (--host other than loopback, --share, --auth), served on loopback here."""
+    `exposed`: built as for a UI others reach (--host other than loopback, --share, --auth), served on loopback here;
+    `llama_cpp`: the server's own llama.cpp folder (`webui --llama-cpp`)."""
     import shutil
     import socket
 
@@ -311,7 +312,7 @@ def served_app(tmp_path: Path, monkeypatch, exposed: bool = False):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    demo = app.build(exposed)
+    demo = app.build(exposed, llama_cpp)
     demo.queue().launch(server_port=port, prevent_thread_lock=True, quiet=True)
     try:
         yield Client(f"http://127.0.0.1:{port}/", verbose=False)

@@ -21,11 +21,16 @@ every sample, so a packed row's samples are each positioned as if alone.
 Records: LLaMA-Factory's form (`messages` whose user texts hold `<image>` placeholders, and an `images` list of
 paths, relative to the data file) and the Hugging Face content-part form (a message's `content` a list of
 `{"type": "text", "text": ...}` and `{"type": "image", "image": PATH}`). Video is not supported.
+
+Where `ERNIEKIT_IMAGES_INSIDE` is set (the web UI sets it to the folder it serves and the shipped demo data: its
+visitors' records may name any path), an image path that resolves (links followed) outside those folders is refused
+without being opened, so the refusal says nothing of what exists outside.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +41,7 @@ from erniekit_lite.data.tokenize import IGNORE, Tokenizer, _extend
 from erniekit_lite.errors import UserError
 
 IMAGE, IMAGE_START, IMAGE_END = "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_START|>", "<|IMAGE_END|>"
+IMAGES_INSIDE = "ERNIEKIT_IMAGES_INSIDE"  # folders (os.pathsep-separated) image paths must resolve inside, when set
 PLACEHOLDER = "<image>"  # LLaMA-Factory's image placeholder in a message's text
 NO_THINKING = "<think>\n\n</think>\n\n"  # the template's generation prompt ends with it unless thinking is asked for
 
@@ -169,7 +175,7 @@ def messages_of(record: dict, base: Path, where: str) -> list[Message]:
                         raise UserError(f"{where}: {content.count(PLACEHOLDER) + used} {PLACEHOLDER} placeholders "
                                         f"and {len(images)} images: each placeholder takes the next path of `images`")
                     used += 1
-                    parts.append(Image(_path(path, base)))
+                    parts.append(Image(_path(path, base, where)))
                 if text:
                     parts.append(text)
         elif isinstance(content, list):
@@ -183,7 +189,7 @@ def messages_of(record: dict, base: Path, where: str) -> list[Message]:
                         ref = ref.get("url")
                     if not isinstance(ref, str):
                         raise UserError(f"{where}: messages[{i}]: an image part needs `image`: a file path")
-                    parts.append(Image(_path(ref, base)))
+                    parts.append(Image(_path(ref, base, where)))
                 else:
                     raise UserError(f"{where}: messages[{i}].content: parts of type text or image only (got {kind!r})")
         else:
@@ -197,11 +203,15 @@ def messages_of(record: dict, base: Path, where: str) -> list[Message]:
     return out
 
 
-def _path(ref: str, base: Path) -> Path:
+def _path(ref: str, base: Path, where: str) -> Path:
     if ref.startswith(("http://", "https://")):
         raise UserError(f"{ref}: images are read from files here (nothing is downloaded); save it beside the data")
     path = Path(ref).expanduser()
-    return path if path.is_absolute() else base / path
+    path = path if path.is_absolute() else base / path
+    inside = [Path(folder) for folder in os.environ.get(IMAGES_INSIDE, "").split(os.pathsep) if folder]
+    if inside and not any(path.resolve().is_relative_to(folder) for folder in inside):
+        raise UserError(f"{where}: image {ref}: outside the folder this web UI serves; put the images beside the data in it")
+    return path
 
 
 def load_image(image: Image, processor, where: str) -> tuple[np.ndarray, tuple[int, int, int]]:

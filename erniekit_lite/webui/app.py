@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import time
 from pathlib import Path
 
@@ -10,19 +11,25 @@ import gradio as gr
 
 from erniekit_lite.errors import UserError
 from erniekit_lite.webui import chat_tab, export_tab, train_tab
+from erniekit_lite.webui.gate import Gate
 from erniekit_lite.webui.jobs import Runner
 
 
-def build(exposed: bool = False) -> gr.Blocks:
-    """The app for the working directory: paths are read from it, as the CLI reads them, and every path typed in
-    the UI must stay inside it. `exposed`: others can reach it (`reachable_by_others`), so it runs no reward code of theirs."""
+def build(exposed: bool = False, llama_cpp: str | None = None) -> gr.Blocks:
+    """The app for the working directory: paths are read from it, as the CLI reads them, and every value a visitor
+    sends passes the one gate (gate.py) first. `exposed`: others can reach it (`reachable_by_others`), so it runs
+    no code, downloads nothing and pushes with no identity of the server's. `llama_cpp`: the server's llama.cpp
+    folder for the GGUF export (default: $LLAMA_CPP_DIR), taken here, never from a page."""
     root = Path.cwd()
+    gate = Gate(root, exposed)
+    gate.confine_images()
+    llama_cpp = llama_cpp or os.environ.get("LLAMA_CPP_DIR") or None
     with gr.Blocks(title="erniekit-lite", analytics_enabled=False) as demo:
         gr.Markdown("## erniekit-lite: fine-tune ERNIE 4.5 from a recipe")
         with gr.Tabs():
-            train_tab.build(demo, root, Runner(root), exposed)
-            chat_tab.build(root)
-            export_tab.build(root)
+            train_tab.build(demo, gate, Runner(root))
+            chat_tab.build(gate)
+            export_tab.build(gate, str(Path(llama_cpp).expanduser().resolve()) if llama_cpp else None)
     return demo
 
 
@@ -46,10 +53,10 @@ def reachable_by_others(host: str, share: bool, auth) -> bool:
         return host != "localhost"
 
 
-def launch(host: str, port: int, share: bool, auth: str | None) -> None:
+def launch(host: str, port: int, share: bool, auth: str | None, llama_cpp: str | None = None) -> None:
     """Serve the app for the current directory until interrupted."""
     credentials = parse_auth(auth)
-    demo = build(reachable_by_others(host, share, credentials))
+    demo = build(reachable_by_others(host, share, credentials), llama_cpp)
     # quiet: Gradio's own lines advise `share=True` in `launch()`; this command's flag is --share
     demo.queue().launch(server_name=host, server_port=port, share=share, auth=credentials, css=train_tab.CSS, quiet=True,
                         prevent_thread_lock=True)

@@ -11,11 +11,13 @@ import gradio as gr
 
 from erniekit_lite.data.formats import Turn
 from erniekit_lite.errors import UserError
-from erniekit_lite.webui.paths import confine, model_dirs
+from erniekit_lite.webui.gate import Gate
+from erniekit_lite.webui.paths import model_dirs
 
 
 class Models:
-    """Loaded models by path, shared by every page; at most two (the model and the one it is compared with)."""
+    """Loaded models by path (each admitted by the gate), shared by every page; at most two (the model and the one it
+    is compared with)."""
 
     LIMIT = 2
 
@@ -29,7 +31,6 @@ class Models:
 
         with self._lock:
             if path not in self.loaded:
-                confine(self.root, path, "model")
                 while len(self.loaded) >= self.LIMIT:
                     self.loaded.pop(next(iter(self.loaded)))
                 self.loaded[path] = load(path)  # relative paths: the server runs in root
@@ -99,7 +100,8 @@ def _text(content) -> str:
     return content if isinstance(content, str) else "".join(part.get("text", "") for part in content)
 
 
-def build(root: Path) -> None:
+def build(gate: Gate) -> None:
+    root = gate.root
     models = Models(root)
     with gr.Tab("Chat", id="chat") as tab:
         with gr.Row():
@@ -125,25 +127,28 @@ def build(root: Path) -> None:
             send_button = gr.Button("Send", variant="primary", elem_id="chat-send")
             clear_button = gr.Button("Clear")
 
-        def chosen(model_path: str | None):
+        @gate.endpoint("model?", refuse=lambda line: "")  # outside (Load will say so): no base to offer
+        def chosen(model_path: str):
             try:
-                confine(root, model_path, "model")
-                return base_of(model_path)
-            except UserError:  # outside (Load will say so), or a run with a broken recipe.yaml: no base to offer
+                return base_of(model_path) if model_path else ""
+            except UserError:  # a run with a broken recipe.yaml
                 return ""
 
-        def load(model_path: str | None, other_path: str):
+        @gate.endpoint("model?", "model?", refuse=lambda line: (gr.skip(), gr.skip(), gr.skip(), f"error: {line}"))
+        def load(model_path: str, other_path: str):
             if not model_path:
                 return gr.skip(), gr.skip(), gr.skip(), "choose a model or run dir first"
             try:
-                for p in filter(None, (model_path, other_path.strip())):
+                for p in filter(None, (model_path, other_path)):
                     models.get(p)
             except UserError as e:
                 return gr.skip(), gr.skip(), gr.skip(), f"error: {e}"
-            pair = (model_path, other_path.strip())
+            pair = (model_path, other_path)
             return (pair, gr.update(value=[], label=model_path), gr.update(value=[], label=pair[1], visible=bool(pair[1])),
                     f"loaded {' and '.join(filter(None, pair))}")
 
+        @gate.endpoint("plain", "upload?", "state", "plain", "plain", "plain", "plain", "plain", "plain",
+                       refuse=lambda line: (gr.skip(), None, gr.skip(), gr.skip(), f"error: {line}"))
         def send(text: str, picture: str | None, pair, history_a, history_b, system_prompt, max_new, temp, nucleus):
             from erniekit_lite.chat import image_processor_of, sampling_settings
 
@@ -155,6 +160,7 @@ def build(root: Path) -> None:
                 return
             sampling = sampling_settings(int(max_new), float(temp), float(nucleus))
             histories, started = [history_a, history_b], time.time()
+            picture = str(picture) if picture else None
             shown = f"{text}\n(with an image)" if picture else text
             # One model after the other: on a CPU two generations at once would each run at half speed
             for i, p in enumerate(filter(None, pair)):
@@ -170,10 +176,18 @@ def build(root: Path) -> None:
                     return
             yield "", None, histories[0], histories[1], f"answered in {time.time() - started:.1f} s"
 
-        tab.select(lambda: gr.update(choices=model_dirs(root)), None, path)
+        @gate.endpoint()
+        def model_choices():
+            return gr.update(choices=model_dirs(root))
+
+        @gate.endpoint()
+        def clear():
+            return [], []
+
+        tab.select(model_choices, None, path)
         path.input(chosen, path, other)
         load_button.click(load, [path, other], [loaded, first, second, status])
         inputs = [message, image, loaded, first, second, system, max_new_tokens, temperature, top_p]
         message.submit(send, inputs, [message, image, first, second, status])
         send_button.click(send, inputs, [message, image, first, second, status])
-        clear_button.click(lambda: ([], []), None, [first, second])
+        clear_button.click(clear, None, [first, second])

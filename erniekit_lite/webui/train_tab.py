@@ -17,8 +17,9 @@ import gradio as gr
 from erniekit_lite.errors import UserError
 from erniekit_lite.plots import HEADLINE
 from erniekit_lite.webui import forms, preview
+from erniekit_lite.webui.gate import Checked, Gate
 from erniekit_lite.webui.jobs import Runner
-from erniekit_lite.webui.paths import confine_recipe, open_recipe, recipe_choices
+from erniekit_lite.webui.paths import recipe_choices
 
 POLL_SECONDS = 1.0
 EDITS = "recipe-edits"  # the concurrency group of the events that write the recipe (build)
@@ -40,7 +41,8 @@ LAYOUT = (
 CSS = ".ek-track{background:#e5e7eb;border-radius:4px;height:14px}.ek-bar{background:#f97316;height:14px;border-radius:4px}"
 
 
-def build(demo: gr.Blocks, root: Path, runner: Runner, exposed: bool = False) -> None:
+def build(demo: gr.Blocks, gate: Gate, runner: Runner) -> None:
+    root = gate.root
     with gr.Tab("Train", id="train"):
         with gr.Row():
             choice = gr.Dropdown(recipe_choices(root), value=None, label="recipe (from recipes/, or shipped with erniekit-lite)",
@@ -91,22 +93,23 @@ def build(demo: gr.Blocks, root: Path, runner: Runner, exposed: bool = False) ->
         def open_file(file: Path):
             return open_text(file.name, file.read_text(encoding="utf-8"))
 
-        def choose(path: str | None):
-            try:
-                if not path:
-                    return unchanged
-                file_name, content, from_package = open_recipe(root, path)
-                return open_text(file_name, content, "loaded (shipped with erniekit-lite)" if from_package else "loaded")
-            except UserError as e:
-                return [*unchanged[:-1], f"error: {e}"]
+        @gate.endpoint("choice?", refuse=lambda line: [*unchanged[:-1], f"error: {line}"])
+        def choose(opened: tuple[str, str, bool] | None):
+            if opened is None:
+                return unchanged
+            file_name, content, from_package = opened
+            return open_text(file_name, content, "loaded (shipped with erniekit-lite)" if from_package else "loaded")
 
-        def uploaded(path: str | None):
-            return open_file(Path(path)) if path else unchanged  # Gradio's upload dir: not a path the user typed
+        @gate.endpoint("upload?", refuse=lambda line: [*unchanged[:-1], f"error: {line}"])
+        def uploaded(path: Path | None):
+            return open_file(path) if path else unchanged
 
+        @gate.endpoint()
         def running_recipe():
             """A new page opens on the recipe of the server's job, if there is one."""
             return open_file(root / runner.job.recipe_file) if runner.job is not None else unchanged
 
+        @gate.endpoint("draft", "name")
         def yaml_edited(content: str, file_name: str):
             try:
                 return [content, *fill(forms.parse(content, file_name)), ""]
@@ -114,6 +117,7 @@ def build(demo: gr.Blocks, root: Path, runner: Runner, exposed: bool = False) ->
                 return [content, *[gr.skip()] * len(form), f"error: {e}"]
 
         def field_edited(index: int):
+            @gate.endpoint("state", "name", "draft")
             def form_edited(content: str, file_name: str, value):
                 """[text, current, status, *form] after field `index` is set to `value` in the current recipe."""
                 new_text, *rest = edit_field(content, file_name, index, value)
@@ -121,20 +125,22 @@ def build(demo: gr.Blocks, root: Path, runner: Runner, exposed: bool = False) ->
 
             return form_edited
 
-        def validate(content: str, file_name: str):
-            return gr.update(value=validate_recipe(root, content, file_name, exposed), visible=True)
+        @gate.endpoint("recipe", "name", refuse=lambda line: gr.update(value=f"error: {line}", visible=True))
+        def validate(checked: Checked, file_name: str):
+            return gr.update(value=validation(checked), visible=True)
 
-        def show_preview(content: str, file_name: str):
+        @gate.endpoint("recipe", "name", refuse=lambda line: (gr.skip(), f"error: {line}"))
+        def show_preview(checked: Checked, file_name: str):
             try:
-                recipe = forms.parse(content, file_name)
-                confine_recipe(root, recipe, exposed)
-                return gr.update(value=preview.render(recipe, log=lambda line: None), visible=True), ""
+                return gr.update(value=preview.render(checked.recipe, log=lambda line: None), visible=True), ""
             except UserError as e:
                 return gr.skip(), f"error: {e}"
 
-        def start(content: str, file_name: str):
-            return start_job(root, runner, content, file_name, exposed)
+        @gate.endpoint("recipe", "name")
+        def start(checked: Checked, file_name: str):
+            return start_checked(runner, checked)
 
+        @gate.endpoint()
         def edits_landed():
             """Nothing: queued behind the edits still on their way, so the step chained after it reads their result."""
 
@@ -157,11 +163,19 @@ def build(demo: gr.Blocks, root: Path, runner: Runner, exposed: bool = False) ->
         after_edits(validate_button, validate, plan_text)
         after_edits(preview_button, show_preview, [preview_html, status])
         after_edits(start_button, start, status)
-        stop_button.click(runner.stop, None, status)
+        @gate.endpoint()
+        def stop():
+            return runner.stop()
+
+        @gate.endpoint()
+        def show_job():
+            return job_view(root, runner)
+
+        stop_button.click(stop, None, status)
         shown = [progress_html, loss, headline, expert_load, log, start_button, stop_button]
         demo.load(running_recipe, None, loaded, concurrency_id=EDITS)
-        demo.load(lambda: job_view(root, runner), None, shown)
-        gr.Timer(POLL_SECONDS).tick(lambda: job_view(root, runner), None, shown)
+        demo.load(show_job, None, shown)
+        gr.Timer(POLL_SECONDS).tick(show_job, None, shown)
 
 
 def fill(recipe) -> list:
@@ -200,32 +214,39 @@ def edit(content: str, file_name: str, values: list) -> list:
     return [changed.to_yaml(), forms.dropped(recipe, changed), *fill(changed)]
 
 
-def validate_recipe(root: Path, content: str, file_name: str, exposed: bool = False) -> str:
-    """Validate pressed: the plan as `erniekit-lite validate` prints it, ending in `NAME: valid` or the one-line error."""
+def validation(checked: Checked) -> str:
+    """The plan as `erniekit-lite validate` prints it, ending in `NAME: valid` or the one-line error."""
     from erniekit_lite.plan import plan
 
     lines: list[str] = []
     try:
-        recipe = forms.parse(content, file_name)
-        confine_recipe(root, recipe, exposed)
-        plan(recipe, log=lines.append)
+        plan(checked.recipe, log=lines.append)
     except UserError as e:
         return "\n".join(lines + [f"error: {e}"])
-    return "\n".join(lines + [f"{file_name}: valid"])
+    return "\n".join(lines + [f"{checked.name}: valid"])
 
 
-def start_job(root: Path, runner: Runner, content: str, file_name: str, exposed: bool = False) -> str:
-    """Start pressed: the editor's recipe, checked as `train` checks it first, becomes the server's job; the status line."""
+def validate_recipe(root: Path, content: str, file_name: str, exposed: bool = False) -> str:
+    """Validate pressed, as the page's event runs it: through the gate, then the plan."""
+    return Gate(root, exposed).endpoint("recipe", "name")(lambda checked, name: validation(checked))(content, file_name)
+
+
+def start_checked(runner: Runner, checked: Checked) -> str:
+    """Start pressed: the editor's recipe, admitted and checked as `train` checks it first, becomes the server's job."""
     from erniekit_lite.train import rundir
 
+    recipe = checked.recipe
     try:
-        recipe = forms.parse(content, file_name)
-        confine_recipe(root, recipe, exposed)
         rundir.check(rundir.target(recipe))  # what `train` checks first, answered before a process is started
-        job = runner.start(content, file_name, recipe.output.dir, recipe.method)
+        job = runner.start(checked.text, checked.name, recipe.output.dir, recipe.method)
     except UserError as e:
         return f"error: {e}"
     return f"started: {job.recipe_file} -> {recipe.output.dir}"
+
+
+def start_job(root: Path, runner: Runner, content: str, file_name: str, exposed: bool = False) -> str:
+    """Start pressed, as the page's event runs it: through the gate, then `start_checked`."""
+    return Gate(root, exposed).endpoint("recipe", "name")(lambda checked, name: start_checked(runner, checked))(content, file_name)
 
 
 def job_view(root: Path, runner: Runner) -> list:
