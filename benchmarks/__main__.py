@@ -12,7 +12,7 @@ a footer: the exact command, the git revision (with `+dirty` when the measured c
 
 Peers: the `*-peers` benchmarks and `row_length-tiny` run LLaMA-Factory in its own venv
 (`bash benchmarks/install_llamafactory.sh`); without it `all` stops before starting, naming the command, and
-`--quick` leaves LLaMA-Factory out. `gguf_agreement` needs llama-cpp-python and LLAMA_CPP_DIR (`all` stops
+`--quick` leaves LLaMA-Factory out. `gguf_agreement` and `quickstart_gguf` need llama-cpp-python and LLAMA_CPP_DIR (`all` stops
 without them; `--quick` leaves it out). `gpu_check.py` is not here: it needs a GPU (docs/performance.md, "On a GPU").
 """
 
@@ -72,6 +72,8 @@ BENCHES = [
     Bench("grpo", "results-grpo-cpu-tiny.txt", ("grpo.py", "--rounds", "5", "--steps", "6"), ("grpo.py", "--rounds", "1", "--steps", "2"),
           10, writes_own=True),
     Bench("grpo_rounding", "results-grpo_rounding.txt", ("grpo_rounding.py", "--rounds", "3"), None, 1, writes_own=True),
+    Bench("quickstart_gguf", "results-quickstart_gguf.txt", ("quickstart_gguf.py", "--rounds", "3"),
+          ("quickstart_gguf.py", "--rounds", "1"), 6, writes_own=True, llama_cpp=True),
     Bench("gguf_agreement", "results-gguf_agreement.txt", ("gguf_agreement.py",),
           ("gguf_agreement.py", "--seeds", "1", "--outtypes", "f32,q8_0"), 12, writes_own=True, llama_cpp=True),
     Bench("moe_lora", "results-moe_lora-cpu.txt",

@@ -373,6 +373,22 @@ def test_no_converter_is_one_line(tmp_path, capsys, monkeypatch, tiny_own_dir):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.exporting-*"))
 
 
+def test_a_relative_llama_cpp_folder_runs_its_converter(tmp_path, monkeypatch):
+    """`--llama-cpp` (or LLAMA_CPP_DIR) relative to where the command runs: the converter runs from its own folder,
+    and its path was joined twice before (it always failed). A stand-in converter that writes its --outfile."""
+    from erniekit_lite import export
+
+    (tmp_path / "src" / "llama").mkdir(parents=True)
+    (tmp_path / "src" / "llama" / "convert_hf_to_gguf.py").write_text(
+        "import sys\nopen(sys.argv[sys.argv.index('--outfile') + 1], 'w').write('gguf')\n")
+    (tmp_path / "model").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for given in ("src/llama", "./src/../src/llama"):
+        gguf = tmp_path / f"{len(given)}.gguf"
+        export.convert(export.find_converter(given), Path("model"), gguf, "f16", lambda *_: None)
+        assert gguf.read_text() == "gguf"
+
+
 def test_engine_killed_by_a_signal_fails_only_its_test(tmp_path):
     """A stand-in engine that dies as llama.cpp's AMX kernels did on a CPU without them (SIGILL): `in_child` fails the
     calling test with the signal and the engine's last lines, and this process goes on."""
