@@ -38,10 +38,9 @@ def main() -> int:
                 recipe = recipes.load(str(ROOT / "recipes" / name), [f"model.path={path}", f"output.dir={tmp}/out",
                                                                      f"distributed.sequence_parallel={n}"])
                 lines: list[str] = []
-                plan(recipe, log=lines.append, launch=Launch("fsdp", n) if n > 1 else None)
-                whole = float(next(x for x in lines if x.startswith("memory per device (estimate): ")).split(": ")[1].split()[0])
-                sharded = next((x for x in lines if "sharded over the launch's" in x), None)
-                fsdp = float(sharded.split("about ")[1].split()[0]) if sharded else whole
+                info = plan(recipe, log=lines.append, launch=Launch("fsdp", n) if n > 1 else None)
+                whole = info["memory_gb"]  # one process's whole plan (DDP holds it all on each GPU)
+                fsdp = info.get("memory_gb_sharded", whole)
 
                 def fit(gib: float) -> str:
                     gpu = memory.smallest_gpu(int(gib * memory.GIB))

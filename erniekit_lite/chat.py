@@ -14,6 +14,8 @@ from erniekit_lite.errors import UserError
 
 HELP = "type a message; /reset clears the history, /exit (or Ctrl-D) quits"
 IMAGE_HELP = "; /image FILE shows an image with your next message"
+# A VL model asked about "this picture" with none shown still answers, about a picture it never saw: said once
+NO_IMAGE = "no image shown: this ERNIE-4.5-VL model answers from the text alone"
 
 
 def load(path: str, adapter: str | None = None):
@@ -105,6 +107,8 @@ def chat(model, tokenizer, system: str | None = None, read=None, out=None, proce
             continue
         if not prompt:
             continue
+        if processor is not None and not images and not any(isinstance(turn.user, list) for turn in history):
+            print(f"({NO_IMAGE}; /image FILE shows one)", file=out)
         print("Assistant: ", end="", file=out, flush=True)
         try:
             said = reply(model, tokenizer, prompt, system, history, out, images, processor, **sampling)

@@ -71,16 +71,28 @@ def plan(recipe: Recipe, log=print, launch: run_plan.Launch | None = None) -> di
     info["memory_gb"] = round(est.total / memory.GIB, 2)
     info["fits_gpu_gb"] = gpu
     info["offload"] = offload
-    for line in memory.format_lines(est, run, gpu):
-        log(line)
+    needed = est.total  # what each device of the launch needs: the headline
     if launch is not None and launch.processes > 1 and (launch.how == "fsdp" or launch.zero3):
-        per_device = memory.sharded_total(est, arch["memory"], run, launch.processes)
-        info["memory_gb_sharded"] = round(per_device / memory.GIB, 2)
-        log(f"  sharded over the launch's {launch.processes} processes ({'FSDP' if launch.how == 'fsdp' else 'ZeRO-3'}): about "
-            f"{per_device / memory.GIB:.1f} GiB per device (rough: the sharded states plus three gathered layers; not measured)")
+        # under a sharding launch each device holds its share: that is the headline, one process's whole plan below it
+        needed = memory.sharded_total(est, arch["memory"], run, launch.processes)
+        info["memory_gb_sharded"] = round(needed / memory.GIB, 2)
+        gpu = info["fits_gpu_gb"] = memory.smallest_gpu(needed)
+        log(f"memory per device (estimate) under this launch, sharded over its {launch.processes} processes "
+            f"({'FSDP' if launch.how == 'fsdp' else 'ZeRO-3'}): about {needed / memory.GIB:.1f} GiB; "
+            f"{f'fits {memory.a_gpu(gpu)}' if gpu else f'does not fit one {memory.GPUS_GB[-1]} GB GPU'} (rough: the "
+            "sharded states plus three gathered layers; not measured)")
+        whole, *parts = memory.format_lines(est, run, memory.smallest_gpu(est.total))
+        for line in [f"one process's plan, unsharded: {whole.removeprefix('memory per device (estimate): ')}", *parts]:
+            log(f"  {line}")
+    else:
+        for line in memory.format_lines(est, run, gpu):
+            log(line)
     if offload != "none":
         info["host_memory_gb"] = round(est.host / memory.GIB, 2)
         log(f"  {host_line(est.host)}")
+    elif needed < est.total and needed > run_plan.HEADROOM * device:  # sharded: more processes make each share smaller
+        log(f"note: about {needed / memory.GIB:.1f} GiB per device does not fit {device_name(device, cuda)}; more "
+            "processes shard the states thinner")
     elif not fits(est, device):
         info["offload_proposed"] = propose_offload(recipe, args, arch, est, device, cuda, log)
     if recipe.method in ("orpo", "simpo"):
@@ -338,17 +350,21 @@ def propose_offload(recipe: Recipe, args, arch: dict, est, device_bytes: int, cu
     """The plan does not fit the device (`device_bytes`): what each offload would need on the device and the host,
     and the plan with the first that fits; returns that mode (None when neither does)."""
     proposed = None
+    # one line for the GPU the plan does not fit (the headline above says what it fits), then one per mode
+    log(f"note: the plan ({est.total / memory.GIB:.1f} GiB) does not fit {device_name(device_bytes, cuda)}; "
+        "what each train.offload would need there:")
     for mode in ("optimizer", "parameters"):
         with_it, run = memory_estimate(recipe, args, arch, cuda, offload=mode)
         how = "" if mode == "optimizer" else " (one FSDP2 process, launched by `train`; N processes divide the host memory)"
-        log(f"note: the plan ({est.total / memory.GIB:.1f} GiB) does not fit {device_name(device_bytes, cuda)}; with train.offload: {mode}{how}: "
-            f"{with_it.total / memory.GIB:.1f} GiB on the device ({'fits' if fits(with_it, device_bytes) else 'does not fit either'}), "
-            f"{host_line(with_it.host)}")
+        log(f"  train.offload: {mode}{how}: {with_it.total / memory.GIB:.1f} GiB on the device "
+            f"({'fits' if fits(with_it, device_bytes) else 'does not fit either'}), {host_line(with_it.host)}")
         if proposed is None and fits(with_it, device_bytes):
             proposed = mode
-            log(f"with train.offload: {mode}:")
-            for line in memory.format_lines(with_it, run, memory.smallest_gpu(with_it.total)):
-                log(f"  {line}")
+    if proposed is not None:
+        with_it, run = memory_estimate(recipe, args, arch, cuda, offload=proposed)
+        log(f"with train.offload: {proposed}:")
+        for line in memory.format_lines(with_it, run, memory.smallest_gpu(with_it.total)):
+            log(f"  {line}")
     return proposed
 
 

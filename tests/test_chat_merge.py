@@ -53,6 +53,24 @@ def test_one_shot_chat_streams_the_greedy_template_answer(capsys, lora_run, tiny
     assert run_cli(capsys, "chat", tiny_own_dir, "--prompt", "Who are you?", "--max-new-tokens", "12")[1] != out
 
 
+def test_a_vl_model_asked_without_an_image_is_said_to_have_seen_none(capsys, monkeypatch, tiny_vl_dir):
+    """An ERNIE-4.5-VL model answers a question about "this picture" with none shown (about a picture it never saw):
+    one-shot, a note on stderr (the answer alone on stdout); interactive, a note before the answer until an image has
+    been shown in the conversation, and again after /reset."""
+    picture = ROOT / "recipes" / "data" / "colours" / "red.png"
+    code, out, err = run_cli(capsys, "chat", tiny_vl_dir, "--prompt", "What colour is this picture?", "--max-new-tokens", "2")
+    assert code == 0 and err.strip().splitlines()[-1] == ("note: no image shown: this ERNIE-4.5-VL model answers from the "
+                                                          "text alone (--image FILE shows one)"), err
+    assert "no image" not in out
+    code, out, err = run_cli(capsys, "chat", tiny_vl_dir, "--image", picture, "--prompt", "What colour?", "--max-new-tokens", "2")
+    assert code == 0 and "no image shown" not in err + out
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"Colour?\n/image {picture}\nColour?\nAnd now?\n/reset\nColour?\n"))
+    code, out, err = run_cli(capsys, "chat", tiny_vl_dir, "--max-new-tokens", "2")
+    note = "(no image shown: this ERNIE-4.5-VL model answers from the text alone; /image FILE shows one)\n"
+    turns = out.split("User: ")[1:]
+    assert code == 0 and [t.startswith(note) for t in turns] == [True, False, False, False, False, True, False], out
+
+
 def test_interactive_chat_keeps_history_until_reset(capsys, monkeypatch, lora_run):
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello!\nWho are you?\n/reset\nWho are you?\n"))
     code, out, err = run_cli(capsys, "chat", lora_run, "--max-new-tokens", "8")

@@ -149,3 +149,21 @@ def test_ci_runs_the_readme_test_command():
     quick = text[: re.search(r"^## ", text, re.M).start()]
     assert f"```bash\n{command}\n```" in quick
     assert command.endswith("python -m pytest")
+
+
+def test_the_readme_recipe_table_lists_every_shipped_model_recipe():
+    """Each shipped recipe for a released model (under recipes/<model>/) has a row of the README's table (the six VL
+    recipes were missing): `a/{b,c}.yaml` and a row's later `d.yaml` (in the row's first folder) both count."""
+    from erniekit_lite import shipped
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = text[text.index("| model | method | recipe under `recipes/` | GPU |"):]
+    listed = set()
+    for row in table[: table.index("\n\n")].splitlines()[2:]:
+        paths = [p for p in re.findall(r"`([^`]+\.yaml)`", row)]
+        folder = paths[0].rsplit("/", 1)[0]
+        for path in paths:
+            head, _, tail = path.partition("{")
+            names = [head + part + tail.partition("}")[2] for part in tail.partition("}")[0].split(",")] if tail else [path]
+            listed |= {(n if "/" in n else f"{folder}/{n}").removesuffix(".yaml") for n in names}
+    assert {name for name in shipped.names() if "/" in name} - listed == set()

@@ -350,8 +350,10 @@ def test_memory_table_is_what_validate_prints(tmp_path):
         lines = []
         if name.endswith("-2gpu.yaml"):  # launched as its comment says: 2 processes, FSDP2; the figure is one GPU's
             plan(recipe, log=lines.append, launch=Launch("fsdp", 2))
-            printed = next(x for x in lines if x.startswith("  sharded over the launch's 2 processes (FSDP): "))
-            assert printed.split(": ")[1].startswith(f"about {stated} GiB per device"), (name, printed)
+            head = "memory per device (estimate) under this launch, sharded over its 2 processes (FSDP): "
+            printed = next(x for x in lines if x.startswith(("memory per device", "  one process's plan")))
+            assert printed.startswith(f"{head}about {stated} GiB; fits an 80 GB GPU"), (name, printed)  # the headline
+            assert lines[lines.index(printed) + 1].startswith("  one process's plan, unsharded: "), (name, lines)
             continue
         plan(recipe, log=lines.append)
         printed = next(x for x in lines if x.startswith("memory per device (estimate): "))

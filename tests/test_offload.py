@@ -230,13 +230,16 @@ def test_validate_proposes_the_offload_that_fits_with_its_host_memory(tmp_path):
     text = "\n".join(lines)
     assert info["offload"] == "none" and info["memory_gb"] > 24 * 0.85
     assert info["offload_proposed"] == "parameters"
-    notes = [line for line in lines if line.startswith("note: the plan (")]
-    assert len(notes) == 2 and "train.offload: optimizer:" in notes[0] and "(does not fit either)" in notes[0]
-    assert "train.offload: parameters (one FSDP2 process" in notes[1] and "on the device (fits)" in notes[1]
-    assert "host memory: " in notes[1] and "this machine has" in notes[1]
+    # the GPU it does not fit named once (it was said again for each mode), then a line per mode
+    (note,) = [i for i, line in enumerate(lines) if "does not fit a 24 GB GPU" in line]
+    assert lines[note].startswith("note: the plan (") and lines[note].endswith(
+        "does not fit a 24 GB GPU (the smallest GPU validate names, as no GPU is here); what each train.offload would need there:")
+    optimizer, parameters = lines[note + 1:note + 3]
+    assert optimizer.startswith("  train.offload: optimizer: ") and "(does not fit either)" in optimizer
+    assert parameters.startswith("  train.offload: parameters (one FSDP2 process") and "on the device (fits)" in parameters
+    assert "host memory: " in parameters and "this machine has" in parameters
     assert "with train.offload: parameters:\n  memory per device (estimate):" in text
     assert "  host memory (train.offload: parameters): " in text
-    assert "does not fit a 24 GB GPU (the smallest GPU validate names, as no GPU is here)" in notes[0]
 
     lines.clear()  # auto without a GPU: none here, as `train` takes it here; what it takes on each GPU size, named
     info = validate(load(path, ["train.offload=auto"]), log=lines.append)
