@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("eval", help="--tasks: benchmarks through lm-evaluation-harness (MMLU, C-Eval, GSM8K, ...); --data: loss and perplexity on a data file")
     p.add_argument("target", metavar="TARGET", help="a run output dir, a model dir, a Hub id, or (with --data) a recipe .yaml")
     p.add_argument("--data", metavar="FILE", help="data file in any training format (auto-detected): loss and perplexity")
-    p.add_argument("--generate", action="store_true", help="with --data: also answer each record's last user turn, written as JSONL")
+    p.add_argument("--generate", action="store_true", help="with --data: also answer each record's last user turn, written as JSONL "
+                   "(with --out FILE: FILE holds the answers, and the metrics go beside it, FILE's suffix replaced by .metrics.json: "
+                   "answers.jsonl -> answers.metrics.json)")
     p.add_argument("--tasks", metavar="NAMES", help="comma-separated lm-eval tasks, groups or tags, e.g. mmlu,cmmlu,ceval-valid,gsm8k")
     p.add_argument("--tasks-path", metavar="DIR", help="also read lm-eval task YAMLs from DIR (local data: how it runs offline)")
     p.add_argument("--num-fewshot", type=int, metavar="K", help="few-shot examples per prompt (default: each task's own)")
@@ -106,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat", action="store_true", help="with --tasks: render each request with the model's chat template")
     p.add_argument("--compare", metavar="BASE", help="with --tasks: evaluate BASE too and print base, tuned and the difference")
     p.add_argument("--adapter", help="with --tasks: a LoRA output dir to apply on TARGET")
-    p.add_argument("--out", metavar="FILE", help="results JSON (default: the first free eval_results[-N].json here)")
+    p.add_argument("--out", metavar="FILE", help="where the results go: the metrics (--data) or results (--tasks) JSON; with --generate, the answers "
+                   "JSONL, the metrics beside it. Default: the folder of the model evaluated (the run's output dir, a model dir, a "
+                   "recipe's model.path; with --adapter, the adapter's), as eval/eval_results[-N].json and eval/eval_generations[-N].jsonl "
+                   "(new numbers, never over earlier files; never the working folder: a Hub id needs --out)")
+    p.add_argument("--overwrite", action="store_true", help="allow replacing an existing --out (and, with --generate, the metrics file beside it)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8, help="packed rows per scoring forward, prompts per generation batch")
     p.add_argument("--max-samples", type=int, metavar="N", help="only the first N records (--data) or examples per task (--tasks, as --limit)")
@@ -215,7 +221,26 @@ def _train(args) -> int:
     machines = Machines(args.num_machines, args.machine_rank, args.main_process_ip, args.main_process_port, args.join_timeout)
     # FSDP2's CPU offload runs launched, one process or more; a launched worker (LOCAL_RANK set) trains
     parameters = recipes.own_train(r, "offload") == "parameters" and "LOCAL_RANK" not in os.environ
-    if args.num_processes is not None or args.accelerate_config is not None or machines.given() or parameters:
+    launching = args.num_processes is not None or args.accelerate_config is not None or machines.given() or parameters
+    from erniekit_lite.train import run_lock
+
+    # The run holds its folder from here, before anything heavy loads: a second train into it is refused in one line
+    # naming this process (with several machines, machine 0's command holds it; launched processes leave it to theirs)
+    rank = machines.machine_rank
+    if launching and rank is None and args.accelerate_config is not None:
+        from erniekit_lite.launch import _read_config
+
+        try:
+            rank = _read_config(args.accelerate_config).get("machine_rank")
+        except UserError:  # said where the launch reads it, in its turn
+            pass
+    with run_lock.hold(r.output.dir, run_lock.takes(rank if launching else None),
+                       log=lambda line: print(line, file=sys.stderr)):
+        return _train_holding(args, r, overrides, machines, parameters, launching)
+
+
+def _train_holding(args, r, overrides: list[str], machines, parameters: bool, launching: bool) -> int:
+    if launching:
         from erniekit_lite.launch import launch, launch_of
         from erniekit_lite.run_plan import refuse_unlaunchable
         from erniekit_lite.train import rundir
@@ -270,6 +295,10 @@ def _chat(args) -> int:
     model, tokenizer = load(args.path, args.adapter)
     processor = image_processor_of(model, args.path, args.adapter)
     if args.prompt is not None:
+        if processor is not None and not args.image:
+            from erniekit_lite.chat import NO_IMAGE
+
+            print(f"note: {NO_IMAGE} (--image FILE shows one)", file=sys.stderr)
         reply(model, tokenizer, args.prompt, args.system, [], images=args.image, processor=processor, **sampling)
     else:
         chat(model, tokenizer, args.system, processor=processor, **sampling)
@@ -324,11 +353,13 @@ def _eval(args) -> int:
             raise UserError("eval: --generate goes with --data; lm-eval's generation tasks (gsm8k, ...) generate by themselves")
         if args.limit is not None and args.max_samples is not None:
             raise UserError("eval: --limit and --max-samples are one setting; give one")
+        from erniekit_lite.evaluate import result_files
         from erniekit_lite.tasks import run_tasks
 
         limit = args.limit if args.limit is not None else args.max_samples
+        out, _ = result_files(args.out, False, args.overwrite, args.adapter or args.target)  # checked before lm-eval runs
         run_tasks(args.target, args.tasks.split(","), args.adapter, args.tasks_path, args.num_fewshot, limit,
-                  args.batch_size, args.chat, args.compare, args.out)
+                  args.batch_size, args.chat, args.compare, str(out))
         return 0
     given = [flag for flag, value in (("--tasks-path", args.tasks_path), ("--num-fewshot", args.num_fewshot), ("--limit", args.limit),
                                       ("--chat", args.chat or None), ("--compare", args.compare), ("--adapter", args.adapter)) if value is not None]
@@ -336,7 +367,8 @@ def _eval(args) -> int:
         raise UserError(f"eval: {', '.join(given)} go{'es' if len(given) == 1 else ''} with --tasks, not --data")
     from erniekit_lite.evaluate import evaluate
 
-    evaluate(args.target, args.data, args.out, args.generate, args.max_new_tokens, args.batch_size, args.max_samples)
+    evaluate(args.target, args.data, args.out, args.generate, args.max_new_tokens, args.batch_size, args.max_samples,
+             overwrite=args.overwrite)
     return 0
 
 

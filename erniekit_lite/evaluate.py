@@ -6,12 +6,19 @@ token-weighted mean negative log-likelihood of the trained (assistant) tokens: t
 reports on the same data (exactly when its eval set fits one eval batch: the Trainer averages per-batch losses,
 each token-weighted only within its batch). Answers are generated for each record's conversation up to its last user turn,
 through the same template, in the data's order, so files written for a base and a tuned model line up.
+
+Where the files go (`result_files`, `--tasks` too): `--out FILE`, never over an existing file without `overwrite`; with
+`--generate`, FILE is the answers JSONL and the metrics go beside it (`answers.jsonl` -> `answers.metrics.json`).
+Without `--out`, `eval/eval_results[-N].json` (and `eval/eval_generations[-N].jsonl`) in the folder of the model
+evaluated (`results_home`): a run's output dir, a model dir, a recipe's model.path, `--tasks --adapter`'s run; never the
+working folder. A subfolder: `push` uploads a run's top-level files only, so the eval data's prompts stay local.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -30,13 +37,18 @@ def evaluate(
     batch_size: int = 8,
     max_samples: int | None = None,
     log=print,
+    overwrite: bool = False,
 ) -> dict:
-    """Score `data_file` with the model of `target` (a recipe, a model or run dir, a Hub id); write and return the results."""
+    """Score `data_file` with the model of `target` (a recipe, a model or run dir, a Hub id); write and return the results.
+
+    Written to `out` (with `generate`: the answers there, the metrics beside it), else into the model's folder
+    (`result_files`); an existing `out` only with `overwrite`."""
     for flag, value in (("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size), ("--max-samples", max_samples or 1)):
         if value < 1:
             raise UserError(f"{flag} must be at least 1 (got {value})")
     model_section, data = resolve(target, data_file, max_samples)
-    results_path, generations_path = output_paths(out, generate)
+    recipe = Path(target).suffix.lower() in (".yaml", ".yml")
+    results_path, generations_path = result_files(out, generate, overwrite, model_section.path, target if recipe else None)
 
     from erniekit_lite.data.prepare import prepare
     from erniekit_lite.model.load import load_tokenizer
@@ -63,6 +75,7 @@ def evaluate(
         "eval_tokens": tokens,
         "generations": str(generations_path) if generate else None,
     }
+    results_path.parent.mkdir(parents=True, exist_ok=True)  # eval/ in the model's folder, made only now
     results_path.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     log(
         f"eval: loss {results['eval_loss']:.4f}, perplexity {results['eval_perplexity']:.4g} over {tokens:,} trained tokens "
@@ -121,22 +134,60 @@ def check_model_path(path: str) -> None:
     refuse_reward_run(path, "eval")
 
 
-def output_paths(out: str | None, generate: bool) -> tuple[Path, Path | None]:
-    """`--out` (overwritten: the user named it), else the first free eval_results[-N].json in the working dir.
+def result_files(out: str | None, generate: bool, overwrite: bool, model: str, recipe: str | None = None) -> tuple[Path, Path | None]:
+    """The metrics (or lm-eval results) file and, with `generate`, the answers file, checked before anything runs:
+    `out` (see `output_paths`), refused when it or the file beside it exists unless `overwrite`; without `out`, the
+    first free numbers in `results_home(model)`/eval. `recipe`: the recipe whose model.path `model` is."""
+    if out is None:
+        if overwrite:
+            raise UserError("eval: --overwrite goes with --out (without it the results take new numbered files)")
+        return output_paths(None, generate, results_home(model, recipe))
+    paths = output_paths(out, generate)
+    taken = [str(p) for p in (paths[::-1] if generate else paths[:1]) if p.exists()]  # the file named first
+    if taken and not overwrite:
+        raise UserError(f"--out: {taken[0]} exists; choose another --out, or --overwrite to replace it (nothing was written)")
+    return paths
 
-    The generations file sits beside the results: FILE.generations.jsonl, or eval_generations[-N].jsonl.
-    """
+
+def results_home(model: str, recipe: str | None = None) -> Path:
+    """Where results go without `--out`: eval/ in the folder of the model evaluated (a run's output dir or a model dir).
+    A Hub id has no folder of the user's, and the working folder is never guessed: `--out` then."""
+    if recipe is None:
+        check_model_path(model)  # a typo is "no such directory", not "give --out"
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        what = f"{recipe}: its model.path {model}" if recipe else model
+        raise UserError(f"eval: {what} is not a local folder to keep the results in; say where they go with --out FILE")
+    home = folder / "eval"
+    if home.exists() and not home.is_dir():
+        raise UserError(f"eval: {home} is not a folder, so the results cannot go there; say where they go with --out FILE")
+    if not os.access(home if home.is_dir() else folder, os.W_OK):
+        raise UserError(f"eval: {home if home.is_dir() else folder} is not writable; say where the results go with --out FILE")
+    return home
+
+
+def output_paths(out: str | None, generate: bool, home: Path | None = None) -> tuple[Path, Path | None]:
+    """(metrics or results file, answers file or None). `--out` names the metrics file, or with `generate` the answers
+    file, the metrics beside it: FILE.jsonl -> FILE.metrics.json. Without it, the first free eval_results[-N].json /
+    eval_generations[-N].jsonl pair in `home` (None: the working folder, for `tasks.run_tasks(out=None)` callers).
+    Existing files are `result_files`' to refuse: `run_tasks` is handed a path already checked."""
     if out is not None:
-        results = Path(out)
-        if results.is_dir():
-            raise UserError(f"--out: {out} is a directory; give a file name, e.g. {results / 'eval_results.json'}")
-        results.parent.mkdir(parents=True, exist_ok=True)
-        return results, results.with_suffix(".generations.jsonl") if generate else None
+        named = Path(out)
+        if named.is_dir():
+            example = named / ("answers.jsonl" if generate else "eval_results.json")
+            raise UserError(f"--out: {out} is a directory; give a file name, e.g. {example}")
+        if generate and named.suffix.lower() == ".json":
+            raise UserError(f"--out {out}: with --generate, --out names the answers file (JSONL), and the metrics go beside "
+                            f"it; give e.g. {named.with_suffix('.jsonl')} (metrics: {named.with_suffix('.metrics.json')})")
+        named.parent.mkdir(parents=True, exist_ok=True)
+        return (named.with_suffix(".metrics.json"), named) if generate else (named, None)
+    home = Path(".") if home is None else home
     n = 1
     # Never overwrite an earlier evaluation: results and generations take the first number free for both
-    while Path(_numbered("eval_results", n, ".json")).exists() or Path(_numbered("eval_generations", n, ".jsonl")).exists():
+    while (home / _numbered("eval_results", n, ".json")).exists() or (home / _numbered("eval_generations", n, ".jsonl")).exists():
         n += 1
-    return Path(_numbered("eval_results", n, ".json")), Path(_numbered("eval_generations", n, ".jsonl")) if generate else None
+    results = home / _numbered("eval_results", n, ".json")
+    return results, home / _numbered("eval_generations", n, ".jsonl") if generate else None
 
 
 def _numbered(stem: str, n: int, suffix: str) -> str:

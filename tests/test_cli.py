@@ -238,10 +238,14 @@ def test_a_start_that_never_trained_leaves_nothing_that_blocks_the_next(tmp_path
     """A start refused by the workers, or stopped while loading, leaves only recipe.yaml (and progress.jsonl's start):
     not a run, so the corrected command takes the folder (it was refused as "a different run"). A folder with a
     trained step, or anything else in it, is still refused."""
+    from erniekit_lite.recipe import load
+    from erniekit_lite.train import rundir
+
     recipe = recipe_file(tmp_path, tiny_own_dir)
     out = tmp_path / "out"
     out.mkdir()
-    (out / "recipe.yaml").write_text((tmp_path / "recipe.yaml").read_text().replace("learning_rate: 0.003", "learning_rate: 0.5"))
+    # what the refused start's claim wrote: its resolved recipe (rundir._identity)
+    (out / "recipe.yaml").write_text(rundir._identity(load(str(recipe), ["train.learning_rate=0.5"])))
     (out / "progress.jsonl").write_text('{"event": "start", "step": 0, "max_steps": 2}\n')
     code, stdout, err = run_cli(capsys, "train", recipe, "train.max_steps=2")
     assert code == 0, err
@@ -253,6 +257,59 @@ def test_a_start_that_never_trained_leaves_nothing_that_blocks_the_next(tmp_path
     (other / "recipe.yaml").write_text((out / "recipe.yaml").read_text())
     (other / "progress.jsonl").write_text('{"event": "log", "step": 1}\n')  # it trained a step
     assert "holds a different run" in _bad(capsys, "train", recipe, "train.max_steps=3", f"output.dir={other}")
+
+
+def test_a_folder_holding_the_users_own_recipe_is_never_taken_or_emptied(tmp_path, capsys):
+    """A recipe of the user's saved in the folder its output.dir names (the commented quick start, copied) is no start
+    that never trained: it was taken, the user's file replaced by the resolved recipe. Now train refuses in one line
+    naming the file, with or without overwrite or --resume, and nothing changes; a start the run wrote is taken."""
+    from erniekit_lite.recipe import load
+    from erniekit_lite.train import rundir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = out / "recipe.yaml"
+    text = (ROOT / "erniekit_lite" / "recipes" / "quickstart.yaml").read_text().replace("dir: runs/quickstart", f"dir: {out}")
+    mine.write_text(text)
+    said = f"it holds {mine}, which no run wrote (a recipe of your own is never replaced)"
+    assert _bad(capsys, "train", mine, "train.max_steps=4") == (
+        f"error: output.dir: {out} is not empty and not a run: {said}; choose another output.dir")
+    assert _bad(capsys, "train", mine, "train.max_steps=4", "output.overwrite=true") == (
+        f"error: output.overwrite: {out} is not an earlier run: {said}; nothing was removed (choose another output.dir)")
+    assert _bad(capsys, "train", mine, "--resume") == (
+        f"error: output.dir: {out} is not a run this recipe can resume: {said}; choose another output.dir")
+    (out / "progress.jsonl").write_text('{"event": "start", "step": 0, "max_steps": 4}\n')  # even beside a start's record
+    assert not rundir.never_trained(out)
+    assert [p.name for p in sorted(out.iterdir())] == ["progress.jsonl", "recipe.yaml"] and mine.read_text() == text
+    assert not list(tmp_path.glob(".out.replaced-*"))
+    # a copy of a run's recipe.yaml, edited, is the user's too; the run's own, as it wrote it, is a start to take
+    recipe = load(str(mine), ["train.max_steps=4"])
+    mine.write_text(rundir._identity(recipe).replace("max_steps: 4", "max_steps: 5"))
+    assert not rundir.never_trained(out)
+    mine.write_text(rundir._identity(recipe))
+    assert rundir.never_trained(out) and rundir.check(rundir.target(recipe)) is True
+
+
+def test_overwrite_replaces_a_finished_vl_run(tmp_path):
+    """A VL run saves its image processor beside the model (train/run.py; merge, the processor's files): all of it a
+    run's, which output.overwrite replaces (it was refused as files no run writes)."""
+    from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import Ernie4_5_VLMoeImageProcessorPil
+
+    from erniekit_lite.recipe import load
+    from erniekit_lite.train import rundir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "recipe.yaml").write_text(rundir._identity(load("quickstart-vl", [f"output.dir={out}"])))
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja", "trainer_state.json", "train_results.json",
+                 "processor_config.json", "video_preprocessor_config.json", "chat_template.json"):  # a processor's save
+        (out / name).write_text("{}")
+    Ernie4_5_VLMoeImageProcessorPil().save_pretrained(out)  # the image processor, as train/run.py saves it
+    assert (out / "preprocessor_config.json").is_file()
+    again = rundir.target(load("quickstart-vl", [f"output.dir={out}", "train.max_steps=3", "output.overwrite=true"]))
+    assert rundir.not_a_run(out, again) is None
+    assert rundir.check(again) is True  # claim moves it aside
 
 
 def test_overwrite_never_takes_the_working_folder_the_model_or_the_data(tmp_path, capsys, tiny_own_dir, monkeypatch):
@@ -435,7 +492,7 @@ def test_what_a_sharded_launch_cannot_run_is_refused_before_any_process_starts(t
     code, out, err = run_cli(capsys, "validate", path, "distributed.sync=bf16", "train.ema.decay=0.99")  # DDP: fine
     assert code == 0, err
     code, out, err = run_cli(capsys, "validate", path, "--num-processes", "2", "--accelerate-config", fsdp)
-    assert code == 0 and "sharded over the launch's 2 processes (FSDP): about " in out, err
+    assert code == 0 and "memory per device (estimate) under this launch, sharded over its 2 processes (FSDP): about " in out, err
 
 
 def test_tiny_with_a_hub_tokenizer_takes_its_sentencepiece_file(tmp_path, ernie_tokenizer_dir):

@@ -91,10 +91,10 @@ def test_batched_answers_equal_one_at_a_time(tmp_path, capsys, lora_run, tiny_ow
     files = {}
     for name, model, tokens in (("tuned", lora_run, 10), ("base", tiny_own_dir, 2)):
         code, _, err = run_cli(capsys, "eval", model, "--data", IDENTITY, "--generate", "--batch-size", 5,
-                               "--max-new-tokens", tokens, "--out", tmp_path / f"{name}.json")
+                               "--max-new-tokens", tokens, "--out", tmp_path / f"{name}.jsonl")
         assert code == 0, err
-        files[name] = [json.loads(line) for line in (tmp_path / f"{name}.generations.jsonl").read_text().splitlines()]
-        assert json.loads((tmp_path / f"{name}.json").read_text())["generations"] == str(tmp_path / f"{name}.generations.jsonl")
+        files[name] = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        assert json.loads((tmp_path / f"{name}.metrics.json").read_text())["generations"] == str(tmp_path / f"{name}.jsonl")
     tuned, base = files["tuned"], files["base"]
     assert [g["prompt"] for g in tuned] == [g["prompt"] for g in base] == [r["src"][-1] for r in RECORDS]
     assert [g["reference"] for g in tuned] == [r["tgt"][-1] for r in RECORDS]
@@ -110,21 +110,102 @@ def test_batched_answers_with_the_real_tokenizer(tmp_path, capsys, tiny_dense_di
 
     data = DATA_DIR / "erniekit" / "sft-eval.jsonl"  # single-turn Chinese instructions of different lengths
     code, _, err = run_cli(capsys, "eval", tiny_dense_dir, "--data", data, "--max-samples", 6, "--generate", "--batch-size", 3,
-                           "--max-new-tokens", 6, "--out", tmp_path / "r.json")
+                           "--max-new-tokens", 6, "--out", tmp_path / "r.jsonl")
     assert code == 0, err
-    generated = [json.loads(line)["answer"] for line in (tmp_path / "r.generations.jsonl").read_text().splitlines()]
+    generated = [json.loads(line)["answer"] for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert generated == one_at_a_time(tiny_dense_dir, [json.loads(line) for line in data.read_text().splitlines()[:6]], 6)
 
 
-def test_default_output_never_overwrites(tmp_path, capsys, monkeypatch, tiny_own_dir):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "eval_results.json").write_text("mine")
-    code, out, err = run_cli(capsys, "eval", tiny_own_dir, "--data", IDENTITY, "--max-samples", 2, "--generate", "--max-new-tokens", 2)
+METRICS = {"model", "data", "format", "max_length", "system", "records", "samples", "truncated", "dropped_overlong",
+           "dropped_untrained", "eval_loss", "eval_perplexity", "eval_tokens", "generations"}
+ANSWER = {"line", "prompt", "reference", "answer"}
+
+
+def test_default_output_goes_to_the_runs_folder_never_the_working_folder(tmp_path, capsys, monkeypatch, lora_run):
+    """Issue 75: `eval RUN --data FILE` wrote eval_results.json into the working folder (a clone's `git status` showed it).
+    Now it goes to RUN/eval/, new numbers each time, and nothing is written where the command runs."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    home, run_files = lora_run / "eval", sorted(p.name for p in lora_run.iterdir())
+    assert not home.exists()
+    for n in ("", "-2"):  # the second never over the first
+        code, out, err = run_cli(capsys, "eval", lora_run, "--data", IDENTITY, "--max-samples", 2, "--generate", "--max-new-tokens", 2)
+        assert code == 0, err
+        assert f"wrote {home / f'eval_results{n}.json'}" in out and f"written to {home / f'eval_generations{n}.jsonl'}" in out
+    assert list(work.iterdir()) == []
+    assert sorted(p.name for p in lora_run.iterdir()) == sorted(run_files + ["eval"])  # the run's own files as they were
+    assert sorted(p.name for p in home.iterdir()) == ["eval_generations-2.jsonl", "eval_generations.jsonl", "eval_results-2.json",
+                                                      "eval_results.json"]
+    results = json.loads((home / "eval_results.json").read_text())
+    assert set(results) == METRICS and results["generations"] == str(home / "eval_generations.jsonl")
+    assert (results["model"], results["records"]) == (str(lora_run), 2)
+    answers = [json.loads(line) for line in (home / "eval_generations.jsonl").read_text().splitlines()]
+    assert [set(a) for a in answers] == [ANSWER] * 2 and [a["line"] for a in answers] == [1, 2]
+
+
+def test_generate_out_names_the_answers_and_the_metrics_go_beside_it(tmp_path, capsys, monkeypatch, tiny_own_dir):
+    """With --generate, --out FILE holds the answers and FILE's suffix becomes .metrics.json for the metrics, as --help
+    says; an existing file (either) is one line naming it, unless --overwrite."""
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert ("with --out FILE: FILE holds the answers, and the metrics go beside it, FILE's suffix replaced by .metrics.json: "
+            "answers.jsonl -> answers.metrics.json") in said
+    assert "Default: the folder of the model evaluated (the run's output dir" in said and "never the working folder" in said
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    answers, metrics = tmp_path / "out" / "answers.jsonl", tmp_path / "out" / "answers.metrics.json"
+    argv = [tiny_own_dir, "--data", IDENTITY, "--max-samples", 2, "--generate", "--max-new-tokens", 2, "--out", answers]
+    code, out, err = run_cli(capsys, "eval", *argv)
     assert code == 0, err
-    assert (tmp_path / "eval_results.json").read_text() == "mine"
-    assert json.loads((tmp_path / "eval_results-2.json").read_text())["records"] == 2
-    assert len((tmp_path / "eval_generations-2.jsonl").read_text().splitlines()) == 2
-    assert "wrote eval_results-2.json" in out and "eval_generations-2.jsonl" in out
+    assert sorted(p.name for p in answers.parent.iterdir()) == ["answers.jsonl", "answers.metrics.json"]
+    assert list(work.iterdir()) == [] and not (tiny_own_dir / "eval").exists()
+    results = json.loads(metrics.read_text())
+    assert set(results) == METRICS and results["generations"] == str(answers) and results["records"] == 2
+    lines = [json.loads(line) for line in answers.read_text().splitlines()]
+    assert [set(line) for line in lines] == [ANSWER] * 2
+    assert [line["prompt"] for line in lines] == [r["src"][-1] for r in RECORDS[:2]]
+
+    def refused(*more) -> str:
+        code, _, err = run_cli(capsys, "eval", *argv, *more)
+        assert code == 2 and err.count("\n") == 1, err
+        return err
+
+    kept = answers.read_text(), metrics.read_text()
+    assert f"--out: {answers} exists; choose another --out, or --overwrite" in refused()
+    answers.unlink()
+    assert f"--out: {metrics} exists" in refused()  # the file beside it counts too
+    assert not answers.exists() and metrics.read_text() == kept[1]
+    code, _, err = run_cli(capsys, "eval", *argv[:4], 1, *argv[5:], "--overwrite")  # --max-samples 1
+    assert code == 0, err
+    assert len(answers.read_text().splitlines()) == 1 and json.loads(metrics.read_text())["records"] == 1
+
+
+def test_tasks_results_follow_the_same_rule(tmp_path, capsys, monkeypatch, lora_run, tiny_own_dir):
+    """`eval --tasks` wrote into the working folder too: it now gets the run's eval/ folder (with --adapter, the
+    adapter's run), an existing --out is refused the same way, and a Hub id needs --out."""
+    import erniekit_lite.tasks as tasks
+
+    handed = []
+    monkeypatch.setattr(tasks, "run_tasks", lambda *args: handed.append(args[-1]))  # lm-eval itself: tests/test_eval_tasks.py
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert run_cli(capsys, "eval", lora_run, "--tasks", "x")[0] == 0
+    assert run_cli(capsys, "eval", tiny_own_dir, "--adapter", lora_run, "--tasks", "x")[0] == 0
+    first = Path(handed[0])
+    assert handed == [str(first)] * 2 and first.parent == lora_run / "eval" and not first.exists()
+    assert first.name in ("eval_results.json", "eval_results-3.json")  # -3: after the test above
+    (tmp_path / "mine.json").write_text("mine")
+    code, _, err = run_cli(capsys, "eval", lora_run, "--tasks", "x", "--out", tmp_path / "mine.json")
+    assert code == 2 and f"--out: {tmp_path / 'mine.json'} exists" in err
+    assert run_cli(capsys, "eval", lora_run, "--tasks", "x", "--out", tmp_path / "mine.json", "--overwrite")[0] == 0
+    code, _, err = run_cli(capsys, "eval", "some-org/some-model", "--tasks", "x")
+    assert code == 2 and "some-org/some-model is not a local folder to keep the results in; say where they go with --out FILE" in err
+    assert handed[2:] == [str(tmp_path / "mine.json")] and list(work.iterdir()) == []
 
 
 def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch, tiny_own_dir):
@@ -145,4 +226,13 @@ def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch, tiny_own_dir):
     assert "unknown key 'max_lenght' in data; did you mean 'max_length'?" in bad(recipe, "--data", IDENTITY)
     assert "recipe file not found" in bad(tmp_path / "nope.yaml", "--data", IDENTITY)
     assert "--batch-size must be at least 1" in bad(tiny_own_dir, "--data", IDENTITY, "--batch-size", 0)
-    assert not list(tmp_path.glob("eval_*"))
+    # where the results go: asked before any model loads
+    assert (f"--out {tmp_path / 'r.json'}: with --generate, --out names the answers file (JSONL)" in
+            bad(tiny_own_dir, "--data", IDENTITY, "--generate", "--out", tmp_path / "r.json"))
+    assert f"--out: {tmp_path} is a directory; give a file name" in bad(tiny_own_dir, "--data", IDENTITY, "--out", tmp_path)
+    assert "--overwrite goes with --out" in bad(tiny_own_dir, "--data", IDENTITY, "--overwrite")
+    assert "eval: some-org/some-model is not a local folder to keep the results in; say where they go with --out FILE" in bad(
+        "some-org/some-model", "--data", IDENTITY)  # a Hub id: the working folder is never guessed
+    hub_recipe = eval_recipe(tmp_path / "hub.yaml", "some-org/some-model", tmp_path / "out")
+    assert f"{hub_recipe}: its model.path some-org/some-model is not a local folder" in bad(hub_recipe, "--data", IDENTITY)
+    assert not list(tmp_path.glob("eval*")) and not (tiny_own_dir / "eval").exists()

@@ -420,11 +420,13 @@ def test_two_sessions_pressing_start_at_once_start_one_job(tmp_path, monkeypatch
     runners = [Runner(tmp_path, (sys.executable, "-c", FAKE_TRAIN)) for _ in range(servers)]
     sessions = [runners[0], runners[-1]]
     barrier, results = threading.Barrier(2), [None, None]
+    # one server runs one job; two servers, one run per output folder (the run's own lock, as `train` takes it)
+    outs = [f"runs/session{i}" for i in range(2)] if servers == 1 else ["runs/shared"] * 2
 
     def press_start(i: int):
         barrier.wait()
         try:
-            results[i] = sessions[i].start(recipe_text(out=f"runs/session{i}", steps=1000), f"s{i}.yaml", f"runs/session{i}")
+            results[i] = sessions[i].start(recipe_text(out=outs[i], steps=1000), f"s{i}.yaml", outs[i])
         except UserError as e:
             results[i] = e
 
@@ -440,10 +442,10 @@ def test_two_sessions_pressing_start_at_once_start_one_job(tmp_path, monkeypatch
             owner, other = sessions[results.index(job)], sessions[1 - results.index(job)]
             if servers == 1:
                 assert error == f"a job is already running ({job.recipe_file}); stop it or wait until it ends"
-            else:  # which job, when the other server had already written it down
-                assert re.fullmatch(re.escape(f"another erniekit-lite web UI is running a job in {tmp_path}")
-                                    + rf"( \({re.escape(str(job.recipe_file))}(, process {job.process.pid})?\))?"
-                                    + re.escape("; stop it there or wait until it ends"), error), error
+            else:  # the holder: the job's process, or its server before the process had started
+                assert re.fullmatch(re.escape("output.dir: runs/shared is in use by another run ")
+                                    + rf"\(pid ({job.process.pid}|{os.getpid()})\)"
+                                    + re.escape("; wait until it ends, or choose another output.dir"), error), error
                 assert other.stop() == "no job is running"  # the other server cannot see, or stop, this job
             wait_for(lambda: job.progress().step >= 1)
             assert owner.stop() == "stopping: the current step finishes, then a checkpoint is saved"
@@ -465,8 +467,67 @@ def _starts_other(runner) -> bool:
         runner.start(recipe_text(out="runs/other", steps=1000), "o.yaml", "runs/other")
         return True
     except UserError as e:
-        assert "still ending" in str(e) or "another erniekit-lite web UI" in str(e)
+        assert "still ending" in str(e) or "in use by another run" in str(e)
         return False
+
+
+# The real `erniekit-lite train` command up to its run, which is stood in for by a wait: what is tested is the run
+# lock it takes over from the server (else it would refuse its own job's folder)
+LOCKING_CLI = r"""
+import sys, time
+from erniekit_lite import cli
+def run(*args, **kwargs):
+    print("holding the run lock", flush=True)
+    time.sleep(600)
+cli._train_holding = run
+sys.exit(cli.main(["train", *sys.argv[1:]]))
+"""
+HOLDER = r"""
+import sys, time
+from erniekit_lite.train import run_lock
+with run_lock.hold(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_job_and_a_train_from_a_terminal_refuse_each_others_folder(tmp_path):
+    """The job's lock is the run's own: `train` into the folder of a running job is refused naming the job's process,
+    a job into a folder a run holds is refused naming that run's, and a killed holder blocks nothing."""
+    import signal
+    import subprocess
+
+    runner = Runner(tmp_path, (sys.executable, "-c", LOCKING_CLI))
+    job = runner.start(recipe_text(out="runs/a"), "a.yaml", "runs/a")
+    try:
+        wait_for(lambda: "holding the run lock" in job.log_tail() or not job.running())
+        assert job.running(), job.log_tail()  # it took over the lock the server took for it
+        (tmp_path / "mine.yaml").write_text(recipe_text(out="runs/a"))
+        done = subprocess.run([sys.executable, "-m", "erniekit_lite", "train", "mine.yaml"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stderr) == (2, f"error: output.dir: runs/a is in use by another run (pid "
+                                                     f"{job.process.pid}); wait until it ends, or choose another output.dir\n")
+        assert not (tmp_path / "runs" / "a").exists()  # neither wrote in it
+    finally:
+        job.process.kill()
+        job.process.wait()
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, "runs/b"], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(UserError, match="^" + re.escape(f"output.dir: runs/b is in use by another run (pid {holder.pid}); "
+                                                            "wait until it ends, or choose another output.dir") + "$"):
+            runner.start(recipe_text(out="runs/b"), "b.yaml", "runs/b")
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    job = runner.start(recipe_text(out="runs/b"), "b.yaml", "runs/b")
+    try:
+        wait_for(lambda: "holding the run lock" in job.log_tail() or not job.running())
+        assert job.running(), job.log_tail()
+    finally:
+        job.process.kill()
+        job.process.wait()
 
 
 # The real `erniekit-lite train` on a tiny model. Data loading waits while the file `hold` exists in the job's

@@ -1,9 +1,10 @@
 """The run directory contract.
 
     OUTPUT_DIR/
-      recipe.yaml            the resolved recipe (file + overrides), written before training starts
+      recipe.yaml            the resolved recipe (file + overrides), written before training starts, its first line
+                             `MARK` with the digest of the rest: a run's, told from a recipe of the user's (`written`)
       model or adapter       safetensors + config (full) or adapter_model.safetensors + adapter_config.json (LoRA)
-      tokenizer files, chat template, generation_config.json
+      tokenizer files, chat template, generation_config.json; a VL run's image processor (preprocessor_config.json)
       train_results.json     train_loss, train_runtime, train_tokens, train_tokens_per_second, packing_efficiency
       trainer_state.json     per-step log_history
       samples.jsonl          answers to output.sample_prompts, when set
@@ -18,6 +19,10 @@ resume from are never deleted. Overwrite replaces only a run: a folder holding a
 recipe and otherwise only what runs write (`RUN`: each name as its writer fixes it, a checkpoint only when all it
 holds is in `CHECKPOINT`), and that neither is nor holds the working folder, the model, the data (train and eval)
 or a reward model or function; anything else is refused in one line naming what is there, and nothing is removed.
+A `recipe.yaml` no run wrote (the user's own recipe, naming its own folder as output.dir) makes a folder neither a run
+nor a start that never trained: it is never replaced, and the folder never taken or emptied.
+While a run lives it holds its folder (train/run_lock.py, taken by the `train` command before `check`): its lock file,
+`.NAME.lock`, is beside the folder, never in it, so nothing here (the tables, the aside, `never_trained`) sees it.
 The old run is moved aside (`.NAME.replaced-<pid>-<unique>`) and deleted when the new run's first optimizer step has
 finished; a failure before that puts it back. An aside that a killed run left is named at the next start of a
 run in that folder, with how to get it back. Resuming may change the schedule (`SCHEDULE_KEYS`: more steps or
@@ -28,6 +33,7 @@ LoRA, optimizer) must be what the run was started with.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 from dataclasses import dataclass
@@ -46,6 +52,9 @@ SCHEDULE_KEYS = (
     "save_total_limit", "eval_steps", "eval_strategy",
 )
 
+# The first line of the recipe.yaml a run writes (`claim`), with the start of the sha256 of the rest: a recipe of the
+# user's, even one copied from a run and edited, does not carry it (`written`)
+MARK = "# erniekit-lite train: the resolved recipe of the run in this folder (sha256 {digest})\n"
 
 
 
@@ -102,6 +111,9 @@ SAVED = frozenset({
     "adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
     "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "training_args.bin",
     "README.md",  # TRL's (and peft's) model card, or erniekit-lite's (hub.after_training): _model_card
+    # ERNIE-4.5-VL: its image processor's save (train/run.py, model/merge.py), and what a processor's save adds beside
+    # it (its own settings, the video processor's, a chat template in the processor's legacy JSON form)
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json", "chat_template.json",
 })
 SAVED_PATTERNS = (r"model-\d{5}-of-\d{5}\.safetensors",)  # transformers' shards
 # torch's distributed checkpoint (FSDP's SHARDED_STATE_DICT, accelerate): one file per rank and the metadata
@@ -113,7 +125,7 @@ CHECKPOINT = Names(
              "latest", "zero_to_fp32.py", "zero_to_torch.py"},  # DeepSpeed: its newest save's tag, its recovery scripts
     SAVED_PATTERNS + (r"rng_state_\d+\.pth",  # one per process
                       r"sync-rank\d+\.pt",  # train/sync.py, one per process
-                      r"erniekit_totals-rank\d+\.json",  # train/step.py: the run's totals, one per process
+                      r"erniekit_totals(-rank\d+)?\.json",  # train/step.py: the run's totals (per process before they were summed)
                       r"grpo_generation_state_\d+\.pt"),  # train/grpo_trainer.py, one per process
     ((r"pytorch_model_fsdp_\d+|optimizer_\d+", DCP),
      (r"global_step\d+", Names(patterns=(r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_(model|optim)_states\.pt",
@@ -174,10 +186,32 @@ def not_a_run(out: Path, run: Target) -> str | None:
         load(str(out / "recipe.yaml"), [])
     except UserError:  # the recipe module says why it is not a recipe
         return "holds a recipe.yaml that is not a recipe"
+    if not written(out / "recipe.yaml"):
+        return _users(out)
     others = RUN.strangers(out)
     if others:
         return f"holds {_first_names(others)}, which no run writes"
     return None
+
+
+def _users(out: Path) -> str:
+    return f"holds {out / 'recipe.yaml'}, which no run wrote (a recipe of your own is never replaced)"
+
+
+def written(path: Path) -> bool:
+    """Whether `path`, a folder's recipe.yaml, is the resolved recipe a run wrote there (`claim`): its first line is
+    `MARK` with the digest of the rest, or (a run's from before the mark) it is its own resolved recipe. A recipe of
+    the user's (comments, keys left to their defaults, a run's copied and edited) is neither."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    if text == _marked(text.partition("\n")[2]):
+        return True
+    try:
+        return _identity(load(str(path), [])) == _marked(text)
+    except UserError:
+        return False
 
 
 def _first_names(names: list[str]) -> str:
@@ -192,7 +226,9 @@ def check(run: Target) -> bool:
         raise UserError(f"output.dir: {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
         previous = out / "recipe.yaml"
-        same = previous.is_file() and previous.read_text(encoding="utf-8") == run.identity
+        # a run's from before the mark (`written`) is the same run too
+        same = previous.is_file() and previous.read_text(encoding="utf-8") in (run.identity,
+                                                                              run.identity.partition("\n")[2])
         finished = (out / "train_results.json").is_file()
         resuming = run.resuming
         if not resuming and never_trained(out):
@@ -206,6 +242,9 @@ def check(run: Target) -> bool:
         if not same and resuming:
             if not previous.is_file():
                 raise UserError(f"output.dir: {out} holds no recipe.yaml: not a run this recipe can resume")
+            if not written(previous):
+                raise UserError(f"output.dir: {out} is not a run this recipe can resume: it {_users(out)}; "
+                                "choose another output.dir")
             schedule_changes(run, previous)  # raises when more than the schedule changed
             if finished:
                 from erniekit_lite.train.checkpoints import complete
@@ -233,15 +272,13 @@ def check(run: Target) -> bool:
 def never_trained(out: Path) -> bool:
     """Whether `out` holds only what a run writes when it claims its folder (recipe.yaml, progress.jsonl's start)
     and never trained a step: a start that failed (a setting refused by the workers, Ctrl-C while loading). Such a
-    folder is not a run, and the next start takes it."""
+    folder is not a run, and the next start takes it. A recipe.yaml that no run wrote (`written`) is the user's."""
     import json
 
     names = {p.name for p in out.iterdir()}
     if "recipe.yaml" not in names or not names <= {"recipe.yaml", "progress.jsonl"}:
         return False
-    try:
-        load(str(out / "recipe.yaml"), [])  # what a run's claim writes: a recipe (anything else is not a run's)
-    except UserError:
+    if not written(out / "recipe.yaml"):
         return False
     try:
         lines = (out / "progress.jsonl").read_text(encoding="utf-8").splitlines() if "progress.jsonl" in names else []
@@ -335,7 +372,12 @@ def _identity(recipe: Recipe) -> str:
     # The overwrite flag is how the user answers the question, and resuming is how the same run goes on:
     # neither is part of what the run is
     train = {k: v for k, v in recipe.train.items() if k != "resume_from_checkpoint"}
-    return recipe.model_copy(update={"output": recipe.output.model_copy(update={"overwrite": False}), "train": train}).to_yaml()
+    return _marked(recipe.model_copy(update={"output": recipe.output.model_copy(update={"overwrite": False}),
+                                             "train": train}).to_yaml())
+
+
+def _marked(text: str) -> str:
+    return MARK.format(digest=hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]) + text
 
 
 def leftovers(out: Path) -> list[Path]:

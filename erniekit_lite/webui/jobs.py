@@ -6,8 +6,10 @@ over the user's recipe file. Stop sends one SIGTERM, however often it is pressed
 step, saves a checkpoint, writes the `end` event and exits (see erniekit_lite/train/callbacks.py); before training
 has begun the CLI has no handler yet and SIGTERM ends it at once, with nothing saved.
 
-One job per directory, also across servers: the training process holds a lock on `.erniekit-webui/job.lock`
-for as long as it runs (two web UIs started in one directory must not train into the same run dirs at once).
+One job per server; one run per output folder, whoever started it: the server takes the run's own lock
+(train/run_lock.py: `.NAME.lock` beside the output folder) when it starts a job and hands it to the training process,
+which holds it for as long as it runs. Another server's job, or a `train` from a terminal, into the same folder is
+refused then, naming the holder's pid, and the job is refused while another run holds its folder.
 The job runs in a process group of its own: when its process has ended, whatever it left running there is ended
 too, and a server that exits stops it first (the terminal's Ctrl-C no longer reaches it directly).
 """
@@ -27,16 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
-from erniekit_lite.train import checkpoints
+from erniekit_lite.train import checkpoints, run_lock
 from erniekit_lite.webui import progress
 from erniekit_lite.webui.paths import STATE_DIR
 
-try:
-    import fcntl
-except ImportError:  # Windows: one server per directory is then up to the user
-    fcntl = None
-
-LOCK = "job.lock"
 TRAIN = (sys.executable, "-m", "erniekit_lite", "train")
 TAIL_BYTES = 32_768
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # tqdm moves the cursor between its bars
@@ -118,27 +114,28 @@ class Runner:
                 raise UserError(f"a job is already running ({self.job.recipe_file}); stop it or wait until it ends")
             jobs = self.root / STATE_DIR / "jobs"
             jobs.mkdir(parents=True, exist_ok=True)
-            lock = self._claim()
+            lock = self._claim(output_dir)
             try:
                 job_dir = Path(tempfile.mkdtemp(prefix=f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(name).stem}-", dir=jobs))
                 recipe_file = (job_dir / Path(name).name).relative_to(self.root)
-                if lock is not None:  # who holds it, for the message another server shows
-                    os.write(lock, f"{recipe_file}\n".encode())
                 (self.root / recipe_file).write_text(recipe_text, encoding="utf-8")
                 log_file = job_dir / "train.log"
                 started = time.time()
                 with open(log_file, "wb") as log:
                     process = subprocess.Popen(
                         [*self.command, str(recipe_file)], cwd=self.root, stdout=log, stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},  # the log fills as it happens
-                        pass_fds=() if lock is None else (lock,),  # the process holds the lock until it ends
+                        # the log fills as it happens; the process holds the run lock until it ends (and takes it
+                        # over: `train` would otherwise refuse the folder this server holds)
+                        stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                       **({} if lock is None else {run_lock.FD: str(lock.fd)})},
+                        pass_fds=() if lock is None else (lock.fd,),
                         start_new_session=True,  # its own process group: what it leaves behind is found by that
                     )
                 if lock is not None:
-                    os.write(lock, f"{process.pid}\n".encode())
+                    lock.note(process.pid)  # the holder another start names
             finally:
                 if lock is not None:
-                    os.close(lock)
+                    lock.close()
             self.job = Job(self.root, recipe_file, output_dir, log_file, process, started, method)
             threading.Thread(target=_end_leftovers, args=(process,), daemon=True).start()
             if not self._stops_at_exit:
@@ -174,30 +171,21 @@ class Runner:
         except KeyboardInterrupt:
             os.killpg(job.process.pid, signal.SIGKILL)
 
-    def _claim(self) -> int | None:
-        """The directory's job lock, taken without waiting; None where file locks are unavailable."""
-        if fcntl is None:
-            return None
-        fd = os.open(self.root / STATE_DIR / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    def _claim(self, output_dir: str) -> run_lock.Lock | None:
+        """The run lock of the job's output folder, taken without waiting; None where file locks are unavailable."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 4096).decode(errors="replace").splitlines()  # recipe, pid: written as the job starts
-            os.close(fd)
-            if self.job is not None and holder[1:] == [str(self.job.process.pid)]:
+            return run_lock.acquire(self.root / output_dir, log=lambda line: print(line, file=sys.stderr), shown=output_dir)
+        except run_lock.Held as e:
+            if self.job is not None and e.pid == str(self.job.process.pid):
                 raise UserError("the last job's processes are still ending; start again in a moment") from None
-            which = f" ({', process '.join(holder[:2])})" if holder else ""
-            raise UserError(f"another erniekit-lite web UI is running a job in {self.root}{which}; "
-                            "stop it there or wait until it ends") from None
-        os.ftruncate(fd, 0)
-        return fd
+            raise
 
 
 def _end_leftovers(process: subprocess.Popen) -> None:
     """When the job's process has ended, end what it left running in its process group.
 
     A stop before training begins ends the CLI at once (no handler yet), which would orphan any helper process it
-    had started (data loading, a compile pool); those must not keep the machine, or the job lock, busy.
+    had started (data loading, a compile pool); those must not keep the machine, or the run lock, busy.
     """
     if not hasattr(os, "killpg"):  # Windows: no process groups to clean up
         process.wait()

@@ -24,7 +24,7 @@ from erniekit_lite.errors import UserError
 from erniekit_lite.recipe import REWARD_NAMES, Recipe
 from erniekit_lite.rewards import reward_file
 
-STATE_DIR = ".erniekit-webui"  # the UI's own state: job copies of recipes, the job lock (jobs.py)
+STATE_DIR = ".erniekit-webui"  # the UI's own state: job copies of recipes and their logs (jobs.py), serve.log
 # train: keys (TRL/Trainer fields) that name files or directories
 TRAIN_PATH_KEYS = ("resume_from_checkpoint", "deepspeed", "fsdp_config", "accelerator_config")
 
