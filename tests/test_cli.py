@@ -197,14 +197,21 @@ def test_output_dir_of_another_run_is_refused(tmp_path, capsys, tiny_own_dir):
     assert (out / "model.safetensors").stat().st_mtime_ns == finished
     assert "holds a different run; choose another output.dir or set output.overwrite=true" in _bad(
         capsys, "train", recipe, "train.max_steps=3")
+    (out / "eval").mkdir()  # what `eval RUN` writes into the run: replaced with it
+    (out / "eval" / "eval_results.json").write_text("{}")
     code, _, err = run_cli(capsys, "train", recipe, "train.max_steps=3", "output.overwrite=true")
     assert code == 0, err
     assert "max_steps: 3" in (out / "recipe.yaml").read_text() and not list(tmp_path.glob(".out.replaced-*"))
+    assert not (out / "eval").exists()
 
     # a file no run writes beside an earlier run's: refused, named
     (out / "notes.txt").write_text("mine")
-    assert "it holds notes.txt, which no run writes; nothing was removed" in _bad(
-        capsys, "train", recipe, "train.max_steps=2", "output.overwrite=true")
+    assert _bad(capsys, "train", recipe, "train.max_steps=2", "output.overwrite=true") == (
+        f"error: output.overwrite: {out} holds an earlier run and also notes.txt, which no run writes: move those out of "
+        "it to replace the run; nothing was removed")
+    assert _bad(capsys, "train", recipe, "train.max_steps=4") == (
+        f"error: output.dir: {out} holds another run and also notes.txt, which no run writes; choose another output.dir "
+        "(or move those out and set output.overwrite=true)")
     (out / "notes.txt").unlink()
 
     # What an overwrite took when it matched names by extension: files the user added with a name like a run's
@@ -224,11 +231,11 @@ def test_output_dir_of_another_run_is_refused(tmp_path, capsys, tiny_own_dir):
     (out / "checkpoint-9").mkdir()
     for added in ("notes.md", "runs/analysis.py", "checkpoint-9/mine.txt"):
         (out / added).write_text("mine")
-        assert f"it holds {added}, which no run writes; nothing was removed" in _bad(
+        assert f"also {added}, which no run writes: move those out of it to replace the run; nothing was removed" in _bad(
             capsys, "train", recipe, "train.max_steps=2", "output.overwrite=true")
         (out / added).unlink()
     (out / "README.md").write_text("# my notes\n")  # a README.md that is no model card is the user's
-    assert "it holds README.md, which no run writes" in _bad(capsys, "train", recipe, "train.max_steps=2", "output.overwrite=true")
+    assert "also README.md, which no run writes" in _bad(capsys, "train", recipe, "train.max_steps=2", "output.overwrite=true")
     (out / "runs").rmdir()
     (out / "checkpoint-9").rmdir()
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before  # nothing else was touched

@@ -140,6 +140,7 @@ RUN = Names(
     ((r"checkpoint-\d+", CHECKPOINT),
      (r"tmp-checkpoint-\d+", Names(dirs=((r"checkpoint-\d+", CHECKPOINT),))),  # a save in progress (checkpoints.py)
      ("ema", Names(RESULTS, SAVED_PATTERNS)),  # train/ema.py
+     ("eval", Names(patterns=(r"eval_results(-\d+)?\.json", r"eval_generations(-\d+)?\.jsonl"))),  # `eval` (evaluate.py)
      # TensorBoard (report_to): transformers' default_logdir, runs/<Mon>DD_HH-MM-SS_<host>/, one events file a writer
      ("runs", Names(dirs=((r"[A-Z][a-z]{2}\d{2}_\d{2}-\d{2}-\d{2}_.+", Names(patterns=(r"events\.out\.tfevents\..+",))),)))),
 )
@@ -190,8 +191,26 @@ def not_a_run(out: Path, run: Target) -> str | None:
         return _users(out)
     others = RUN.strangers(out)
     if others:
-        return f"holds {_first_names(others)}, which no run writes"
+        return f"holds {_first_names(others)}, {BESIDE}"
     return None
+
+
+BESIDE = "which no run writes"  # not_a_run's reason for a run with files of the user's beside it
+
+
+def _refusal(out: Path, reason: str, overwrite: bool) -> str:
+    """The one line refusing `out` (not_a_run's `reason`): a run with files of the user's in it is a run still, and
+    the line says which files to move out; anything else is not a run."""
+    if not reason.endswith(BESIDE):
+        if overwrite:
+            return f"output.overwrite: {out} is not an earlier run: it {reason}; nothing was removed (choose another output.dir)"
+        return f"output.dir: {out} is not empty and not a run: it {reason}; choose another output.dir"
+    names = reason.removeprefix("holds ").removesuffix(f", {BESIDE}")
+    if overwrite:
+        return (f"output.overwrite: {out} holds an earlier run and also {names}, {BESIDE}: move those out of it to "
+                "replace the run; nothing was removed")
+    return (f"output.dir: {out} holds another run and also {names}, {BESIDE}; choose another output.dir (or move those "
+            "out and set output.overwrite=true)")
 
 
 def _users(out: Path) -> str:
@@ -236,8 +255,7 @@ def check(run: Target) -> bool:
         if run.overwrite and not resuming:
             reason = not_a_run(out, run)
             if reason:
-                raise UserError(f"output.overwrite: {out} is not an earlier run: it {reason}; nothing was removed "
-                                "(choose another output.dir)")
+                raise UserError(_refusal(out, reason, overwrite=True))
             return True
         if not same and resuming:
             if not previous.is_file():
@@ -255,8 +273,8 @@ def check(run: Target) -> bool:
             return False
         if not same:
             reason = not_a_run(out, run)
-            if reason:  # overwrite would not replace it either: no advice to set it
-                raise UserError(f"output.dir: {out} is not empty and not a run: it {reason}; choose another output.dir")
+            if reason:  # overwrite would not replace it either: no advice to set it alone
+                raise UserError(_refusal(out, reason, overwrite=False))
             raise UserError(
                 f"output.dir: {out} is not empty and holds a different run; choose another output.dir "
                 "or set output.overwrite=true to replace it"
