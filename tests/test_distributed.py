@@ -1,7 +1,7 @@
 """More than one process: `erniekit-lite train ... --num-processes N`, and the shipped multi-GPU accelerate configs.
 
 Checked where it runs here, on CPU over gloo: 2 processes x 1 row per step train exactly like 1 process x 2
-accumulated rows (DDP); the shipped FSDP2 config (fp32) shards every parameter and trains like DDP, full and LoRA,
+accumulated rows (DDP), and a checkpoint of either resumed as the other reports the whole run; the shipped FSDP2 config (fp32) shards every parameter and trains like DDP, full and LoRA,
 dense and MoE, and saves a full model; a 2-process run stopped by SIGTERM resumes exactly, under DDP and FSDP2
 (signals reach the workers through the launcher once; a second one ends everything at once). ZeRO-3 needs
 DeepSpeed (not installed); its config is checked as accelerate reads it. FSDP2 checkpoints are sharded (torch
@@ -61,20 +61,23 @@ def step_losses(out: Path) -> list[float]:
     return [h["loss"] for h in history if "loss" in h]
 
 
-@pytest.mark.slow  # ~60 s on 2 cores: two launches, three processes starting torch
-def test_two_processes_train_like_one_with_twice_the_accumulation(tmp_path, tiny_own_dir):
+@pytest.fixture(scope="module")
+def two_and_one(tmp_path_factory, tiny_own_dir):
+    """The same 6 steps as 2 processes x 1 row and as 1 process x 2 accumulated rows, logged every 2 steps and saved
+    every 3 (each checkpoint-3 holds step 3 not yet logged): (recipe, the 2-process run dir, its launch, the other)."""
+    tmp_path = tmp_path_factory.mktemp("two-and-one")
     recipe = {
         "model": {"path": str(tiny_own_dir)},
         "data": {"train": [str(write_data(tmp_path / "data.jsonl"))], "max_length": 64, "packing": True},
         "output": {"dir": str(tmp_path / "unused"), "sample_prompts": ["hello"]},
         "train": {
             "learning_rate": 1e-3,
-            "max_steps": 5,
+            "max_steps": 6,
             "per_device_train_batch_size": 1,
             "gradient_accumulation_steps": 1,
             "activation_checkpointing": False,
-            "logging_steps": 1,
-            "save_steps": 100,
+            "logging_steps": 2,
+            "save_steps": 3,
             "seed": 0,
         },  # shuffling stays on: equal losses mean both runs put the same rows in each step
     }
@@ -84,16 +87,22 @@ def test_two_processes_train_like_one_with_twice_the_accumulation(tmp_path, tiny
 
     launched = train_cli(tmp_path, str(path), f"output.dir={two}", "--num-processes", "2")
     assert launched.returncode == 0, launched.stderr[-4000:]
-    # quiet where nothing is wrong: no accelerate advice on a launch `train` makes, no DDP unused-parameter warning
-    assert "accelerate config" not in launched.stderr and "find_unused_parameters" not in launched.stderr, launched.stderr[-3000:]
     single = train_cli(tmp_path, str(path), f"output.dir={one}", "train.gradient_accumulation_steps=2")
     assert single.returncode == 0, single.stderr[-4000:]
+    return path, two, launched, one
+
+
+@pytest.mark.slow  # ~60 s on 2 cores: two launches, three processes starting torch (the fixture's)
+def test_two_processes_train_like_one_with_twice_the_accumulation(two_and_one):
+    path, two, launched, one = two_and_one
+    # quiet where nothing is wrong: no accelerate advice on a launch `train` makes, no DDP unused-parameter warning
+    assert "accelerate config" not in launched.stderr and "find_unused_parameters" not in launched.stderr, launched.stderr[-3000:]
 
     # Same quantity in both: the token-weighted mean loss over the step's 2 rows. Rank p's loss is its token sum
     # x 2 / all tokens, averaged over the 2 ranks; one process sums 2 micro-batches of token sum / all tokens.
     # The factors are powers of two, so only summation order could differ; asserted equal within a relative 1e-6.
     losses = step_losses(two)
-    assert len(losses) == 5
+    assert len(losses) == 3
     assert losses == pytest.approx(step_losses(one), rel=1e-6)
     # Token accounting is summed over the processes: both runs trained the same real tokens in the same slots
     results = [json.loads((out / "train_results.json").read_text()) for out in (two, one)]
@@ -105,6 +114,35 @@ def test_two_processes_train_like_one_with_twice_the_accumulation(tmp_path, tiny
     for out in (two, one):
         assert len((out / "samples.jsonl").read_text().splitlines()) == 1
         assert {"recipe.yaml", "model.safetensors", "tokenizer.json", "train_results.json"} <= {p.name for p in out.iterdir()}
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: one launch of 2 processes and one of 1, beside the fixture's
+@pytest.mark.parametrize("direction", ["2->1", "1->2"])
+def test_a_run_resumed_with_another_process_count_reports_the_whole_run(two_and_one, tmp_path, direction):
+    """A checkpoint holds the run's totals summed over its processes, one file (step.TOTALS) every process reads: the
+    2-process run's checkpoint-3 resumed as 1 process x 2 accumulated rows, and the 1-process run's as 2 processes,
+    each log the window cut at step 3 (steps 3-4) and report the loss, tokens and samples of the uninterrupted run
+    with the process count it ends with."""
+    path, two, _, one = two_and_one
+    source, reference = (two, one) if direction == "2->1" else (one, two)
+    launch = ("train.gradient_accumulation_steps=2",) if direction == "2->1" else ("--num-processes", "2")
+    checkpoint = source / "checkpoint-3"
+    assert "erniekit_totals.json" in {p.name for p in checkpoint.iterdir()}
+    assert not list(checkpoint.glob("erniekit_totals-rank*"))
+    out = tmp_path / "resumed"
+    done = train_cli(tmp_path, str(path), f"output.dir={out}", f"train.resume_from_checkpoint={checkpoint}", *launch)
+    assert done.returncode == 0, done.stderr[-4000:]
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert [h["step"] for h in history if "loss" in h] == [2, 4, 6]
+    assert step_losses(out) == pytest.approx(step_losses(reference), rel=1e-6)  # step 4: the cut window's mean
+    got, whole = (json.loads((d / "train_results.json").read_text()) for d in (out, reference))
+    assert got["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-6)
+    for key in ("train_tokens", "packing_efficiency", "train_samples"):
+        assert got[key] == whole[key], key
+    from erniekit_lite.recipe import load
+    from erniekit_lite.train import rundir
+
+    assert rundir.not_a_run(out, rundir.target(load(str(out / "recipe.yaml"), []))) is None  # its checkpoints' files too
 
 
 def events(out: Path) -> list[dict]:

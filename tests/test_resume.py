@@ -122,7 +122,7 @@ def test_a_resumed_run_reports_the_whole_run(tmp_path, capsys, monkeypatch, tiny
     code, _, err = train(capsys, path)
     assert code == 143, err
     monkeypatch.undo()
-    first = json.loads((out / "checkpoint-7" / "erniekit_totals-rank0.json").read_text())
+    first = json.loads((out / "checkpoint-7" / "erniekit_totals.json").read_text())
     code, stdout, err = train(capsys, path, "--resume")
     assert code == 0, err
     reference, resumed = history(tmp_path / "reference"), history(out)
@@ -135,6 +135,26 @@ def test_a_resumed_run_reports_the_whole_run(tmp_path, capsys, monkeypatch, tiny
         assert alone[key] == whole[key], key
     assert alone["train_runtime"] > first["runtime"] > 0
     assert f"done: loss {whole['train_loss']:.4f} (mean over the run" in stdout
+
+
+def test_totals_kept_per_process_by_older_checkpoints_are_read_combined(tmp_path):
+    """Checkpoints written before the totals were summed over the processes hold one file per process
+    (`erniekit_totals-rank<N>.json`, each with its own unlogged window and tokens): all are read and combined as the
+    one file holds them (the windows' mean, the tokens' sum, divided by the processes that count each row), so they
+    resume with any process count; the one file wins where both are."""
+    from erniekit_lite.train.step import TOTALS, read_totals
+
+    common = {"loss_logged": 12.5, "last_logged": 5, "runtime": 30.0}
+    for rank, (window, real, slots) in enumerate([(1.0, 100, 128), (3.0, 60, 128)]):
+        per_rank = {**common, "loss_window": window, "real_tokens": real, "token_slots": slots}
+        (tmp_path / f"erniekit_totals-rank{rank}.json").write_text(json.dumps(per_rank))
+    assert read_totals(tmp_path) == {**common, "loss_window": 2.0, "real_tokens": 160, "token_slots": 256}
+    assert read_totals(tmp_path, sequence_parallel=2) == {**common, "loss_window": 2.0, "real_tokens": 80, "token_slots": 128}
+    one = {**common, "loss_window": 0.5, "real_tokens": 7, "token_slots": 8}
+    (tmp_path / TOTALS).write_text(json.dumps(one))
+    assert read_totals(tmp_path) == one
+    (tmp_path / "none").mkdir()
+    assert read_totals(tmp_path / "none") is None
 
 
 FIXTURES = ROOT / "tests" / "fixtures" / "checkpoints"  # written by tests/fixtures/write_checkpoints.py

@@ -139,7 +139,7 @@ def test_local_sgd_stopped_between_averagings_resumes_exactly(recipe, tmp_path):
     assert launcher.returncode == 143, err[-3000:]
     stop = events(out)[-1]["step"]
     assert 2 <= stop < 40
-    assert "parameters" in __import__("torch").load(out / f"checkpoint-{stop}" / "sync-rank1.pt", weights_only=False)
+    assert "parameters" in __import__("torch").load(out / f"checkpoint-{stop}" / "sync-rank1.pt", weights_only=True)
     done = train_cli(tmp_path, str(recipe), f"output.dir={out}", *overrides, "--resume", "--num-processes", "2")
     assert done.returncode == 0, done.stderr[-4000:]
     resumed, expected = losses_and_norms(out), losses_and_norms(whole)
@@ -253,3 +253,61 @@ def test_under_local_sgd_the_ema_is_the_averaged_models_and_a_divergence_stops_e
     for r in results:
         assert r["agreed"] <= 1e-6 and r["own"] > 1e-2, r
         assert r["stopped"] == [5, float("inf"), 2.5], r
+
+
+class _RunsCode:
+    """Pickled, it calls `open(marker, "w")` when unpickled: any code a crafted checkpoint file could run."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _powersgd_stand_in(monkeypatch):
+    """`Synchronised` under powersgd on rank 0, around the project's PowerSgd on a stand-in DDP (a Linear module)."""
+    from types import SimpleNamespace
+
+    from erniekit_lite.train import sync
+
+    monkeypatch.setattr(sync.dist, "get_rank", lambda: 0)
+    ddp = SimpleNamespace(module=torch.nn.Linear(4, 3), register_comm_hook=lambda state, hook: None)
+    synced = sync.Synchronised(None, SimpleNamespace(sync="powersgd"))
+    synced.powersgd = sync.PowerSgd(ddp, 2)
+    return synced
+
+
+def test_powersgd_state_is_saved_as_tensors_and_numbers_and_resumes(tmp_path, monkeypatch):
+    """sync-rank0.pt loads with `weights_only=True` (PowerSGD's numpy random state as its key tensor and numbers), and
+    a fresh PowerSgd loaded from it goes on with the same random draws, step count and per-parameter state."""
+    saving = _powersgd_stand_in(monkeypatch)
+    saving.powersgd.state.rng.randn(3)  # an odd count: a Gaussian is cached
+    saving.powersgd.state.iter = 5
+    saving.powersgd.carried = {"weight": (torch.randn(12), torch.randn(4, 2)), "bias": (torch.randn(3), None)}
+    saving.save(tmp_path)
+    plain = torch.load(tmp_path / "sync-rank0.pt", weights_only=True)
+    assert plain["state"]["iter"] == 5
+    loading = _powersgd_stand_in(monkeypatch)
+    loading.load(tmp_path)
+    assert loading.powersgd.state.iter == 5
+    assert loading.powersgd.state.rng.randn(5).tolist() == saving.powersgd.state.rng.randn(5).tolist()
+    assert loading.powersgd.carried.keys() == {"weight", "bias"} and loading.powersgd.carried["bias"][1] is None
+    for name, (error, q) in saving.powersgd.carried.items():
+        assert torch.equal(loading.powersgd.carried[name][0], error)
+        assert q is None or torch.equal(loading.powersgd.carried[name][1], q)
+
+
+def test_a_sync_file_that_would_run_code_is_refused_in_one_line(tmp_path, monkeypatch):
+    """A sync-rank file holding more than tensors and plain numbers (here a pickled call that writes a marker file,
+    as a downloaded checkpoint could hold) is not unpickled: resuming stops with one line naming it."""
+    from erniekit_lite.errors import UserError
+
+    marker = tmp_path / "ran"
+    file = tmp_path / "sync-rank0.pt"
+    torch.save({"state": {"iter": _RunsCode(str(marker))}, "by_parameter": {}}, file)
+    with pytest.raises(UserError) as refused:
+        _powersgd_stand_in(monkeypatch).load(tmp_path)
+    assert not marker.exists()
+    said = str(refused.value)
+    assert said.startswith(f"{file}: refused") and "\n" not in said and "distributed.sync: every_step" in said

@@ -194,17 +194,34 @@ def test_vl_router_losses_cover_the_text_and_the_vision_routers(tmp_path, tiny_v
     assert logged["z_loss"] > 0
 
 
+# text-only records beside the pictures: a row of these alone has no image token, so no layer's vision experts run
+TEXT_ONLY = [{"messages": [{"role": "user", "content": f"Name colour number {i}."}, {"role": "assistant", "content": answer}]}
+             for i, answer in enumerate(["Red.", "Green.", "Blue.", "Yellow."] * 4)]
+
+
+def mixed_data(folder: Path) -> Path:
+    """colours.jsonl's 8 image-text records and the 16 text-only ones in one file (the pictures linked beside it)."""
+    (folder / "colours").symlink_to(COLOURS, target_is_directory=True)
+    path = folder / "mixed.jsonl"
+    records = (RECIPES / "data" / "colours.jsonl").read_text().splitlines() + [json.dumps(r) for r in TEXT_ONLY]
+    path.write_text("\n".join(records) + "\n")
+    return path
+
+
 @pytest.mark.slow  # ~30 s: a launch of two processes and a single one
 def test_vl_two_processes_train_like_one_with_twice_the_accumulation(tmp_path, tiny_vl):
-    """DDP over 2 gloo processes, a packed row of image-text samples each, against 1 process accumulating 2 rows:
-    the same step losses (fp32; only summation order differs, rel 1e-6), and the same tokens trained: each process
-    reads the data and its images itself and takes its share of the rows."""
+    """DDP over 2 gloo processes, a packed row each of image-text and text-only samples (some rows hold no image: the
+    vision experts run on no token there), against 1 process accumulating 2 rows: the same step losses (fp32; only
+    summation order differs, rel 1e-6), and the same tokens trained: each process reads the data and its images
+    itself and takes its share of the rows."""
     import subprocess
     import sys
 
+    data = mixed_data(tmp_path)
+
     def run(out: Path, *more: str):
         command = [sys.executable, "-m", "erniekit_lite", "train", str(RECIPES / "quickstart-vl.yaml"), f"model.path={tiny_vl}",
-                   f"output.dir={out}", f"data.train.0.path={RECIPES / 'data' / 'colours.jsonl'}", "data.max_length=80",
+                   f"output.dir={out}", f"data.train.0.path={data}", "data.max_length=80",
                    "train.max_steps=3", "train.logging_steps=1", "train.save_steps=100", *more]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
         assert done.returncode == 0, done.stderr[-3000:]

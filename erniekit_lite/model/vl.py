@@ -9,6 +9,7 @@ the image placeholders' embeddings. Its forward would pass the packed text's att
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from erniekit_lite.errors import UserError
@@ -92,7 +93,117 @@ def freeze_vision(model) -> int:
 def encode_images(model, pixel_values, grid) -> dict:
     """`mm_encoder_outputs` for the VL model's forward: the images' features, encoded apart (module doc). `model`:
     the VL model's base (`Ernie4_5_VLMoeModel`)."""
+    images_present(model)
     return {"image": model.get_image_features(pixel_values, grid, return_dict=True)}
+
+
+# A micro-batch without images (text-only records, or a row of them) would leave parts of the model out of the
+# forward: every MoE layer's `vision_moe` (transformers runs it only when a token of the row routes to it) and the
+# vision encoder and resampler. Under DDP (which does not search for unused parameters: trainer_args.py) a process
+# whose micro-batch has no image then never reduces those gradients while another does ("Expected to have finished
+# reduction in the prior iteration"), and under FSDP2 the encoder's blocks, units of their own, all-gather on one
+# process only: each collective that follows is mismatched. So a forward without images holds them too, at no cost
+# in values: each trained parameter left out enters the graph through the sum of an empty slice of it, an exact 0
+# whose backward is a zero gradient (as for an expert that got no token); under FSDP2 the encoder's blocks run on one
+# zero token, so every process gathers (and, trained, reduces) what one with an image does. Nothing is read back
+# from the device: whether a micro-batch holds an image is the collator's (`pixel_values` among its keys).
+NO_IMAGE = "erniekit_no_image"  # on the VL base model: the `_NoImage` its MoE layers' hooks read
+
+
+class _NoImage:
+    now = False  # the forward running now holds no image
+
+
+def images_present(model) -> None:
+    state = getattr(model, NO_IMAGE, None)
+    if state is not None:
+        state.now = False
+
+
+def without_images(model, inputs: dict) -> None:
+    """Before the forward of a micro-batch without images (`model`: the VL base model; `inputs`: its keywords): the
+    MoE layers add their vision experts' exact 0 to their output, and the vision encoder's and resampler's goes into
+    the input embeddings, where image features go (so, under FSDP2, each unit's backward comes in the same order as
+    on a process whose row has images: a trained encoder makes the embeddings require a gradient there too)."""
+    state = getattr(model, NO_IMAGE, None)
+    if state is None:  # the first forward without images: hooks on the MoE layers, which do nothing while images come
+        state = _NoImage()
+        for module in model.modules():
+            if hasattr(module, "vision_moe") and hasattr(module, "text_moe"):
+                module.register_forward_hook(functools.partial(_vision_experts, state), prepend=True)  # before transformers' output recorder
+        setattr(model, NO_IMAGE, state)
+    state.now = True
+    ids = inputs["input_ids"]
+    zero = _vision_encoder(model, ids.device)
+    if zero is not None and zero.requires_grad:
+        inputs["inputs_embeds"] = model.get_input_embeddings()(ids) + zero
+
+
+def empty_sum(params):
+    """An exact 0 in the graph of each of `params` (the sum of an empty slice of it): backward gives each a zero
+    gradient. None for none."""
+    zero = None
+    for p in params:
+        part = (p[:0] if p.dim() else p.reshape(1)[:0]).sum()
+        zero = part if zero is None else zero + part
+    return zero
+
+
+def _plus(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def _vision_experts(state, block, args, output):
+    """A forward hook on each MoE layer (`Ernie4_5_VLMoeMoeBlock`): in a forward without images, its output plus the
+    exact 0 of its vision experts' trained parameters. A router in an FSDP unit of its own (train/distribution.py
+    `units_of_one_dtype`) runs on no token instead, gathered as on a process whose row has an image."""
+    if not state.now:
+        return None
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    experts, grad = block.vision_moe, torch.is_grad_enabled()
+    zero, own_unit = None, isinstance(experts.gate, FSDPModule)
+    if own_unit:
+        hidden = args[0]
+        zero = experts.gate(hidden.reshape(-1, hidden.shape[-1])[:0])[0].sum()
+    if not grad:
+        return None
+    zero = _plus(zero, empty_sum(p for name, p in experts.named_parameters()
+                                 if p.requires_grad and not (own_unit and name.startswith("gate."))))
+    hidden = output[0] if zero is None or not zero.requires_grad else output[0] + zero
+    # transformers' branch without vision tokens returns the router logits as a view of the text router's (a
+    # reshape), and FSDP2 warns of a view among its root's outputs (the scores keep them for the router losses)
+    return (hidden, output[1].clone(), *output[2:])
+
+
+def _vision_encoder(model, device):
+    """The vision encoder's and resampler's part of `without_images`: their trained parameters' exact 0; when the
+    encoder's blocks are FSDP units (sharded), those blocks run on one zero token (trained or not: their all-gathers
+    must match the other processes')."""
+    import itertools
+
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    encoder, resampler = model.vision_tower, model.resampler_model
+    grad = torch.is_grad_enabled()
+    if not any(isinstance(b, FSDPModule) for b in encoder.blocks):
+        return empty_sum(p for p in itertools.chain(encoder.parameters(), resampler.parameters()) if p.requires_grad) if grad else None
+    trained = grad and any(p.requires_grad for p in encoder.parameters())
+    with torch.set_grad_enabled(trained):
+        hidden = encoder.patch_embed(torch.zeros(1, encoder.config.in_channels * encoder.config.patch_size**2, device=device))
+        from transformers.utils.generic import is_flash_attention_requested
+
+        # one sample of one token; on the host unless a flash kernel reads it (sdpa splits by its `tolist()`)
+        cu = torch.tensor([0, 1], dtype=torch.int32, device=device if is_flash_attention_requested(encoder.config) else "cpu")
+        head = encoder.config.hidden_size // encoder.config.num_heads
+        rotary = (torch.ones(1, head, device=device), torch.zeros(1, head, device=device))  # position 0: no rotation
+        for block in encoder.blocks:
+            hidden = block(hidden, cu_seqlens=cu, max_seqlen=1, position_embeddings=rotary)
+        hidden = encoder.ln(hidden)
+    zero = hidden[:0].sum() if trained else None
+    return _plus(zero, empty_sum(p for p in resampler.parameters() if p.requires_grad) if grad else None)
 
 
 def vision_plan(config, processor, trained: bool, dtype_bytes: int = 2) -> str:

@@ -28,7 +28,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from erniekit_lite.data.collate import labelled_positions
-from erniekit_lite.model import sequence_parallel
+from erniekit_lite.model import sequence_parallel, vl
 from erniekit_lite.memory import MAX_CHUNK_ELEMENTS  # a module global here, so tests can make chunks small
 
 
@@ -55,9 +55,9 @@ def score(model, labels: torch.Tensor, inputs: dict, extras: bool = True, router
     if positions is None:  # a boolean mask: its size is read back from the device (the collators' `host_facts` avoid it)
         keep, targets = labelled_positions(labels)
     if "pixel_values" in inputs:  # ERNIE-4.5-VL: images encoded apart from the packed attention's arguments
-        from erniekit_lite.model.vl import encode_images
-
-        inputs["mm_encoder_outputs"] = encode_images(model.base_model, inputs.pop("pixel_values"), inputs.pop("image_grid_thw"))
+        inputs["mm_encoder_outputs"] = vl.encode_images(model.base_model, inputs.pop("pixel_values"), inputs.pop("image_grid_thw"))
+    elif vl.is_vl(model.config):  # a micro-batch without images: the vision parts take part all the same
+        vl.without_images(model.base_model, inputs)
     shard = _shard(model, inputs)  # distributed.sequence_parallel: this process's tokens of the row
     out = model.base_model(**inputs, use_cache=False, **({"output_router_logits": True} if routed else {}))
     router_logits = out.router_logits if routed else None

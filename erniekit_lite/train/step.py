@@ -45,7 +45,8 @@ from erniekit_lite.train import checkpoints, offload, optimizer, trl_metrics
 # counts, TRL's logged metrics, GRPO's micro-step counter (it picks the buffered generation) and step time
 _STEP_STATE = ("real_tokens", "token_slots", "_since_log", "_metrics", "_step", "_current_train_step_time")
 RETRIED_AT = "activation_checkpointing_turned_on_at_step"  # train_results.json: the first step ran out of memory
-TOTALS = "erniekit_totals-rank{}.json"  # in a checkpoint: the run so far, per process (`RunTotals`)
+TOTALS = "erniekit_totals.json"  # in a checkpoint: the run so far over all processes, rank 0's (`_RunTotals`)
+TOTALS_PER_RANK = "erniekit_totals-rank*.json"  # older checkpoints: one per process, its own counts (`read_totals`)
 
 
 class ErnieTrainer:
@@ -60,6 +61,7 @@ class ErnieTrainer:
     _micro_batch = None  # the micro-batch `training_step` is running (as the Trainer fetched it)
     _staging: Path | None = None  # while saving: the dir transformers writes `checkpoint-N` into
     resumed_totals: dict | None = None  # what the checkpoint a run resumes from says of the run before it
+    _carried_tokens = (0, 0)  # (real tokens, slots) of the run before the resume, over all processes (`_RunTotals`)
     _train_started: float | None = None  # this call's training clock
     ema = None  # train.ema's callback (ema.py), read by the checkpoints
     sync = None  # distributed.sync's callback (sync.py), read by the checkpoints and the guard
@@ -165,8 +167,7 @@ class ErnieTrainer:
         if holders:
             self.add_callback(_FreshExpertLayouts(holders))
         self.add_callback(_RunTotals(self))
-        saved = Path(str(resume_from_checkpoint)) / TOTALS.format(self.args.process_index) if resume_from_checkpoint else None
-        self.resumed_totals = json.loads(saved.read_text()) if saved is not None and saved.is_file() else None
+        self.resumed_totals = read_totals(resume_from_checkpoint, self.sequence_parallel) if resume_from_checkpoint else None
         try:
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except torch.OutOfMemoryError:
@@ -187,7 +188,7 @@ class ErnieTrainer:
     # --- what train_results.json reads ---------------------------------------------------------------------------
 
     def throughput(self, runtime: float) -> dict:
-        real, slots = self._all_processes(self.real_tokens, self.token_slots)
+        real, slots = self._run_tokens()
         return {
             "train_tokens": real,
             "train_tokens_per_second": round(real / runtime, 2) if runtime else 0.0,
@@ -205,8 +206,8 @@ class ErnieTrainer:
         return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Atomic (checkpoints.py): every process writes into `tmp-checkpoint-N/checkpoint-N`, then one rename. Each
-        process's run totals go with it (`_RunTotals`)."""
+        """Atomic (checkpoints.py): every process writes into `tmp-checkpoint-N/checkpoint-N`, then one rename. The
+        run's totals over all processes go with it (`_RunTotals`)."""
         self.guard.check(self._apart())  # a checkpoint never follows a step whose gradient was not finite
         run_dir = Path(super()._get_output_dir(trial))
         name = f"checkpoint-{self.state.global_step}"
@@ -223,7 +224,9 @@ class ErnieTrainer:
         if self.sync is not None:  # distributed.sync: each process's own state (sync.py)
             self.sync.save(staging / name)
         (staging / name).mkdir(parents=True, exist_ok=True)
-        (staging / name / TOTALS.format(self.args.process_index)).write_text(json.dumps(self._run_totals()))
+        totals = self._run_totals()  # collective: every process is here
+        if self.args.should_save:
+            (staging / name / TOTALS).write_text(json.dumps(totals))
         if self.state.best_model_checkpoint == str(staging / name):  # the best is this one: name it as it will be
             self.state.best_model_checkpoint = str(final)
             if self.args.should_save:
@@ -262,12 +265,18 @@ class ErnieTrainer:
         return saved
 
     def _run_totals(self) -> dict:
-        """What a resumed run needs to report the whole run (`_RunTotals`): the loss summed over the logged windows and
-        the window not yet logged, the step of the last log, the real tokens and slots counted, the seconds trained.
-        Read at a checkpoint, which reads the device anyway."""
+        """What a resumed run needs to report the whole run (`_RunTotals`), the same on every process, so a run that
+        resumes with another process count reads it alike: the loss summed over the logged windows (each already the
+        processes' mean), the window not yet logged as its mean over the processes (what the next log would gather),
+        the step of the last log, the real tokens and slots summed over the processes, the seconds trained (this
+        process's clock). Collective, read at a checkpoint, which reads the device anyway."""
         carried = self.resumed_totals["runtime"] if self.resumed_totals is not None else 0.0
-        return {"loss_logged": self._total_loss_scalar, "loss_window": float(self._tr_loss), "last_logged": self._globalstep_last_logged,
-                "real_tokens": self.real_tokens, "token_slots": self.token_slots,
+        window = self._tr_loss.detach()
+        if self.accelerator.num_processes > 1:
+            window = self.accelerator.reduce(window.clone(), reduction="mean")
+        real, slots = self._run_tokens()
+        return {"loss_logged": self._total_loss_scalar, "loss_window": float(window),
+                "last_logged": self._globalstep_last_logged, "real_tokens": real, "token_slots": slots,
                 "runtime": carried + (time.perf_counter() - self._train_started if self._train_started else 0.0)}
 
     # --- helpers -----------------------------------------------------------------------------------------------------
@@ -275,6 +284,11 @@ class ErnieTrainer:
     def _apart(self) -> bool:
         """Whether the processes' gradient norms differ: local SGD, where each steps on its own gradients."""
         return self.sync is not None and self.sync.section.sync == "local_sgd"
+
+    def _run_tokens(self) -> tuple[int, int]:
+        """The run's real tokens and slots over all processes, the run before a resume's included (collective)."""
+        real, slots = self._all_processes(self.real_tokens, self.token_slots)
+        return real + self._carried_tokens[0], slots + self._carried_tokens[1]
 
     def _all_processes(self, real: int, slots: int) -> tuple[int, int]:
         """Token counts summed over the processes of a launched run (each counts its own batches; the processes of a
@@ -337,10 +351,12 @@ class ErnieTrainer:
 
 class _RunTotals(TrainerCallback):
     """A resumed run goes on with the totals its checkpoint holds (`ErnieTrainer._run_totals`), so its logs, its mean
-    loss, tokens and runtime are the uninterrupted run's: the Trainer's own start-of-training state (transformers
-    5.23's `_tr_loss`, `_total_loss_scalar`, `_globalstep_last_logged`, `_initial_global_step`) set from them once
-    it has made it. A checkpoint without them (written before they were kept) resumes as before: totals of this
-    call alone."""
+    loss, tokens and runtime are the uninterrupted run's, with any process count: the Trainer's own start-of-training
+    state (transformers 5.23's `_tr_loss`, `_total_loss_scalar`, `_globalstep_last_logged`, `_initial_global_step`)
+    set from them once it has made it, on every process. Each process's unlogged window starts at the processes'
+    mean (the next log gathers the mean of the windows: that mean plus the steps after the resume), and the tokens
+    before the resume are added once, after the sum over the processes. A checkpoint without them (written before
+    they were kept) resumes as before: totals of this call alone."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -354,7 +370,24 @@ class _RunTotals(TrainerCallback):
         trainer._tr_loss += saved["loss_window"]  # the window cut by the stop: the next log averages all of it
         trainer._globalstep_last_logged = saved["last_logged"]
         trainer._initial_global_step = 0  # the mean loss and samples over the whole run
-        trainer.real_tokens, trainer.token_slots = saved["real_tokens"], saved["token_slots"]
+        trainer._carried_tokens = (saved["real_tokens"], saved["token_slots"])
+
+
+def read_totals(checkpoint, sequence_parallel: int = 1) -> dict | None:
+    """The run's totals in a checkpoint (`ErnieTrainer._run_totals`), or None where it has none. An older checkpoint
+    holds one file per process, each with its own window and tokens (`TOTALS_PER_RANK`): read all of them and combined
+    as one file holds them (the windows' mean, the tokens' sum over the `sequence_parallel` processes counting each
+    row, as this run counts them), so it resumes with any process count too."""
+    folder = Path(str(checkpoint))
+    if (folder / TOTALS).is_file():
+        return json.loads((folder / TOTALS).read_text())
+    ranks = {p.stem.rsplit("-rank", 1)[1]: p for p in folder.glob(TOTALS_PER_RANK)}
+    if not ranks:
+        return None
+    each = [json.loads(ranks[r].read_text()) for r in sorted(ranks, key=lambda r: int(r) if r.isdigit() else -1)]
+    return {**each[0], "loss_window": sum(t["loss_window"] for t in each) / len(each),
+            "real_tokens": sum(t["real_tokens"] for t in each) // sequence_parallel,
+            "token_slots": sum(t["token_slots"] for t in each) // sequence_parallel}
 
 
 class _FreshExpertLayouts(TrainerCallback):

@@ -19,15 +19,19 @@ slow link (docs/distributed.md).
 Resume is exact: each process writes what only it holds into the checkpoint (`sync-rank<R>.pt`): PowerSGD's error
 feedback, warm-start factors and random state, by parameter name (DDP's buckets after a resume differ from those
 before it for one step, so torch's per-bucket state would not fit), and local_sgd's optimizer state (but rank 0's,
-which is the checkpoint's optimizer.pt). local_sgd
+which is the checkpoint's optimizer.pt). The file holds tensors and plain numbers only (PowerSGD's numpy random
+state as its key tensor and numbers) and is loaded with `weights_only=True`: a file that needs more (written before
+that, or not by erniekit-lite) is refused in one line naming it, never unpickled. local_sgd
 checkpoints fall on sync points (the recipe check: save_steps a multiple of H), except a stop's, which then holds each
 process's own trained parameters too.
 """
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
@@ -108,7 +112,7 @@ class Synchronised(TrainerCallback):
         if not file.is_file():
             raise UserError(f"{checkpoint}: no {file.name}; it was saved without distributed.sync: {self.section.sync} "
                             f"or with fewer processes")
-        saved = torch.load(file, map_location="cpu", weights_only=False)  # the run's own file: a numpy random state in it
+        saved = read(file)
         if self.powersgd is not None:
             self.powersgd.load_state_dict(saved)
         else:
@@ -117,6 +121,18 @@ class Synchronised(TrainerCallback):
             with torch.no_grad():
                 for name, p in self.named if "parameters" in saved else ():
                     p.copy_(saved["parameters"][name])
+
+
+def read(file: Path) -> dict:
+    """A `sync-rank<R>.pt` as tensors and plain numbers (`weights_only=True`): a downloaded checkpoint is data, never
+    code. One that holds anything else is refused in one line naming it."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise UserError(f"{file}: refused: it holds more than tensors and plain numbers (written before erniekit-lite "
+                        "saved PowerSGD's random state as a tensor, or not by erniekit-lite), and unpickling it could "
+                        "run code; resume from a checkpoint this version wrote, or with distributed.sync: every_step"
+                        ) from None
 
 
 def bf16_hook(process_group, bucket):
@@ -223,12 +239,20 @@ class PowerSgd:
             del self.carried[name]
 
     def state_dict(self) -> dict:
-        kept = ("iter", "rng", "total_numel_before_compression", "total_numel_after_compression")
-        return {"state": {k: getattr(self.state, k) for k in kept},
+        """Tensors and plain numbers only (loaded with `weights_only=True`): the numpy random state as its parts."""
+        kept = ("iter", "total_numel_before_compression", "total_numel_after_compression")
+        kind, keys, pos, has_gauss, gauss = self.state.rng.get_state(legacy=True)
+        rng = {"name": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+               "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
+        return {"state": {k: int(getattr(self.state, k)) for k in kept}, "rng": rng,
                 "by_parameter": {name: (e.cpu(), None if q is None else q.cpu()) for name, (e, q) in self.by_parameter().items()}}
 
     def load_state_dict(self, saved: dict) -> None:
         for key, value in saved["state"].items():
             setattr(self.state, key, value)
+        rng = saved["rng"]
+        self.state.rng = np.random.RandomState()
+        self.state.rng.set_state((rng["name"], rng["keys"].numpy().astype(np.uint32), rng["pos"], rng["has_gauss"],
+                                  rng["cached_gaussian"]))
         self.carried = saved["by_parameter"]
         self.layouts.clear()
