@@ -32,6 +32,23 @@ class Applied:
 VL_METHODS = ("sft", "dpo")  # the methods an ERNIE-4.5-VL model trains with
 
 
+SLOW_BF16 = ("this CPU has no bf16 instructions (AVX512-BF16 or AMX): bf16 autocast trains many times slower than fp32 "
+             "here (docs/performance.md); train.bf16=false trains in fp32")
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bf16 itself, as /proc/cpuinfo's flags say (x86: avx512_bf16 or amx_bf16; Arm: the
+    bf16 feature). True where the flags cannot be read: no note rather than a wrong one."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return True
+    flags = [set(line.split(":", 1)[1].split()) for line in cpuinfo.splitlines()
+             if line.split(":", 1)[0].strip() in ("flags", "Features") and ":" in line]
+    return not flags or bool(flags[0] & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
 @dataclass(frozen=True)
 class RunPlan:
     method: str
@@ -62,6 +79,7 @@ class RunPlan:
     router: dict  # the MoE router's z-loss and orthogonal-loss coefficients the method takes ({} for none)
     ema: dict | None  # train.ema: decay and start step
     expert_load: bool  # MoE: expert load recorded (output.expert_load)
+    slow_bf16: bool  # bf16 autocast on a CPU without bf16 instructions (cpu_has_bf16): said, many times slower than fp32
     # what the method's trainer reads of the recipe as written
     data: DataSection  # rows (max_length, packing), the reference cache, the system prompt
     rewards: tuple[RewardEntry, ...]  # GRPO's rewards
@@ -89,7 +107,7 @@ class RunPlan:
             + (f"; ema decay {self.ema['decay']:g} from step {self.ema['start']}" if self.ema else "")
             + ("; router " + ", ".join(f"{k.removeprefix('router_').removesuffix('_coef')} {v:g}" for k, v in self.router.items())
                if self.router else ""),
-        ]
+        ] + ([f"  note: {SLOW_BF16}"] if self.slow_bf16 else [])
 
 
 @dataclass(frozen=True)
@@ -286,6 +304,7 @@ def resolve(recipe: Recipe, args, free_bytes: int, log=print, cuda: bool | None 
         router={k: v for k, v in router.items() if moe},
         ema=recipe.train.get("ema"),
         expert_load=moe and recipe.output.expert_load,
+        slow_bf16=not cuda and bool(getattr(args, "bf16", False)) and not cpu_has_bf16(),
         data=recipe.data,
         rewards=tuple(recipe.rewards or ()),
         sample_prompts=tuple(recipe.output.sample_prompts),

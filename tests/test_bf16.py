@@ -143,3 +143,26 @@ def test_packed_rows_equal_samples_alone_in_bf16(tiny_dense_dir, ernie_tokenizer
             worst = max(worst, (packed[starts[k] : starts[k + 1]] - alone).abs().max().item())
     print(f"bf16 packed vs alone, max |logit difference|: {worst:.4g}")
     assert worst <= PACKED_LOGIT_TOLERANCE
+
+
+AVX2_ONLY = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse sse2 avx avx2 fma f16c bmi2\n"
+
+
+def test_a_cpu_without_bf16_instructions_is_said(tmp_path, capsys, tiny_own_dir, monkeypatch):
+    """On an AVX2-only CPU bf16 autocast trained 3 SFT steps ~27x slower than fp32 and validate only said "bf16
+    autocast"; now validate (and train: the same run-plan lines) says it in one line with how to turn it off, read
+    from the CPU's flags (stand-in /proc/cpuinfo texts here); not said for fp32 or a CPU with bf16."""
+    from erniekit_lite import run_plan
+
+    assert not run_plan.cpu_has_bf16(AVX2_ONLY)
+    assert run_plan.cpu_has_bf16(AVX2_ONLY.replace("bmi2", "bmi2 avx512f avx512_bf16"))
+    assert run_plan.cpu_has_bf16(AVX2_ONLY.replace("bmi2", "amx_bf16 amx_tile"))
+    assert run_plan.cpu_has_bf16("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n")  # Arm (Graviton3, Apple M2)
+    assert not run_plan.cpu_has_bf16("processor\t: 0\nFeatures\t: fp asimd\n")
+    assert run_plan.cpu_has_bf16("")  # unreadable: no note rather than a wrong one
+    recipe = _recipe(tmp_path, tiny_own_dir, "sft", True, "autocast")
+    said = f"  note: {run_plan.SLOW_BF16}"
+    for has_bf16, overrides, shown in ((False, [], True), (True, [], False), (False, ["train.bf16=false"], False)):
+        monkeypatch.setattr(run_plan, "cpu_has_bf16", lambda has=has_bf16: has)
+        assert main(["validate", str(recipe), *overrides]) == 0
+        assert (said in capsys.readouterr().out.splitlines()) == shown, (has_bf16, overrides)
