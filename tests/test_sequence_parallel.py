@@ -209,3 +209,6 @@ def test_processes_sharing_rows_train_what_one_process_trains(tmp_path, tiny_own
     # the real tokens are the row's, counted once per group
     results = [json.loads((tmp_path / name / "train_results.json").read_text()) for name in ("sft-lora", "sft-lora-split")]
     assert results[0]["train_tokens"] == results[1]["train_tokens"]
+    # and the rows too: samples/s over the run's time is the same samples (the Trainer counted each group's N times)
+    samples = [r["train_samples_per_second"] * r["train_runtime"] for r in results]
+    assert samples[1] == pytest.approx(samples[0], rel=2e-3), samples

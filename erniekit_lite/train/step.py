@@ -177,6 +177,8 @@ class ErnieTrainer:
             output = None
         if output is None:
             raise UserError(self._lower_memory(failed)) from None
+        if self.sequence_parallel > 1:  # the Trainer counts every process's batches: a group's N share each row
+            output.metrics["train_samples_per_second"] = round(output.metrics["train_samples_per_second"] / self.sequence_parallel, 3)
         if self.resumed_totals is not None:  # the whole run's time: the Trainer timed this call alone
             metrics, before = output.metrics, self.resumed_totals["runtime"]
             runtime = metrics["train_runtime"] + before
