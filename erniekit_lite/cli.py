@@ -21,9 +21,25 @@ def passive_cpu_threads() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's refusals as every other: one line on stderr, exit status 2, with a did-you-mean for a choice (its
+    own prints the usage first, three lines and more)."""
+
+    def error(self, message: str):
+        import difflib
+        import re
+
+        choice = re.match(r"argument (\S+): invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            options = re.findall(r"'([^']*)'", choice.group(3)) or [o.strip() for o in choice.group(3).split(",")]
+            close = difflib.get_close_matches(choice.group(2), options, n=1)
+            message += f"; did you mean '{close[0]}'?" if close else ""
+        self.exit(2, f"error: {self.prog}: {message} (`{self.prog} --help` says more)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     passive_cpu_threads()
-    parser = argparse.ArgumentParser(prog="erniekit-lite", description="Fine-tune ERNIE 4.5 from YAML recipes.")
+    parser = _Parser(prog="erniekit-lite", description="Fine-tune ERNIE 4.5 from YAML recipes.")
     parser.add_argument("--version", action="version", version=f"erniekit-lite {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -216,6 +232,7 @@ def _train(args) -> int:
             raise UserError("--resume and train.resume_from_checkpoint=... both given; use one")
         overrides.append("train.resume_from_checkpoint=auto")  # resolved when training starts
     r = recipes.load(args.recipe, overrides)
+    recipes.check_local_paths(r)  # a path typo answered at its recipe line, before anything heavy loads
     from erniekit_lite.launch import Machines
 
     machines = Machines(args.num_machines, args.machine_rank, args.main_process_ip, args.main_process_port, args.join_timeout)
@@ -271,6 +288,7 @@ def _validate(args) -> int:
     from erniekit_lite import recipe as recipes
 
     r = recipes.load(args.recipe, args.overrides)
+    recipes.check_local_paths(r)  # a path typo answered at its recipe line, before anything heavy loads
     from erniekit_lite.launch import launch_of
     from erniekit_lite.run_plan import refuse_unlaunchable
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from erniekit_lite import words
 from erniekit_lite.errors import RecipeError
@@ -299,6 +299,8 @@ class RewardEntry(_Section):
 
 
 class Recipe(_Section):
+    _where: dict = PrivateAttr(default_factory=dict)  # key path -> `file:line` or the override that set it (from_dict)
+    _source: str = PrivateAttr("<recipe>")
     model: ModelSection
     method: Literal["sft", "dpo", "orpo", "simpo", "kto", "rm", "pt", "grpo"] = Field(
         "sft", description="sft (chat turns), dpo (preference pairs), orpo or simpo (preference pairs, no reference model), "
@@ -537,7 +539,40 @@ def from_dict(raw: dict, source: str = "<recipe>", lines: dict[tuple, str] | Non
     except ValidationError as e:
         raise _first_error(e, source, lines) from None
     _check_train_keys(recipe.train, source, lines, recipe.method, lora=recipe.lora is not None)
+    recipe._where, recipe._source = dict(lines), source
     return recipe
+
+
+LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt")  # a data path with one names a file, never a Hub id
+
+
+def check_local_paths(recipe: Recipe) -> None:
+    """A model.path or data path meant as a local file or folder that is not there, said at its recipe line with the
+    closest name beside it (`did you mean runs/tiny-ernie?`), before anything heavy loads. Meant as local: it starts
+    with `.`, `/` or `~`, is not `ORG/NAME` (Hub ids are), has a data file's suffix, or its folder is here (`runs/`);
+    anything else is left to the Hub."""
+    keys = [(("model", "path"), recipe.model.path, "folder")]
+    for split in ("train", "eval"):
+        keys += [(("data", split, str(i), "path"), source.path, "file") for i, source in enumerate(getattr(recipe.data, split))]
+    for key, value, kind in keys:
+        path = Path(value).expanduser()
+        if path.exists() or Path(value).is_symlink():
+            continue
+        hub_like = len(Path(value).parts) == 2 and not value.startswith((".", "/", "~"))
+        suffixed = kind == "file" and path.suffix.lower() in LOCAL_SUFFIXES
+        if hub_like and not suffixed and not path.parent.is_dir():
+            continue
+        from erniekit_lite.model.source import QUICKSTART_MODEL
+
+        siblings = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() else []
+        close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.6)
+        if close:
+            hint = f"; did you mean {path.parent / close[0] if str(path.parent) != '.' else close[0]}?"
+        elif key == ("model", "path") and Path(value) == Path(QUICKSTART_MODEL):
+            hint = f"; the quick start's tiny model is made by `erniekit-lite tiny {QUICKSTART_MODEL} --arch dense`"
+        else:
+            hint = " (relative paths are resolved from the working directory)"
+        raise RecipeError(_where(recipe._source, recipe._where, key), f"{'.'.join(key)}: {value}: no such {kind}{hint}")
 
 
 def _first_error(error: ValidationError, source: str, lines: dict[tuple, str]) -> RecipeError:
@@ -559,12 +594,18 @@ def _first_error(error: ValidationError, source: str, lines: dict[tuple, str]) -
             if named:  # a whole-recipe check that names the key it is about: pointed at that key's line
                 problems.append(RecipeError(_where(source, lines, tuple(named.group(1).split("."))), msg))
                 continue
+            if err["type"] == "literal_error" and isinstance(value, str):  # an enum typo: as every key typo, a did-you-mean
+                options = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
+                close = difflib.get_close_matches(value, options, n=1, cutoff=0.6) or [o for o in options if o.startswith(value)]
+                msg = f"{value!r} is not one of {', '.join(options)}" + (f"; did you mean '{close[0]}'?" if close else "")
+                shown = ""
             problems.append(RecipeError(where, f"{'.'.join(loc) or 'recipe'}: {msg}{shown}"))
     # a misspelt key comes first: its "did you mean" explains the "missing required key" that follows from it
     problems.sort(key=lambda p: "unknown key" not in p.args[0])
     first = problems[0]
-    if len(problems) > 1:
-        first.args = (f"{first.args[0]} (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})",)
+    if len(problems) > 1:  # named, so a second run does not have to find it
+        more = f"{len(problems) - 1} more: " if len(problems) > 2 else ""
+        first.args = (f"{first.args[0]} (and {more}{problems[1].args[0]}{', ...' if more else ''})",)
     return first
 
 

@@ -147,7 +147,8 @@ def _bad(capsys, *argv) -> str:
 
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys, tiny_own_dir):
     missing = tmp_path / "missing.jsonl"
-    assert "missing.jsonl: file not found" in _bad(capsys, "train", recipe_file(tmp_path, tiny_own_dir, data={"train": [str(missing)]}))
+    assert f"data.train.0.path: {missing}: no such file (relative paths are resolved from the working directory)" in _bad(
+        capsys, "train", recipe_file(tmp_path, tiny_own_dir, data={"train": [str(missing)]}))
 
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"src": ["a"], "tgt": ["b"]}\n{"src": ["a"], "tgt": ["b"]}\n{"src": ["a"], "tgt": \n')
@@ -161,7 +162,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, tiny_own_dir):
         capsys, "train", recipe_file(tmp_path, tiny_own_dir), "train.lerning_rate=1e-3"
     )
     assert "data.max_length: Input should be a valid integer" in _bad(capsys, "validate", recipe_file(tmp_path, tiny_own_dir), "data.max_length=big")
-    assert "no-model: no such directory here, and not a valid Hugging Face Hub repo id" in _bad(capsys, "validate", recipe_file(tmp_path, tmp_path / "no-model"))
+    assert "no-model: no such folder" in _bad(capsys, "validate", recipe_file(tmp_path, tmp_path / "no-model"))
 
 
 def test_empty_dataset_after_filtering(tmp_path, capsys, tiny_own_dir):
@@ -462,16 +463,46 @@ def test_quick_start_before_its_model_exists_says_so_in_one_line(tmp_path, capfd
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("path", ["/nonexistent/model", "./nope"])
+@pytest.mark.parametrize("path", ["/nonexistent/model", "./nope", "a/b/c"])
 def test_a_model_path_that_is_no_directory_and_no_hub_id_says_so_in_one_line(tmp_path, capfd, monkeypatch, path):
-    """Not huggingface_hub's "Repo id must be in the form ...": the path, no such directory, and not a Hub id."""
+    """Not huggingface_hub's "Repo id must be in the form ...": where it was given, the path, no such folder."""
     monkeypatch.chdir(tmp_path)
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
     code = main(["validate", str(recipe), f"model.path={path}", f"output.dir={tmp_path / 'out'}"])
     assert code == 2
     assert capfd.readouterr().err.strip().splitlines() == [
-        f"error: model.path: {path}: no such directory here, and not a valid Hugging Face Hub repo id (ORG/NAME)"
-    ]
+        f"error: override 'model.path={path}': model.path: {path}: no such folder (relative paths are resolved from the "
+        "working directory)"]
+
+
+def test_a_path_typo_is_said_at_its_recipe_line_with_the_name_beside_it(tmp_path, capsys, monkeypatch):
+    """A local model.path or data path that is not there: its file:line and the closest name beside it, before
+    anything heavy loads (they were answered about the Hub, or as "file not found" without the line); a Hub id (ORG/
+    NAME, its ORG not a folder here) is left to the Hub; an enum and a command-line choice get their did-you-mean."""
+    from erniekit_lite import recipe as recipes
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "tiny-ernie").mkdir(parents=True)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "identity.jsonl").write_text("{}\n")
+    text = "model:\n  path: {model}\ndata:\n  train:\n    - path: {data}\noutput:\n  dir: runs/out\n"
+    (tmp_path / "r.yaml").write_text(text.format(model="runs/tiny-erni", data="data/identity.jsonl"))
+    for command in ("validate", "train"):
+        assert _bad(capsys, command, "r.yaml") == "error: r.yaml:2: model.path: runs/tiny-erni: no such folder; did you mean runs/tiny-ernie?"
+    (tmp_path / "r.yaml").write_text(text.format(model="runs/tiny-ernie", data="data/identiy.jsonl"))
+    assert _bad(capsys, "validate", "r.yaml") == ("error: r.yaml:5: data.train.0.path: data/identiy.jsonl: no such file; did you "
+                                                  "mean data/identity.jsonl?")
+    assert _bad(capsys, "validate", "r.yaml", "data.train=[identity.jsonl]") == (
+        "error: override 'data.train=[identity.jsonl]': data.train.0.path: identity.jsonl: no such file (relative paths are "
+        "resolved from the working directory)")
+    for hub in ("baidu/ERNIE-4.5-0.3B-PT", "someone/chats"):  # left to the Hub (its own one-line answers)
+        recipes.check_local_paths(recipes.load(str(tmp_path / "r.yaml"), [f"model.path={hub}", f"data.train=[{hub}]"]))
+    assert not (tmp_path / "runs" / "out").exists()
+    with pytest.raises(SystemExit) as done:
+        main(["tiny", "x", "--arch", "dnse"])
+    assert done.value.code == 2 and capsys.readouterr().err.splitlines() == [
+        "error: erniekit-lite tiny: argument --arch: invalid choice: 'dnse' (choose from 'dense', 'moe', 'vl'); did you mean "
+        "'dense'? (`erniekit-lite tiny --help` says more)"]
 
 
 def test_what_a_sharded_launch_cannot_run_is_refused_before_any_process_starts(tmp_path, capsys, tiny_own_dir):

@@ -277,7 +277,7 @@ def test_a_reward_returning_something_else_than_floats_is_one_line(tmp_path, bod
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"rewards": [{"name": "exact"}]}, "rewards.0.name: Input should be 'exact_answer', 'think_format' or 'length'"),
+    ({"rewards": [{"name": "exact"}]}, "rewards.0.name: 'exact' is not one of exact_answer, think_format, length; did you mean 'exact_answer'?"),
     ({"rewards": [{"name": "length", "function": "m:f"}]}, "rewards.0: expected exactly one of name"),
     ({"rewards": [{"weight": 1}]}, "rewards.0: expected exactly one of name"),
     ({"rewards": [{"function": "just_a_module"}]}, "rewards.0: function: expected 'package.module:function'"),

@@ -55,8 +55,9 @@ def test_shorthand_source_and_lora_true(tmp_path):
         (BASE.replace("  path: some/model", "  path: some/model\n  dtyp: bfloat16"), "unknown key 'dtyp' in model; did you mean 'dtype'?"),
         (BASE.replace("max_length: 512", "max_length: lots"), "r.yaml:6: data.max_length: Input should be a valid integer"),
         (BASE.replace("model:\n  path: some/model\n", ""), "missing required key 'model'"),
-        (BASE + "method: ppo\n", "method: Input should be 'sft', 'dpo'"),
-        (BASE.replace("    - path: data.jsonl", "    - path: data.jsonl\n      format: csv"), "data.train.0.format: Input should be"),
+        (BASE + "method: ppo\n", "method: 'ppo' is not one of sft, dpo, orpo, simpo, kto, rm, pt, grpo"),
+        (BASE + "method: stf\n", "method: 'stf' is not one of sft, dpo, orpo, simpo, kto, rm, pt, grpo; did you mean 'sft'?"),
+        (BASE.replace("    - path: data.jsonl", "    - path: data.jsonl\n      format: csv"), "data.train.0.format: 'csv' is not one of"),
         (BASE + "  max_length: 4\n", "train.max_length is set by the recipe; use data.max_length instead"),
         (BASE + "  output_dir: elsewhere\n", "use output.dir instead"),
         (BASE + "  max_steps: many\n", "r.yaml:11: train.max_steps: expected a number (got 'many')"),
@@ -160,7 +161,7 @@ def test_checking_a_recipe_imports_no_trl(tmp_path):
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("method=sfft", "override 'method=sfft': method: Input should be"),
+    ("method=sfft", "override 'method=sfft': method: 'sfft' is not one of sft, dpo, orpo, simpo, kto, rm, pt, grpo; did you mean 'sft'?"),
     ("train.learning_rate=fast", "override 'train.learning_rate=fast': train.learning_rate: expected a number (got 'fast')"),
     ("train.max_stepz=10", "override 'train.max_stepz=10': unknown key 'max_stepz' in train; did you mean 'max_steps'?"),
     ("data.train=[{path: x.jsonl, formt: auto}]", "override 'data.train=[{path: x.jsonl, formt: auto}]': unknown key 'formt'"),
@@ -175,7 +176,8 @@ def test_a_bad_override_is_named_as_typed_not_blamed_on_a_file_line(tmp_path, ov
 def test_a_misspelt_section_says_did_you_mean_first_and_a_recipe_name_too(tmp_path):
     with pytest.raises(RecipeError) as e:
         recipes.load(write(tmp_path, BASE.replace("output:", "ouput:")))
-    assert str(e.value) == f"{tmp_path / 'r.yaml'}:7: unknown key 'ouput' in the recipe; did you mean 'output'? (and 1 more problem)"
+    assert str(e.value) == (f"{tmp_path / 'r.yaml'}:7: unknown key 'ouput' in the recipe; did you mean 'output'? (and "
+                            f"{tmp_path / 'r.yaml'}: missing required key 'output')")  # the second named too
     with pytest.raises(RecipeError) as e:
         recipes.load("quickstrat")
     assert str(e.value) == "quickstrat: recipe file not found (did you mean 'quickstart'?)"
