@@ -72,6 +72,7 @@ BENCHES = [
     Bench("grpo", "results-grpo-cpu-tiny.txt", ("grpo.py", "--rounds", "5", "--steps", "6"), ("grpo.py", "--rounds", "1", "--steps", "2"),
           10, writes_own=True),
     Bench("grpo_rounding", "results-grpo_rounding.txt", ("grpo_rounding.py", "--rounds", "3"), None, 1, writes_own=True),
+    Bench("mistakes", "results-mistakes.txt", ("mistakes.py", "--runs", "3"), ("mistakes.py", "--runs", "1"), 2),
     Bench("cpu_bf16", "results-cpu_bf16.txt", ("cpu_bf16.py", "--rounds", "3"), ("cpu_bf16.py", "--rounds", "1"), 10),
     Bench("quickstart_gguf", "results-quickstart_gguf.txt", ("quickstart_gguf.py", "--rounds", "3"),
           ("quickstart_gguf.py", "--rounds", "1"), 6, writes_own=True, llama_cpp=True),

@@ -233,6 +233,9 @@ def _train(args) -> int:
         overrides.append("train.resume_from_checkpoint=auto")  # resolved when training starts
     r = recipes.load(args.recipe, overrides)
     recipes.check_local_paths(r)  # a path typo answered at its recipe line, before anything heavy loads
+    from erniekit_lite.run_plan import early_checks
+
+    early_checks(r)
     from erniekit_lite.launch import Machines
 
     machines = Machines(args.num_machines, args.machine_rank, args.main_process_ip, args.main_process_port, args.join_timeout)
@@ -266,6 +269,10 @@ def _train_holding(args, r, overrides: list[str], machines, parameters: bool, la
         refuse_unlaunchable(r, launch_of(args.num_processes, args.accelerate_config, parameters))
         rundir.check(rundir.target(r))
         return launch(args.recipe, overrides, args.num_processes, args.accelerate_config, machines, parameters)
+    if "LOCAL_RANK" not in os.environ:  # the output folder answered before torch loads (the run checks it again)
+        from erniekit_lite.train import rundir
+
+        rundir.check(rundir.target(r))
     _quiet_libraries()
     from erniekit_lite.launch import begin_process_group, end_process_group, print_on_main
     from erniekit_lite.train import method_runner
@@ -289,6 +296,9 @@ def _validate(args) -> int:
 
     r = recipes.load(args.recipe, args.overrides)
     recipes.check_local_paths(r)  # a path typo answered at its recipe line, before anything heavy loads
+    from erniekit_lite.run_plan import early_checks
+
+    early_checks(r)
     from erniekit_lite.launch import launch_of
     from erniekit_lite.run_plan import refuse_unlaunchable
 

@@ -155,6 +155,27 @@ def refuse_unlaunchable(recipe: Recipe, launch: Launch) -> None:
 SEQUENCE_METHODS = ("sft", "pt", "dpo", "orpo", "simpo", "kto", "rm")  # the packing methods whose scores come back whole
 
 
+def early_checks(recipe: Recipe) -> None:
+    """What can be refused from a local model folder's config.json alone, before anything heavy loads (the run's own
+    checks say the same later): a sequence_parallel N the model's heads do not take."""
+    import json
+
+    n = recipe.distributed.sequence_parallel
+    config = Path(recipe.model.path).expanduser() / "config.json"
+    if n == 1 or not config.is_file():
+        return
+    try:
+        raw = json.loads(config.read_text(encoding="utf-8"))
+        text = raw.get("text_config") or raw
+        heads = int(text["num_attention_heads"])
+        kv = int(text.get("num_key_value_heads") or heads)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return  # the model's loader says what is wrong with it
+    if memory.kv_repeats(heads, kv, n) is None:
+        raise UserError(f"distributed.sequence_parallel: {n} does not divide this model's {heads} attention heads; it "
+                        f"takes {', '.join(map(str, memory.splits_of(heads, kv))) or 'none'}")
+
+
 def check_sequence_parallel(recipe: Recipe, config, vl: bool, args) -> None:
     """What `distributed.sequence_parallel` > 1 needs of the recipe and the model, each refusal one line."""
     from erniekit_lite.model.attention import PACKED

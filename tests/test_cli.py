@@ -563,3 +563,31 @@ def test_cpu_threads_wait_passively_unless_the_environment_says(given):
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-1].split() == [given or "PASSIVE", "False"]  # torch not loaded before the CLI sets it
+
+
+def test_mistakes_needing_no_model_are_answered_before_torch_loads(tmp_path, tiny_own_dir):
+    """A folder holding another run, a data-path typo, a model-path typo and a sequence_parallel the heads do not take:
+    `train` answers each in one line without
+    importing torch (it waited 9-19 s for torch, transformers, TRL and peft first; the time is benchmarks/mistakes.py's)."""
+    import subprocess
+    import sys
+
+    from erniekit_lite.recipe import load
+    from erniekit_lite.train import rundir
+
+    recipe = recipe_file(tmp_path, tiny_own_dir)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "recipe.yaml").write_text(rundir._identity(load(str(recipe), ["train.max_steps=99"])))
+    (tmp_path / "out" / "progress.jsonl").write_text('{"event": "log", "step": 1}\n')  # it trained a step
+    said = []
+    for overrides in ([], ["data.train=[missing.jsonl]"], [f"model.path={tiny_own_dir}-x"], ["distributed.sequence_parallel=3"]):
+        done = subprocess.run([sys.executable, "-c", "import sys\nfrom erniekit_lite.cli import main\ncode = main(sys.argv[1:])\n"
+                               "print(code, 'torch' in sys.modules)", "train", str(recipe), *overrides],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert done.stdout.split() == ["2", "False"], (done.stdout, done.stderr)
+        said.append(done.stderr.strip())
+    assert said[0] == (f"error: output.dir: {tmp_path / 'out'} is not empty and holds a different run; choose another "
+                       "output.dir or set output.overwrite=true to replace it")
+    assert said[1].endswith("data.train.0.path: missing.jsonl: no such file (relative paths are resolved from the working directory)")
+    assert said[2].endswith(f"model.path: {tiny_own_dir}-x: no such folder; did you mean {tiny_own_dir}?")
+    assert said[3] == "error: distributed.sequence_parallel: 3 does not divide this model's 2 attention heads; it takes 2"
