@@ -17,3 +17,6 @@ import warnings as _warnings
 # peft 0.21 and TRL 1.16 read transformers' deprecated `is_gradient_checkpointing` (5.23 renamed it
 # `is_activation_checkpointing`): a FutureWarning in most commands about code that is not ours and changes nothing
 _warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+# TRL 1.16's configs set the old `gradient_checkpointing` field, which transformers 5.23 maps to
+# `activation_checkpointing` with a FutureWarning on every config built (validate and train printed it): not the user's
+_warnings.filterwarnings("ignore", message=r"`gradient_checkpointing` is deprecated", category=FutureWarning)

@@ -194,7 +194,8 @@ def test_vl_router_losses_cover_the_text_and_the_vision_routers(tmp_path, tiny_v
     assert logged["z_loss"] > 0
 
 
-# text-only records beside the pictures: a row of these alone has no image token, so no layer's vision experts run
+# text-only records beside the pictures: 16 of the 24 rows hold no image (at data.max_length 80 each sample is a row of
+# its own), so some process's micro-batch has none while another's has one (train.seed 0: steps 1 and 2)
 TEXT_ONLY = [{"messages": [{"role": "user", "content": f"Name colour number {i}."}, {"role": "assistant", "content": answer}]}
              for i, answer in enumerate(["Red.", "Green.", "Blue.", "Yellow."] * 4)]
 
@@ -208,27 +209,33 @@ def mixed_data(folder: Path) -> Path:
     return path
 
 
-@pytest.mark.slow  # ~30 s: a launch of two processes and a single one
+@pytest.mark.slow  # ~45 s: two launches of two processes and a single one
 def test_vl_two_processes_train_like_one_with_twice_the_accumulation(tmp_path, tiny_vl):
-    """DDP over 2 gloo processes, a packed row each of image-text and text-only samples (some rows hold no image: the
-    vision experts run on no token there), against 1 process accumulating 2 rows: the same step losses (fp32; only
-    summation order differs, rel 1e-6), and the same tokens trained: each process reads the data and its images
-    itself and takes its share of the rows."""
+    """DDP and FSDP2 over 2 gloo processes, a row each of image-text and text-only samples, against 1 process
+    accumulating 2 rows: the same step losses (fp32; only summation order differs, rel 1e-6), and the same tokens
+    trained: each process reads the data and its images itself and takes its share of the rows. LoRA with
+    `lora.vision`: a row without images leaves out the vision experts and the encoder and resampler, all trained;
+    they take part all the same (model/vl.py), or DDP and FSDP2 would stop at the first such step."""
     import subprocess
     import sys
 
     data = mixed_data(tmp_path)
+    shipped = (RECIPES / "accelerate" / "fsdp2.yaml").read_text().splitlines()  # fp32 compute, as the fp32 DDP run
+    fsdp2 = tmp_path / "fsdp2.yaml"
+    fsdp2.write_text("\n".join('mixed_precision: "no"' if line.startswith("mixed_precision:") else line for line in shipped) + "\n")
 
     def run(out: Path, *more: str):
         command = [sys.executable, "-m", "erniekit_lite", "train", str(RECIPES / "quickstart-vl.yaml"), f"model.path={tiny_vl}",
-                   f"output.dir={out}", f"data.train.0.path={data}", "data.max_length=80",
-                   "train.max_steps=3", "train.logging_steps=1", "train.save_steps=100", *more]
+                   f"output.dir={out}", f"data.train.0.path={data}", "data.max_length=80", "lora.r=8", "lora.vision=true",
+                   "train.learning_rate=1e-2", "train.max_steps=3", "train.logging_steps=1", "train.save_steps=100", *more]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
         assert done.returncode == 0, done.stderr[-3000:]
         state = json.loads((out / "trainer_state.json").read_text())
         return [h["loss"] for h in state["log_history"] if "loss" in h], json.loads((out / "train_results.json").read_text())
 
-    two, two_results = run(tmp_path / "two", "--num-processes", "2")
     one, one_results = run(tmp_path / "one", "train.gradient_accumulation_steps=2")
-    assert len(two) == 3 and two == pytest.approx(one, rel=1e-6)
-    assert two_results["train_tokens"] == one_results["train_tokens"] > 0
+    for strategy, more in (("DDP", ()), ("FSDP2", ("--accelerate-config", str(fsdp2)))):
+        two, two_results = run(tmp_path / strategy, "--num-processes", "2", *more)
+        assert two_results["distributed"]["strategy"] == strategy
+        assert len(two) == 3 and two == pytest.approx(one, rel=1e-6), strategy
+        assert two_results["train_tokens"] == one_results["train_tokens"] > 0
