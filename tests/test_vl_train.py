@@ -239,3 +239,42 @@ def test_vl_two_processes_train_like_one_with_twice_the_accumulation(tmp_path, t
         assert two_results["distributed"]["strategy"] == strategy
         assert len(two) == 3 and two == pytest.approx(one, rel=1e-6), strategy
         assert two_results["train_tokens"] == one_results["train_tokens"] > 0
+
+
+def test_a_row_without_images_gives_the_vision_parts_a_zero_gradient_and_changes_nothing_else(tiny_vl, monkeypatch):
+    """A text-only row through the scoring forward, full fine-tuning with `model.train_vision`: every trained
+    parameter gets a gradient, the vision experts', encoder's and resampler's exactly zero (what DDP and FSDP2 need of
+    every process, model/vl.py), and the log-probs and every other gradient are bit for bit those of the same forward
+    leaving the vision parts out (as it did before)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from erniekit_lite.data import vl
+    from erniekit_lite.data.vl_rows import VLPackedCollator, VLRow
+    from erniekit_lite.model import vl as model_vl
+    from erniekit_lite.model.load import load_model
+    from erniekit_lite.train import scored
+
+    template = vl.VLTemplate(AutoTokenizer.from_pretrained(tiny_vl), model_vl.image_processor(str(tiny_vl)))
+    rows = [VLRow(template.samples(vl.messages_of(r, tiny_vl, "x"), "x")) for r in TEXT_ONLY[:2]]
+    batch = VLPackedCollator(80, rows)([{"row": 0}, {"row": 1}])
+    assert "pixel_values" not in batch
+
+    def step():
+        model = load_model(str(tiny_vl), "float32", "packed_sdpa")
+        scored.take(model)
+        inputs = {k: batch[k] for k in ("input_ids", "position_ids", "moe_mm_token_type_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+                                        "max_length_q", "max_length_k", "score_positions", "score_targets")}
+        scores = model.train()(**inputs, score_labels=batch["labels"], output_router_logits=True)
+        (-scores.log_probs.mean() + 0.01 * scores.aux_loss).backward()
+        return scores.log_probs.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    log_probs, grads = step()
+    with monkeypatch.context() as patch:
+        patch.setattr(model_vl, "without_images", lambda model, inputs: None)
+        left_out_log_probs, left_out = step()
+    vision = [n for n in grads if n.startswith(model_vl.VISION_MODULES) or ".vision_moe." in n]
+    assert vision and all(left_out[n] is None for n in vision)  # before: these were never reduced (DDP stopped)
+    assert all(grads[n] is not None and not grads[n].any() for n in vision)
+    assert torch.equal(log_probs, left_out_log_probs)
+    assert all(torch.equal(grads[n], left_out[n]) for n in grads if n not in vision)
