@@ -12,7 +12,7 @@ a footer: the exact command, the git revision (with `+dirty` when the measured c
 
 Peers: the `*-peers` benchmarks and `row_length-tiny` run LLaMA-Factory in its own venv
 (`bash benchmarks/install_llamafactory.sh`); without it `all` stops before starting, naming the command, and
-`--quick` leaves LLaMA-Factory out. `gguf_agreement` and `quickstart_gguf` need llama-cpp-python and LLAMA_CPP_DIR (`all` stops
+`--quick` leaves LLaMA-Factory out. `gguf_agreement` needs llama-cpp-python and LLAMA_CPP_DIR, `quickstart_gguf` LLAMA_CPP_DIR (`all` stops
 without them; `--quick` leaves it out). `gpu_check.py` is not here: it needs a GPU (docs/performance.md, "On a GPU").
 """
 
@@ -45,6 +45,7 @@ class Bench:
     minutes: int  # full run on 2 idle cores, about
     peers: bool = False  # needs the LLaMA-Factory venv (full run)
     llama_cpp: bool = False  # needs llama-cpp-python in this Python and LLAMA_CPP_DIR (llama.cpp's converter)
+    converter: bool = False  # needs LLAMA_CPP_DIR only (the converter; no llama-cpp-python)
     writes_own: bool = False  # the script writes its results itself, to the path given by --out
 
 
@@ -75,7 +76,7 @@ BENCHES = [
     Bench("mistakes", "results-mistakes.txt", ("mistakes.py", "--runs", "3"), ("mistakes.py", "--runs", "1"), 2),
     Bench("cpu_bf16", "results-cpu_bf16.txt", ("cpu_bf16.py", "--rounds", "3"), ("cpu_bf16.py", "--rounds", "1"), 10),
     Bench("quickstart_gguf", "results-quickstart_gguf.txt", ("quickstart_gguf.py", "--rounds", "3"),
-          ("quickstart_gguf.py", "--rounds", "1"), 6, writes_own=True, llama_cpp=True),
+          ("quickstart_gguf.py", "--rounds", "1"), 6, writes_own=True, converter=True),
     Bench("gguf_agreement", "results-gguf_agreement.txt", ("gguf_agreement.py",),
           ("gguf_agreement.py", "--seeds", "1", "--outtypes", "f32,q8_0"), 12, writes_own=True, llama_cpp=True),
     Bench("moe_lora", "results-moe_lora-cpu.txt",
@@ -169,6 +170,12 @@ def main(argv=None) -> int:
                   "with --only", file=sys.stderr)
             return 2
         chosen = [b for b in chosen if not b.llama_cpp]
+    if not os.environ.get("LLAMA_CPP_DIR") and any(b.converter for b in chosen):
+        if not args.quick:
+            print(f"error: {', '.join(b.name for b in chosen if b.converter)} needs LLAMA_CPP_DIR set to llama.cpp's "
+                  "converter, or leave it out with --only", file=sys.stderr)
+            return 2
+        chosen = [b for b in chosen if not b.converter]
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="erniekit-bench-")) if args.quick else BENCH
     out.mkdir(parents=True, exist_ok=True)
     print(f"{len(chosen)} benchmarks, results in {out}; machine: {machine()}; git {git_revision()}", flush=True)
