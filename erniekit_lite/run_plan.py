@@ -32,8 +32,8 @@ class Applied:
 VL_METHODS = ("sft", "dpo")  # the methods an ERNIE-4.5-VL model trains with
 
 
-SLOW_BF16 = ("this CPU has no bf16 instructions (AVX512-BF16 or AMX): bf16 autocast trains many times slower than fp32 "
-             "here (docs/performance.md); train.bf16=false trains in fp32")
+SLOW_BF16 = ("this CPU has no bf16 instructions (AVX512-BF16 or AMX): bf16 autocast trains several times slower than "
+             "fp32 here (4-12x measured: docs/performance.md, bf16 on a CPU); train.bf16=false trains in fp32")
 
 
 def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
