@@ -148,6 +148,8 @@ def test_a_ui_others_reach_downloads_runs_and_pushes_nothing_of_the_servers(tmp_
     no account of the server's; a typed token pushes, private by default, and never comes back."""
     root, _ = folder(tmp_path)
     (root / "eval_tasks" / "t.yaml").write_text("task: t\n")
+    (root / "runs" / "lora").mkdir()  # an adapter run whose base is a Hub id: every loader would fetch the base
+    (root / "runs" / "lora" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "baidu/ERNIE-4.5-0.3B-PT"}))
     recipe = ("model:\n  path: {model}\ndata:\n  train: [{data}]\noutput:\n  dir: runs/b\n{extra}")
     local = dict(model="runs/a", data="recipes/data/identity.jsonl", extra="")
     from erniekit_lite import recipe as recipes
@@ -159,10 +161,16 @@ def test_a_ui_others_reach_downloads_runs_and_pushes_nothing_of_the_servers(tmp_
             client.predict("runs/a", "tiny_who", "eval_tasks", None, False, "", api_name="/evaluate_run")[1],
             client.predict("runs/a", "tiny_who", "", None, False, "baidu/ERNIE-4.5-0.3B-PT", api_name="/evaluate_run")[1],
             client.predict("baidu/ERNIE-4.5-0.3B-PT", "", api_name="/load")[2],
+            client.predict("runs/lora", "", api_name="/load")[2],
+            client.predict("-h", "merged", False, api_name="/merge_run"),
         ]
         validated = [client.predict(recipe.format(**{**local, **change}), api_name="/validate")["value"] for change in (
             {"model": "baidu/ERNIE-4.5-0.3B-PT"}, {"data": "someone/chats"}, {"extra": "hub:\n  repo_id: someone/x\n"},
-            {"extra": "train:\n  push_to_hub: true\n"}, {"extra": "train:\n  report_to: wandb\n"})]
+            {"extra": "train:\n  push_to_hub: true\n"}, {"extra": "train:\n  report_to: wandb\n"},
+            {"extra": "method: grpo\nrewards:\n  - name: length\ntrain:\n  log_completions_hub_repo: someone/completions\n"},
+            {"extra": "train:\n  model_init_kwargs:\n    cache_dir: /tmp/elsewhere\n"},
+            {"extra": "train:\n  chat_template_path: /etc/hostname\n"}, {"extra": "train:\n  hub_token: hf_x\n"},
+            {"model": "runs/lora"}, {"extra": "output:\n  dir: .erniekit-webui/x\n"})]
         pushed = client.predict("runs/a", "someone/x", True, False, "hf_typed_secret", api_name="/push_run")
     assert said == [
         f"error: token: {EXPOSED}, where a push uses the token typed here, never the server's own login; type a token "
@@ -173,7 +181,25 @@ def test_a_ui_others_reach_downloads_runs_and_pushes_nothing_of_the_servers(tmp_
         "downloaded from the Hub; download it into the folder first",
         f"error: model: baidu/ERNIE-4.5-0.3B-PT is not a folder inside {root}, and {EXPOSED}, where nothing is "
         "downloaded from the Hub; download it into the folder first",
+        f"error: model (the base its adapter_config.json names): baidu/ERNIE-4.5-0.3B-PT is not a folder inside {root}, "
+        f"and {EXPOSED}, where nothing is downloaded from the Hub; download it into the folder first",
+        "error: -h: a path starting with '-'; write it as ./-h",
     ]
+    assert validated[-2:] == [
+        f"error: model.path (the base its adapter_config.json names): baidu/ERNIE-4.5-0.3B-PT is not a folder inside "
+        f"{root}, and {EXPOSED}, where nothing is downloaded from the Hub; download it into the folder first",
+        "error: output.dir: .erniekit-webui/x is in the web UI's own state folder (.erniekit-webui), where it keeps what "
+        "visitors send; use a folder of your own"]
+    assert validated[-6:-2] == [
+        f"error: train.log_completions_hub_repo: {EXPOSED}, where a run is not pushed with the server's Hub login; push "
+        "it from the Export tab with your own token",
+        f"error: train.model_init_kwargs: {EXPOSED}, where a run loads no model and reaches no server but the ones "
+        "erniekit-lite loads from the folder; train this recipe from the command line",
+        f"error: train.chat_template_path: /etc/hostname is outside {root}, the directory the web UI was started in; "
+        "use a path inside it",
+        "error: train.hub_token: a token in a recipe is shown to every page of the web UI (the running job's recipe); "
+        "remove it, and push from the Export tab with a token typed there"]
+    validated = validated[:-6]
     assert validated == [
         f"error: model.path: baidu/ERNIE-4.5-0.3B-PT is not a folder inside {root}, and {EXPOSED}, where nothing is "
         "downloaded from the Hub; download it into the folder first",
@@ -183,12 +209,19 @@ def test_a_ui_others_reach_downloads_runs_and_pushes_nothing_of_the_servers(tmp_
         "your own token",
         f"error: train.push_to_hub: {EXPOSED}, where a run is not pushed with the server's Hub login; push it from the "
         "Export tab with your own token",
-        f"error: train.report_to: {EXPOSED}, where a run reports to no account of the server's user (tensorboard "
+        f"error: train.report_to: {EXPOSED}, where a run reports to no account or server of the server's user (tensorboard "
         "writes into the run folder)",
     ]
     assert pushed == ("", "export: recorded")  # the token box cleared
     [(command, env)] = recorded
     assert command[3:] == ["push", "runs/a", "--repo", "someone/x", "--public"] and env["HF_TOKEN"] == "hf_typed_secret"
+    # what the UI starts for a visitor (a job, an export, an evaluation) gets no login of the server's and no network
+    from erniekit_lite.webui.gate import Gate
+
+    monkeypatch.setenv("HF_TOKEN", "hf_servers_own")
+    lent = Gate(root, exposed=True).environment()
+    assert "HF_TOKEN" not in lent and lent["HF_HUB_OFFLINE"] == "1" and not Path(lent["HF_TOKEN_PATH"]).exists()
+    assert Gate(root, exposed=False).environment()["HF_TOKEN"] == "hf_servers_own"  # loopback: the user's own
 
 
 def test_images_named_in_records_stay_inside_the_folder(tmp_path, monkeypatch, tiny_vl_dir):

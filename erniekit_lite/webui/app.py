@@ -27,7 +27,7 @@ def build(exposed: bool = False, llama_cpp: str | None = None) -> gr.Blocks:
     with gr.Blocks(title="erniekit-lite", analytics_enabled=False) as demo:
         gr.Markdown("## erniekit-lite: fine-tune ERNIE 4.5 from a recipe")
         with gr.Tabs():
-            train_tab.build(demo, gate, Runner(root))
+            train_tab.build(demo, gate, Runner(root, env=gate.environment))
             chat_tab.build(gate)
             export_tab.build(gate, str(Path(llama_cpp).expanduser().resolve()) if llama_cpp else None)
     return demo

@@ -46,13 +46,14 @@ def merge(root: Path, run: str, out: str, overwrite: bool) -> str:
     return "\n".join([f"merged {run} into {merged}: loads with AutoModelForCausalLM.from_pretrained({str(merged)!r})", *said])
 
 
-def evaluate(root: Path, run: str, tasks: str, tasks_path: str, limit: float | None, chat: bool, compare: str) -> tuple[str, str]:
+def evaluate(root: Path, run: str, tasks: str, tasks_path: str, limit: float | None, chat: bool, compare: str,
+             env: dict | None = None) -> tuple[str, str]:
     """`erniekit-lite eval RUN --tasks ... [--compare BASE]` in a subprocess (the model's memory is freed with it):
     the table it prints (Markdown) and the rest of its output."""
     command = [sys.executable, "-m", "erniekit_lite", "eval", run, "--tasks", tasks]
     command += ["--tasks-path", tasks_path] * bool(tasks_path) + ["--compare", compare] * bool(compare)
     command += ["--limit", f"{limit:g}"] * bool(limit) + ["--chat"] * chat
-    done = subprocess.run(command, cwd=root, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     table = "\n".join(line for line in done.stdout.splitlines() if line.startswith("|"))
     rest = [line for line in done.stdout.splitlines() if not line.startswith("|")]
     if done.returncode != 0:
@@ -60,18 +61,20 @@ def evaluate(root: Path, run: str, tasks: str, tasks_path: str, limit: float | N
     return table, "\n".join(rest).strip()
 
 
-def export_gguf(root: Path, llama_cpp: str | None, run: str, out: str, outtype: str, ollama: bool) -> str:
+def export_gguf(root: Path, llama_cpp: str | None, run: str, out: str, outtype: str, ollama: bool,
+                env: dict | None = None) -> str:
     """`erniekit-lite export RUN --to gguf` in a subprocess, with the server's llama.cpp: its output."""
     if outtype not in OUTTYPES:
         return f"error: type: {outtype} is not one of {', '.join(OUTTYPES)}"
     command = [sys.executable, "-m", "erniekit_lite", "export", run, "--to", "gguf", "--outtype", outtype, "--out", out]
     command += ["--ollama"] * ollama + ["--llama-cpp", llama_cpp] * bool(llama_cpp)
-    env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_DIR"}  # the server's choice, passed explicitly
+    env = {k: v for k, v in (env or os.environ).items() if k != "LLAMA_CPP_DIR"}  # the server's choice, passed explicitly
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     said = [line for line in done.stdout.splitlines() if line.startswith("export:")]
     if done.returncode != 0:
         said.append(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}")
-    return "\n".join(said)
+    shown = "\n".join(said)
+    return shown.replace(llama_cpp, "[llama.cpp]") if llama_cpp else shown  # the server's folder is not the page's
 
 
 OUTTYPES = ("f16", "bf16", "f32", "q8_0", "q4_k_m", "q5_k_m", "q6_k")
@@ -87,7 +90,7 @@ class Serving:
         self.log: Path | None = None
         atexit.register(self.stop)
 
-    def start(self, root: Path, run: str, engine: str, port: float | None) -> str:
+    def start(self, root: Path, run: str, engine: str, port: float | None, env: dict | None = None) -> str:
         if engine not in ("auto", "transformers", "vllm"):
             return f"error: engine: {engine} is not one of auto, transformers, vllm"
         port = int(port or 8000)
@@ -103,7 +106,7 @@ class Serving:
             log_file.parent.mkdir(parents=True, exist_ok=True)
             command = [sys.executable, "-m", "erniekit_lite", "serve", run, "--engine", engine, "--host", "127.0.0.1", "--port", str(port)]
             with open(log_file, "w") as log:
-                self.process = process = subprocess.Popen(command, cwd=root, stdout=log, stderr=subprocess.STDOUT,
+                self.process = process = subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                           stdin=subprocess.DEVNULL, start_new_session=True)
             self.url = url = f"http://127.0.0.1:{port}/v1"
         deadline = time.time() + 600
@@ -143,7 +146,7 @@ class Serving:
 SERVING = Serving()
 
 
-def push(root: Path, run: str, repo: str, public: bool, merged: bool, token: str) -> str:
+def push(root: Path, run: str, repo: str, public: bool, merged: bool, token: str, env: dict | None = None) -> str:
     """`erniekit-lite push` in a subprocess (it calls `hub.push` with `hub.settings`); its output, token-free.
     Private unless `public`, as the CLI."""
     from erniekit_lite.hub import settings
@@ -154,7 +157,7 @@ def push(root: Path, run: str, repo: str, public: bool, merged: bool, token: str
         return f"error: {e}"
     command = [sys.executable, "-m", "erniekit_lite", "push", run, "--repo", repo]
     command += ["--public"] * public + ["--merged"] * merged
-    env = {**os.environ, **({"HF_TOKEN": token} if token else {})}
+    env = env if env is not None else {**os.environ, **({"HF_TOKEN": token} if token else {})}
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     output = (done.stdout + done.stderr).strip()
     return output.replace(token, "[token]") if token else output  # the CLI never prints it; make sure
@@ -222,15 +225,15 @@ def build(gate: Gate, llama_cpp: str | None = None) -> None:
 
         @gate.endpoint("model", "identity", "plain", "plain", "token", refuse=lambda line: ("", f"error: {line}"))
         def push_run(run_dir, repo_id, make_public, push_merged, typed_token):
-            return "", push(root, run_dir, repo_id, make_public, push_merged, typed_token)
+            return "", push(root, run_dir, repo_id, make_public, push_merged, typed_token, gate.environment(typed_token))
 
         @gate.endpoint("model", "output", "plain", "plain")
         def gguf(run_dir, out_dir, kind, modelfile):
-            return export_gguf(root, llama_cpp, run_dir, out_dir, kind, modelfile)
+            return export_gguf(root, llama_cpp, run_dir, out_dir, kind, modelfile, gate.environment())
 
         @gate.endpoint("model", "plain", "plain")
         def serve(run_dir, engine_name, port_number):
-            return SERVING.start(root, run_dir, engine_name, port_number)
+            return SERVING.start(root, run_dir, engine_name, port_number, gate.environment())
 
         @gate.endpoint()
         def stop_serving():
@@ -238,7 +241,7 @@ def build(gate: Gate, llama_cpp: str | None = None) -> None:
 
         @gate.endpoint("model", "tasks", "code?", "plain", "plain", "model?", refuse=lambda line: ("", f"error: {line}"))
         def evaluate_run(run_dir, task_names, task_folder, per_task, chat_template, base):
-            return evaluate(root, run_dir, task_names, task_folder, per_task, chat_template, base)
+            return evaluate(root, run_dir, task_names, task_folder, per_task, chat_template, base, gate.environment())
 
         tab.select(run_choices, None, run)
         merge_button.click(merge_run, [run, out, overwrite], status)

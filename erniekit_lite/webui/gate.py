@@ -44,9 +44,8 @@ from erniekit_lite.webui.paths import STATE_DIR, confine, confine_recipe, open_r
 KINDS = ("plain", "state", "draft", "recipe", "name", "choice", "model", "output", "code", "tasks", "identity", "token",
          "upload")
 EXPOSED = "this web UI is reachable by others (--host, --share or --auth)"
-# report_to: loggers that send the run to an account of the server's user (tensorboard writes into the run dir)
-ACCOUNT_LOGGERS = frozenset({"wandb", "comet_ml", "mlflow", "neptune", "clearml", "dagshub", "swanlab", "trackio",
-                             "dvclive", "flyte", "codecarbon", "azure_ml", "all"})
+# train: keys that push to the Hub (besides every hub_* key): TRL's and transformers' own
+PUSHING = frozenset({"push_to_hub", "log_completions_hub_repo"})
 TASK_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 
@@ -112,6 +111,8 @@ class Gate:
             return self.recipe(value, name)
         if not isinstance(text, str) and kind != "upload":
             raise UserError(f"{kind}: expected text")
+        if kind in ("model", "output", "code") and text.startswith("-"):  # never taken as a subprocess's option
+            raise UserError(f"{text}: a path starting with '-'; write it as ./{text}")
         if kind == "choice":
             return open_recipe(self.root, text)
         if kind == "model":
@@ -150,39 +151,80 @@ class Gate:
             return self.upload(value)
         raise AssertionError(kind)
 
-    def model(self, text: str, key: str) -> str:
-        """A model or run folder inside the directory; a Hub id (a path that is not there) only on loopback."""
+    def model(self, text: str, key: str, depth: int = 0) -> str:
+        """A model or run folder inside the directory, not the UI's state folder; a Hub id (a path that is not there)
+        only on loopback. A LoRA run's base (its adapter_config.json names it) is held to the same rule: every loader
+        reads it."""
+        from erniekit_lite.model.source import adapter_base
+
         path = confine(self.root, text, key)
+        self._not_state(path, text, key)
         if self.exposed and not path.exists():
             raise UserError(f"{key}: {text} is not a folder inside {self.root}, and {EXPOSED}, where nothing is "
                             "downloaded from the Hub; download it into the folder first")
+        base = adapter_base(str(path)) if path.is_dir() else None
+        if base is not None and base != text and depth < 4:
+            self.model(base, f"{key} (the base its adapter_config.json names)", depth + 1)
         return text
+
+    def _not_state(self, path: Path, text: str, key: str) -> None:
+        if path.is_relative_to((self.root / STATE_DIR).resolve()):
+            raise UserError(f"{key}: {text} is in the web UI's own state folder ({STATE_DIR}), where it keeps what "
+                            "visitors send; use a folder of your own")
+
+    def environment(self, token: str | None = None) -> dict:
+        """The environment of a process the UI starts for a visitor. On a UI others reach it lends no Hub identity of
+        the server's and downloads nothing (HF_HUB_OFFLINE: what the Hugging Face cache holds only); a push gets the
+        token typed for it and the network."""
+        env = dict(os.environ)
+        if self.exposed:
+            for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+                env.pop(name, None)
+            env.update(HF_TOKEN_PATH=str(self.root / STATE_DIR / "no-token"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        if token:
+            env["HF_TOKEN"] = token
+            env.pop("HF_HUB_OFFLINE", None)
+            env.pop("HF_DATASETS_OFFLINE", None)
+        return env
 
     def recipe(self, text: str, name: str) -> Checked:
         from erniekit_lite.webui import forms
 
         recipe = forms.parse(text, name)
         confine_recipe(self.root, recipe, self.exposed)
+        self.model(recipe.model.path, "model.path")
+        for entry in recipe.rewards or []:
+            if entry.model is not None:
+                self.model(entry.model, "rewards.model")
+        self._not_state(confine(self.root, recipe.output.dir, "output.dir"), recipe.output.dir, "output.dir")
+        for section in ("train", "eval"):
+            for i, source in enumerate(getattr(recipe.data, section)):
+                key = f"data.{section}.{i}.path"
+                self._not_state(confine(self.root, source.path, key, readable=(shipped.RECIPES,)), source.path, key)
         if self.exposed:
-            self.model(recipe.model.path, "model.path")
-            for entry in recipe.rewards or []:
-                if entry.model is not None:
-                    self.model(entry.model, "rewards.model")
             for section in ("train", "eval"):
                 for i, source in enumerate(getattr(recipe.data, section)):
                     path = confine(self.root, source.path, f"data.{section}.{i}.path", readable=(shipped.RECIPES,))
                     if not path.exists():
                         raise UserError(f"data.{section}.{i}.path: {source.path} is not a file inside {self.root}, and "
                                         f"{EXPOSED}, where no Hub dataset is downloaded; put the data in the folder")
-            if recipe.hub is not None or recipe.train.get("push_to_hub"):
-                key = "hub" if recipe.hub is not None else "train.push_to_hub"
+            pushing = [f"train.{k}" for k, v in recipe.train.items() if v and (k.startswith("hub_") or k in PUSHING)]
+            if recipe.hub is not None or pushing:
+                key = "hub" if recipe.hub is not None else pushing[0]
                 raise UserError(f"{key}: {EXPOSED}, where a run is not pushed with the server's Hub login; push it from "
                                 "the Export tab with your own token")
             loggers = recipe.train.get("report_to")
             loggers = [loggers] if isinstance(loggers, str) else loggers or []
-            if any(logger in ACCOUNT_LOGGERS for logger in loggers):
-                raise UserError(f"train.report_to: {EXPOSED}, where a run reports to no account of the server's user "
-                                "(tensorboard writes into the run folder)")
+            if any(logger not in ("none", "tensorboard") for logger in loggers):
+                raise UserError(f"train.report_to: {EXPOSED}, where a run reports to no account or server of the "
+                                "server's user (tensorboard writes into the run folder)")
+            for key in ("model_init_kwargs", "use_vllm", "vllm_server_base_url", "vllm_server_host"):
+                if recipe.train.get(key):
+                    raise UserError(f"train.{key}: {EXPOSED}, where a run loads no model and reaches no server but the "
+                                    "ones erniekit-lite loads from the folder; train this recipe from the command line")
+            if isinstance(recipe.train.get("deepspeed"), dict):
+                raise UserError(f"train.deepspeed: {EXPOSED}, where DeepSpeed's settings come from a file in the folder "
+                                "(a config's offload paths name the server's disks)")
         return Checked(text, name, recipe)
 
     def upload(self, value) -> Path:

@@ -99,9 +99,10 @@ class Job:
 
 
 class Runner:
-    def __init__(self, root: Path, command: tuple[str, ...] = TRAIN):
+    def __init__(self, root: Path, command: tuple[str, ...] = TRAIN, env=lambda: dict(os.environ)):
         self.root = root
         self.command = command  # the CLI; tests put a stand-in here
+        self.env = env  # the job's environment (gate.Gate.environment: a UI others reach lends no Hub login)
         self.job: Job | None = None  # the running job, or the last one (its final state stays visible)
         self._lock = threading.Lock()  # two tabs may press Start at once
         self._stops_at_exit = False
@@ -126,7 +127,7 @@ class Runner:
                         [*self.command, str(recipe_file)], cwd=self.root, stdout=log, stderr=subprocess.STDOUT,
                         # the log fills as it happens; the process holds the run lock until it ends (and takes it
                         # over: `train` would otherwise refuse the folder this server holds)
-                        stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                        stdin=subprocess.DEVNULL, env={**self.env(), "PYTHONUNBUFFERED": "1",
                                                        **({} if lock is None else {run_lock.FD: str(lock.fd)})},
                         pass_fds=() if lock is None else (lock.fd,),
                         start_new_session=True,  # its own process group: what it leaves behind is found by that

@@ -26,7 +26,8 @@ from erniekit_lite.rewards import reward_file
 
 STATE_DIR = ".erniekit-webui"  # the UI's own state: job copies of recipes and their logs (jobs.py), serve.log
 # train: keys (TRL/Trainer fields) that name files or directories
-TRAIN_PATH_KEYS = ("resume_from_checkpoint", "deepspeed", "fsdp_config", "accelerator_config")
+TRAIN_PATH_KEYS = ("resume_from_checkpoint", "deepspeed", "fsdp_config", "accelerator_config", "chat_template_path",
+                   "logging_dir")
 
 
 def confine(root: Path, text: str, what: str, readable: tuple[Path, ...] = ()) -> Path:
@@ -61,6 +62,9 @@ def confine_recipe(root: Path, recipe: Recipe, exposed: bool = False) -> None:
         for i, source in enumerate(getattr(recipe.data, section)):
             confine(root, source.path, f"data.{section}.{i}.path", readable=(shipped.RECIPES,))
     confine(root, recipe.output.dir, "output.dir")
+    if recipe.train.get("hub_token"):
+        raise UserError("train.hub_token: a token in a recipe is shown to every page of the web UI (the running job's "
+                        "recipe); remove it, and push from the Export tab with a token typed there")
     for key in TRAIN_PATH_KEYS:
         if isinstance(recipe.train.get(key), str):
             confine(root, recipe.train[key], f"train.{key}")
