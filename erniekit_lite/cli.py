@@ -232,10 +232,6 @@ def _train(args) -> int:
             raise UserError("--resume and train.resume_from_checkpoint=... both given; use one")
         overrides.append("train.resume_from_checkpoint=auto")  # resolved when training starts
     r = recipes.load(args.recipe, overrides)
-    recipes.check_local_paths(r)  # a path typo answered at its recipe line, before anything heavy loads
-    from erniekit_lite.run_plan import early_checks
-
-    early_checks(r)
     from erniekit_lite.launch import Machines
 
     machines = Machines(args.num_machines, args.machine_rank, args.main_process_ip, args.main_process_port, args.join_timeout)
@@ -267,11 +263,14 @@ def _train_holding(args, r, overrides: list[str], machines, parameters: bool, la
 
         # said once, before any process starts (each would say it, then torch its traceback)
         refuse_unlaunchable(r, launch_of(args.num_processes, args.accelerate_config, parameters))
+        if not machines.given():  # on several machines each has its own paths, checked by its own workers
+            _answer_early(r)
         rundir.check(rundir.target(r))
         return launch(args.recipe, overrides, args.num_processes, args.accelerate_config, machines, parameters)
-    if "LOCAL_RANK" not in os.environ:  # the output folder answered before torch loads (the run checks it again)
+    if "LOCAL_RANK" not in os.environ:  # answered before torch loads (the run checks the output folder again)
         from erniekit_lite.train import rundir
 
+        _answer_early(r)
         rundir.check(rundir.target(r))
     _quiet_libraries()
     from erniekit_lite.launch import begin_process_group, end_process_group, print_on_main
@@ -291,20 +290,27 @@ def _train_holding(args, r, overrides: list[str], machines, parameters: bool, la
     raise Stopped(code, message)
 
 
+def _answer_early(r) -> None:
+    """What needs no model, said before anything heavy loads: a path typo at its recipe line, a sequence_parallel the
+    model's heads do not take (its config.json read as JSON)."""
+    from erniekit_lite import recipe as recipes
+    from erniekit_lite.run_plan import early_checks
+
+    recipes.check_local_paths(r)
+    early_checks(r)
+
+
 def _validate(args) -> int:
     from erniekit_lite import recipe as recipes
 
     r = recipes.load(args.recipe, args.overrides)
-    recipes.check_local_paths(r)  # a path typo answered at its recipe line, before anything heavy loads
-    from erniekit_lite.run_plan import early_checks
-
-    early_checks(r)
     from erniekit_lite.launch import launch_of
     from erniekit_lite.run_plan import refuse_unlaunchable
 
     parameters = recipes.own_train(r, "offload") == "parameters"  # `train` launches FSDP2 for it
     launch = launch_of(args.num_processes, args.accelerate_config, parameters)
     refuse_unlaunchable(r, launch)  # what `train` would refuse before starting a process
+    _answer_early(r)
     _quiet_libraries()
     from erniekit_lite.plan import plan
 

@@ -509,7 +509,7 @@ def test_deepspeed_precision_must_agree_with_the_recipe(tmp_path, capsys, tiny_o
     from erniekit_lite.launch import launch_command
 
     path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump({"model": {"path": str(tiny_own_dir)}, "data": {"train": ["x.jsonl"]},
+    path.write_text(yaml.safe_dump({"model": {"path": str(tiny_own_dir)}, "data": {"train": [str(ROOT / "recipes" / "data" / "identity.jsonl")]},
                                     "output": {"dir": str(tmp_path / "out")}, "train": {"bf16": False}}))
     zero3 = str(CONFIGS / "deepspeed-zero3.yaml")
     code = main(["train", str(path), "--num-processes", "2", "--accelerate-config", zero3])

@@ -158,7 +158,7 @@ def test_validate_shows_the_choice_and_bad_settings_are_one_line(tmp_path, capsy
     code, out, _ = run_cli(capsys, "validate", recipe)
     assert code == 0 and "sync:" not in out  # every_step, the default, is DDP as it is
     for overrides, says in [
-        (["distributed.sync=gzip"], "distributed.sync: Input should be 'every_step', 'bf16', 'powersgd' or 'local_sgd'"),
+        (["distributed.sync=gzip"], "distributed.sync: 'gzip' is not one of every_step, bf16, powersgd, local_sgd"),
         (["distributed.sync=bf16", "distributed.sync_every=4"], "sync_every is for sync: local_sgd (this recipe has sync: bf16)"),
         (["distributed.sync=powersgd", "distributed.powersgd_rank=0"], "powersgd_rank: expected a whole number >= 1 (got 0)"),
         (["distributed.sync=local_sgd", "distributed.sync_every=2"], "distributed.sync_every 2: train.save_steps (3) must be a multiple of it"),
