@@ -549,14 +549,13 @@ def from_dict(raw: dict, source: str = "<recipe>", lines: dict[tuple, str] | Non
     return recipe
 
 
-LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt")  # a data path with one names a file, never a Hub id
-
-
 def check_local_paths(recipe: Recipe) -> None:
     """A model.path or data path meant as a local file or folder that is not there, said at its recipe line with the
     closest name beside it (`did you mean runs/tiny-ernie?`), before anything heavy loads. Meant as local: it starts
     with `.`, `/` or `~`, is not `ORG/NAME` (Hub ids are), has a data file's suffix, or its folder is here (`runs/`);
     anything else is left to the Hub."""
+    from erniekit_lite.data.load import _FILE_SUFFIXES, _looks_like_hub_id  # the data loader's own rule for a Hub id
+
     keys = [(("model", "path"), recipe.model.path, "folder")]
     for split in ("train", "eval"):
         keys += [(("data", split, str(i), "path"), source.path, "file") for i, source in enumerate(getattr(recipe.data, split))]
@@ -564,9 +563,8 @@ def check_local_paths(recipe: Recipe) -> None:
         path = Path(value).expanduser()
         if path.exists() or Path(value).is_symlink():
             continue
-        hub_like = len(Path(value).parts) == 2 and not value.startswith((".", "/", "~"))
-        suffixed = kind == "file" and path.suffix.lower() in LOCAL_SUFFIXES
-        if hub_like and not suffixed and not path.parent.is_dir():
+        suffixed = kind == "file" and path.suffix.lower() in (*_FILE_SUFFIXES, ".txt")  # .txt: pt's raw text
+        if _looks_like_hub_id(value) and not suffixed and not path.parent.is_dir():
             continue
         from erniekit_lite.model.source import QUICKSTART_MODEL
 

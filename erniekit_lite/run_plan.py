@@ -171,6 +171,11 @@ def early_checks(recipe: Recipe) -> None:
         kv = int(text.get("num_key_value_heads") or heads)
     except (ValueError, KeyError, TypeError, AttributeError):
         return  # the model's loader says what is wrong with it
+    refuse_split(n, heads, kv)
+
+
+def refuse_split(n: int, heads: int, kv: int) -> None:
+    """The one refusal of a sequence_parallel N the model's heads do not take (early_checks, check_sequence_parallel)."""
     if memory.kv_repeats(heads, kv, n) is None:
         raise UserError(f"distributed.sequence_parallel: {n} does not divide this model's {heads} attention heads; it "
                         f"takes {', '.join(map(str, memory.splits_of(heads, kv))) or 'none'}")
@@ -204,9 +209,7 @@ def check_sequence_parallel(recipe: Recipe, config, vl: bool, args) -> None:
     text = config.get_text_config()
     heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads
-    if memory.kv_repeats(heads, kv, n) is None:
-        raise UserError(f"{key}: {n} does not divide this model's {heads} attention heads; it takes "
-                        f"{', '.join(map(str, memory.splits_of(heads, kv))) or 'none'}")
+    refuse_split(n, heads, kv)
 
 
 def lora_forward(recipe: Recipe, zero3: bool) -> str:

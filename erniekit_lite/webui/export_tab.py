@@ -47,7 +47,7 @@ def merge(root: Path, run: str, out: str, overwrite: bool) -> str:
 
 
 def evaluate(root: Path, run: str, tasks: str, tasks_path: str, limit: float | None, chat: bool, compare: str,
-             env: dict | None = None) -> tuple[str, str]:
+             env: dict) -> tuple[str, str]:
     """`erniekit-lite eval RUN --tasks ... [--compare BASE]` in a subprocess (the model's memory is freed with it):
     the table it prints (Markdown) and the rest of its output."""
     command = [sys.executable, "-m", "erniekit_lite", "eval", run, "--tasks", tasks]
@@ -62,13 +62,13 @@ def evaluate(root: Path, run: str, tasks: str, tasks_path: str, limit: float | N
 
 
 def export_gguf(root: Path, llama_cpp: str | None, run: str, out: str, outtype: str, ollama: bool,
-                env: dict | None = None) -> str:
+                env: dict) -> str:
     """`erniekit-lite export RUN --to gguf` in a subprocess, with the server's llama.cpp: its output."""
     if outtype not in OUTTYPES:
         return f"error: type: {outtype} is not one of {', '.join(OUTTYPES)}"
     command = [sys.executable, "-m", "erniekit_lite", "export", run, "--to", "gguf", "--outtype", outtype, "--out", out]
     command += ["--ollama"] * ollama + ["--llama-cpp", llama_cpp] * bool(llama_cpp)
-    env = {k: v for k, v in (env or os.environ).items() if k != "LLAMA_CPP_DIR"}  # the server's choice, passed explicitly
+    env = {k: v for k, v in env.items() if k != "LLAMA_CPP_DIR"}  # the server's choice, passed explicitly
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     said = [line for line in done.stdout.splitlines() if line.startswith("export:")]
     if done.returncode != 0:
@@ -90,7 +90,7 @@ class Serving:
         self.log: Path | None = None
         atexit.register(self.stop)
 
-    def start(self, root: Path, run: str, engine: str, port: float | None, env: dict | None = None) -> str:
+    def start(self, root: Path, run: str, engine: str, port: float | None, env: dict) -> str:
         if engine not in ("auto", "transformers", "vllm"):
             return f"error: engine: {engine} is not one of auto, transformers, vllm"
         port = int(port or 8000)
@@ -146,7 +146,7 @@ class Serving:
 SERVING = Serving()
 
 
-def push(root: Path, run: str, repo: str, public: bool, merged: bool, token: str, env: dict | None = None) -> str:
+def push(root: Path, run: str, repo: str, public: bool, merged: bool, token: str, env: dict) -> str:
     """`erniekit-lite push` in a subprocess (it calls `hub.push` with `hub.settings`); its output, token-free.
     Private unless `public`, as the CLI."""
     from erniekit_lite.hub import settings
@@ -157,7 +157,6 @@ def push(root: Path, run: str, repo: str, public: bool, merged: bool, token: str
         return f"error: {e}"
     command = [sys.executable, "-m", "erniekit_lite", "push", run, "--repo", repo]
     command += ["--public"] * public + ["--merged"] * merged
-    env = env if env is not None else {**os.environ, **({"HF_TOKEN": token} if token else {})}
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     output = (done.stdout + done.stderr).strip()
     return output.replace(token, "[token]") if token else output  # the CLI never prints it; make sure

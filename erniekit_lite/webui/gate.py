@@ -126,10 +126,7 @@ class Gate:
             if self.exposed:
                 raise UserError(f"{text}: {EXPOSED}, where no file of Python the server would import is taken (lm-eval "
                                 "task YAMLs can run `!function`s); run it from the command line")
-            path = confine(self.root, text, "folder")
-            if path.is_relative_to((self.root / STATE_DIR).resolve()):
-                raise UserError(f"{text}: in the web UI's own state folder ({STATE_DIR}), where it keeps what visitors "
-                                "send; use a folder of your own")
+            self._not_state(confine(self.root, text, "folder"), text, "folder")
             return text
         if kind == "tasks":
             names = [t.strip() for t in text.split(",") if t.strip()]
@@ -200,14 +197,12 @@ class Gate:
         for section in ("train", "eval"):
             for i, source in enumerate(getattr(recipe.data, section)):
                 key = f"data.{section}.{i}.path"
-                self._not_state(confine(self.root, source.path, key, readable=(shipped.RECIPES,)), source.path, key)
+                path = confine(self.root, source.path, key, readable=(shipped.RECIPES,))
+                self._not_state(path, source.path, key)
+                if self.exposed and not path.exists():
+                    raise UserError(f"{key}: {source.path} is not a file inside {self.root}, and {EXPOSED}, where no Hub "
+                                    "dataset is downloaded; put the data in the folder")
         if self.exposed:
-            for section in ("train", "eval"):
-                for i, source in enumerate(getattr(recipe.data, section)):
-                    path = confine(self.root, source.path, f"data.{section}.{i}.path", readable=(shipped.RECIPES,))
-                    if not path.exists():
-                        raise UserError(f"data.{section}.{i}.path: {source.path} is not a file inside {self.root}, and "
-                                        f"{EXPOSED}, where no Hub dataset is downloaded; put the data in the folder")
             pushing = [f"train.{k}" for k, v in recipe.train.items() if v and (k.startswith("hub_") or k in PUSHING)]
             if recipe.hub is not None or pushing:
                 key = "hub" if recipe.hub is not None else pushing[0]
