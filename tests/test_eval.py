@@ -26,7 +26,7 @@ def eval_recipe(path: Path, model_dir: Path, out_dir: Path, lora: dict | None = 
 def lora_run(tmp_path_factory, tiny_own_dir) -> Path:
     """A LoRA run that evaluated identity.jsonl itself, one packed row per eval batch (6 batches of unequal length).
 
-    The Trainer alone would average the per-batch losses; ErnieSFTTrainer reports the token-weighted mean over the
+    The Trainer alone would average the per-batch losses; the project's Trainer (train/trainer.py) reports the token-weighted mean over the
     whole set, which is what `eval` computes.
     """
     tmp = tmp_path_factory.mktemp("eval-run")

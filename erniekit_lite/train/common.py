@@ -64,12 +64,16 @@ def watch_moe(trainer, plan: RunPlan, log=print):
     """MoE runs: say how the router is trained and start recording expert load (None for dense models)."""
     if not plan.moe:
         return None
-    aux = f"coefficient {trainer.router_aux_loss_coef:g}, logged as aux_loss" if trainer.aux_loss_enabled else "off"
+    from erniekit_lite.train.trainer import RouterAux
+
+    moe_aux = trainer.loss.aux if hasattr(trainer, "loss") else RouterAux(trainer.aux_loss_enabled, trainer.router_aux_loss_coef)  # GRPO: TRL's
+    aux = f"coefficient {moe_aux.coef:g}, logged as aux_loss" if moe_aux.enabled else "off"
     router = "trained" if any(p.requires_grad for n, p in trainer.model.named_parameters()
                               if ".mlp.gate." in n or "_moe.gate." in n) else "frozen"  # ERNIE-4.5-VL: text_moe/vision_moe
     log(f"moe: router {router}, router aux loss {aux} (train.router_aux_loss_coef; 0 turns it off)")
     if plan.router:
-        trainer.router.z_coef, trainer.router.orthogonal_coef = plan.router["router_z_loss_coef"], plan.router["router_orthogonal_loss_coef"]
+        router = trainer.loss.router
+        router.z_coef, router.orthogonal_coef = plan.router["router_z_loss_coef"], plan.router["router_orthogonal_loss_coef"]
         log(router_line(plan.router))
     if not plan.expert_load:
         return None

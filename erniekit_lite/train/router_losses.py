@@ -65,14 +65,14 @@ class RouterLosses:
         self.step_real = real
 
     def terms(self, model, scores, mask, real: int, steps: int | None, logged: dict, processes: int) -> torch.Tensor | int:
-        """What the router losses add to a micro-batch's loss (0 when both are off); their values appended to `logged`
-        (metric name -> list). `steps`: the micro-batches of the optimizer step whose loss is not divided by them
+        """What the router losses add to a micro-batch's loss (0 when both are off); their values put in `logged`
+        (metric name -> (sum, count), train/metrics.py). `steps`: the micro-batches of the optimizer step whose loss is not divided by them
         again (the token loss's `num_items_in_batch` case), None otherwise (evaluation). `processes`: what the
         Trainer's token loss is multiplied by (its `average_tokens_across_devices`)."""
         added = 0
         if self.z_coef and scores.router_logits is not None:
             z = z_loss_sum(scores.router_logits, mask)
-            logged["z_loss"].append(z.detach() / max(1, real))  # the micro-batch's mean, per layer summed
+            logged["z_loss"] = (z.detach() / max(1, real), 1)  # the micro-batch's mean, per layer summed
             if steps is not None and self.step_real is not None:
                 added = added + self.z_coef * z * processes / self.step_real
             else:
@@ -80,6 +80,6 @@ class RouterLosses:
         if self.orthogonal_coef and model.training:
             self._routers = self._routers or routers(model)
             orthogonal = orthogonal_loss(self._routers)
-            logged["orthogonal_loss"].append(orthogonal.detach())
+            logged["orthogonal_loss"] = (orthogonal.detach(), 1)
             added = added + self.orthogonal_coef * orthogonal / (steps or 1)
         return added

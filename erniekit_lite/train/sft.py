@@ -26,16 +26,69 @@ def prepare_data(data, tokenizer, seed: int = 42, log=print, beside: Path | None
     return prepare(data, tokenizer, seed, log, beside)
 
 
-def build_trainer(model, tokenizer, args, data: PreparedData, plan: RunPlan):
-    from erniekit_lite.train.trainer import ErnieSFTTrainer
+class TokenLoss:
+    """SFT's and pt's loss: the negative log-likelihood of each trained token (the unit), with the LM head run only
+    at those positions in memory-bounded chunks (`scoring.py`, the model's `score_labels=` forward: ERNIE's 103k-row
+    head dominates small models), the token accuracy from the same pass, and for an MoE the router's aux loss (a
+    mean over the step's micro-batches) and the z-loss and orthogonal loss (`router_losses.RouterLosses`)."""
 
+    def __init__(self, aux, router):
+        self.aux, self.router = aux, router  # trainer.RouterAux, router_losses.RouterLosses
+
+    def units(self, batch: dict) -> int:
+        targets = batch.get("score_targets")
+        if targets is not None:  # counted by the collator (`collate.host_facts`)
+            return targets.numel()
+        from erniekit_lite.data.collate import labelled_positions
+
+        return labelled_positions(batch["labels"])[1].numel()  # another collator's batch: a read from the device
+
+    def chosen_tokens(self, batch: dict) -> int:
+        return 0
+
+    def real_tokens(self, batch: dict) -> int:
+        from erniekit_lite.train.step import real_tokens
+
+        return real_tokens(batch)
+
+    def count_step(self, batches: list, trainer, device) -> None:
+        self.router.count_step(batches, trainer.args, trainer.accelerator, device)
+
+    def __call__(self, model, batch: dict, trainer, real: int):
+        from erniekit_lite.train.trainer import Parts
+
+        labels = batch.pop("labels")
+        scores = model(**batch, score_labels=labels, output_router_logits=self.aux.enabled,
+                       score_router_logits=bool(self.router.z_coef))
+        n = scores.log_probs.numel()
+        metrics = {"mean_token_accuracy": (scores.is_top1.sum(), n)}
+        step = trainer.step_counts if model.training else None
+        steps = step.micro_batches if step is not None else None
+        scaled = 0.0
+        if scores.aux_loss is not None:
+            scaled = self.aux.coef * scores.aux_loss / (steps or 1)
+            metrics["aux_loss"] = (scores.aux_loss, 1)
+        processes = step.processes if step is not None else 1
+        scaled = scaled + self.router.terms(model, scores, batch.get("attention_mask"), real, steps, metrics, processes)
+        return Parts(total=-scores.log_probs.sum(), scaled=scaled, metrics=metrics)
+
+
+def token_trainer(model, args, **inputs):
+    """The project's Trainer with SFT's (and pt's) token loss."""
+    from erniekit_lite.train.router_losses import RouterLosses
+    from erniekit_lite.train.trainer import Trainer, ready
+
+    return Trainer(model=model, args=args, loss=TokenLoss(ready(model, args), RouterLosses()), **inputs)
+
+
+def build_trainer(model, tokenizer, args, data: PreparedData, plan: RunPlan):
     if plan.vl:  # rows of image-text samples, always laid end to end (data.packing: false puts one in a row)
         from erniekit_lite.data.vl_rows import VLPackedCollator
 
         inputs = vl_trainer_inputs(data, tokenizer, plan, VLPackedCollator)
     else:
         inputs = trainer_inputs(data, tokenizer, plan, PackedCollator, PaddedCollator)
-    return ErnieSFTTrainer(model=model, args=args, **inputs)
+    return token_trainer(model, args, **inputs)
 
 
 def write_samples(model, tokenizer, plan: RunPlan, out: Path | None, log=print) -> None:

@@ -1,69 +1,199 @@
-"""TRL's SFTTrainer over rows we tokenized and packed ourselves (SFT and pt).
+"""The project's Trainer: every method but GRPO, on `transformers.Trainer`, with the method's loss as a part.
 
-Two departures from `SFTTrainer.compute_loss`, both because ERNIE's 103k-entry LM head dominates small models:
-- the LM head runs only at positions whose next token is trained, in memory-bounded chunks (`scoring.py`), so
-  prompt tokens never pay for it; token accuracy comes from the same pass;
-- the MoE router's z-loss and orthogonal loss beside the aux loss (`router_losses.RouterLosses`, on `self.router`).
-The step itself (checkpoints, guard, optimizer, real-token accounting, the first-step retry) is `step.ErnieTrainer`;
-everything else is TRL and transformers.
+A method (sft.py, pt.py, dpo.py, kto.py, reference_free.py, rm.py) hands the Trainer one `Loss`: how many units a
+micro-batch holds (trained tokens, pairs, examples) and, called on a micro-batch, `Parts`: the sum of its per-unit
+losses, the sum of a per-token term over the chosen tokens where it has one, a term already scaled for the step, and
+its metrics as sums and counts. The Trainer owns the rest of the step, read top to bottom here:
+
+1. `get_batch_samples`: the optimizer step's micro-batches are fetched and their units (and chosen tokens) counted
+   on the host from the collators' numbers, summed over the processes on the device (`average_tokens_across_devices`,
+   on by default): N and C of the step, never read back;
+2. per micro-batch, `compute_loss`: the method's `Parts`, then the loss the backward runs,
+   Σ per-unit losses · W / N + Σ per-token term · W / C + the scaled term, with W the processes whose gradients are
+   averaged: so the step's gradient is that of (Σ per-unit losses)/N + (Σ per-token term)/C at any micro-batching,
+   accumulation and process count (`loss_is_scaled_for_ga`: the Trainer does not divide by the accumulation again);
+3. the metrics stay on the device (`metrics.Metrics`) and are read, pooled over the window and the processes, at a
+   logging step only; the evaluation loss is the pooled mean over the evaluation set's units, as training's.
+
+What the base adds to every method (the first-step retry, the divergence guard, atomic checkpoints, real-token
+counts) is `step.ErnieTrainer`.
 """
 
 from __future__ import annotations
 
-import torch
-from trl import SFTTrainer
+from dataclasses import dataclass, field
 
-from erniekit_lite.train.router_losses import RouterLosses
+import torch
+import transformers
+
+from erniekit_lite.train.metrics import Metrics
 from erniekit_lite.train.step import ErnieTrainer, real_tokens
 
 
-class ErnieSFTTrainer(ErnieTrainer, SFTTrainer):
-    def __init__(self, *args, **kwargs):
-        self.router = RouterLosses()  # its coefficients set by `common.watch_moe` for a MoE model
-        super().__init__(*args, **kwargs)  # the model scores `score_labels=` in its forward (train/scored.py)
+@dataclass
+class Parts:
+    """One micro-batch's loss, as its method computes it (module doc)."""
 
-    def _get_num_items_in_batch(self, batch_samples: list, device):
-        self.router.count_step(batch_samples, self.args, self.accelerator, device)
-        return super()._get_num_items_in_batch(batch_samples, device)
+    total: torch.Tensor  # Σ per-unit losses over the micro-batch's units
+    tokens: torch.Tensor | None = None  # Σ per-token term over the micro-batch's chosen tokens, coefficient applied
+    scaled: torch.Tensor | float = 0.0  # a term already scaled for the step (SFT's router losses); training only
+    metrics: dict = field(default_factory=dict)  # name -> (sum, count)
 
-    def evaluation_loop(self, *args, metric_key_prefix: str = "eval", **kwargs):
-        """`eval_loss` as the token-weighted mean over the whole eval set, as training's loss is.
 
-        The Trainer averages per-batch losses (weighted by rows), which over-weights tokens of short batches;
-        `erniekit-lite eval` and this agree exactly.
-        """
-        self._eval_nll, self._eval_tokens = torch.zeros((), dtype=torch.float64, device=self.accelerator.device), 0
-        output = super().evaluation_loop(*args, metric_key_prefix=metric_key_prefix, **kwargs)
-        nll, tokens = self._eval_nll, torch.tensor(self._eval_tokens, device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            nll, tokens = self.accelerator.reduce(nll, "sum"), self.accelerator.reduce(tokens, "sum")
-        if int(tokens) and f"{metric_key_prefix}_loss" in output.metrics:
-            output.metrics[f"{metric_key_prefix}_loss"] = float(nll / tokens)
-        return output
+class Loss:
+    """What a method gives the Trainer; `units` and `chosen_tokens` count on the host (shapes and the collators'
+    numbers), never reading the device."""
+
+    def units(self, batch: dict) -> int:
+        raise NotImplementedError
+
+    def chosen_tokens(self, batch: dict) -> int:
+        return 0  # no per-token term
+
+    def real_tokens(self, batch: dict) -> int:
+        """The real tokens the micro-batch runs through the model (its count keys popped)."""
+        return real_tokens(batch)
+
+    def count_step(self, batches: list, trainer, device) -> None:
+        """Anything else the method counts once per optimizer step (SFT: the router z-loss's real tokens)."""
+
+    def __call__(self, model, batch: dict, trainer, real: int) -> Parts:
+        """`real`: the micro-batch's real tokens (`real_tokens`, popped before)."""
+        raise NotImplementedError
+
+
+@dataclass
+class StepCounts:
+    units: torch.Tensor | float  # N: the step's units, over the processes when they are averaged
+    tokens: torch.Tensor | float  # C: the step's chosen tokens, likewise
+    processes: int  # W: the processes whose gradients are averaged (1 when counts are per process)
+    micro_batches: int  # G
+
+
+class Trainer(ErnieTrainer, transformers.Trainer):
+    loss_is_scaled_for_ga = True  # `compute_loss` scales for the whole step itself (module doc)
+
+    def __init__(self, *args, loss: Loss, **kwargs):
+        self.loss = loss
+        self.metrics = Metrics()
+        self.step_counts: StepCounts | None = None
+        self._eval_sums = None
+        super().__init__(*args, **kwargs)
+
+    # --- the step ------------------------------------------------------------------------------------------------
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        units = sum(self.loss.units(b) for b in batches)
+        tokens = sum(self.loss.chosen_tokens(b) for b in batches)
+        processes = 1
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            counts = self.accelerator.reduce(torch.tensor([units, tokens], dtype=torch.float64, device=device), "sum")
+            units, tokens, processes = counts[0], counts[1], self.accelerator.num_processes
+        self.step_counts = StepCounts(units, tokens, processes, len(batches))
+        self.loss.count_step(batches, self, device)
+        return batches, None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        mode = "train" if model.training else "eval"
         inputs = dict(inputs)
-        labels = inputs.pop("labels")
-        slots = inputs.pop("token_slots", labels.numel())
-        real = real_tokens(inputs)
-        scores = model(**inputs, score_labels=labels, output_router_logits=self.aux_loss_enabled,
-                       score_router_logits=bool(self.router.z_coef))
-        n = scores.log_probs.numel()
-        loss = -scores.log_probs.sum() / (num_items_in_batch if num_items_in_batch is not None else max(1, n))
-        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            loss = loss * self.accelerator.num_processes
-        steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else None
-        if scores.aux_loss is not None:
-            loss = loss + self.router_aux_loss_coef * scores.aux_loss / (steps or 1)
-            self._metrics[mode]["aux_loss"].append(scores.aux_loss.detach())  # read back when logged (`log`)
-        processes = self.accelerator.num_processes if self.args.average_tokens_across_devices else 1
-        loss = loss + self.router.terms(model, scores, inputs.get("attention_mask"), real, steps, self._metrics[mode], processes)
-        if mode == "eval":
-            self._eval_nll += -scores.log_probs.detach().double().sum()
-            self._eval_tokens += n
-        self._metrics[mode]["mean_token_accuracy"].append(scores.is_top1.sum() / max(1, n))
+        slots = inputs.pop("token_slots", 0)
+        real = self.loss.real_tokens(inputs)
+        inputs.pop("row_units", None)
+        units, chosen = self.loss.units(inputs), self.loss.chosen_tokens(inputs)
+        parts = self.loss(model, inputs, self, real)
         self.count_tokens(model, real, slots)
-        if mode == "train":
-            self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
-        return (loss, scores) if return_outputs else loss
+        mode = "train" if model.training else "eval"
+        self.metrics.add(mode, parts.metrics)
+        if model.training and self.step_counts is not None:
+            step = self.step_counts
+            loss = parts.total * (step.processes / step.units)
+            if parts.tokens is not None:  # C > 0: a pair is kept only if its prompt leaves room for a response
+                loss = loss + parts.tokens * (step.processes / step.tokens)
+            loss = loss + parts.scaled
+        else:  # evaluation: this micro-batch's own means; the evaluation loss pools them (`evaluation_loop`)
+            loss = parts.total / max(1, units)
+            if parts.tokens is not None:
+                loss = loss + parts.tokens / max(1, chosen)
+            if self._eval_sums is not None:
+                sums = self._eval_sums
+                sums[0] += parts.total.detach().double()
+                sums[1] += parts.tokens.detach().double() if parts.tokens is not None else 0.0
+                sums[2] += units
+                sums[3] += chosen
+        return (loss, parts) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def evaluation_loop(self, *args, metric_key_prefix: str = "eval", **kwargs):
+        """`eval_loss` as the pooled mean over the evaluation set's units (tokens, pairs, examples), as training's
+        loss is: the Trainer's mean of per-batch losses over-weights the units of small batches."""
+        device = self.accelerator.device
+        self._eval_sums = [torch.zeros((), dtype=torch.float64, device=device),
+                           torch.zeros((), dtype=torch.float64, device=device), 0, 0]
+        try:
+            output = super().evaluation_loop(*args, metric_key_prefix=metric_key_prefix, **kwargs)
+            total, tokens, units, chosen = self._eval_sums
+        finally:
+            self._eval_sums = None
+        sums = torch.stack([total, tokens, torch.tensor(float(units), dtype=torch.float64, device=device),
+                            torch.tensor(float(chosen), dtype=torch.float64, device=device)])
+        if self.accelerator.num_processes > 1:
+            sums = self.accelerator.reduce(sums, "sum")
+        total, tokens, units, chosen = sums.tolist()
+        if units and f"{metric_key_prefix}_loss" in output.metrics:
+            output.metrics[f"{metric_key_prefix}_loss"] = total / units + (tokens / chosen if chosen else 0.0)
+        return output
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        evaluation = any(k.startswith("eval_") for k in logs) and "loss" not in logs
+        means = self.metrics.read("eval" if evaluation else "train", self.accelerator)
+        logs.update({f"eval_{k}" if evaluation else k: v for k, v in means.items()})
+        super().log(logs, start_time)
+
+
+@dataclass(frozen=True)
+class RouterAux:
+    """The MoE load-balancing loss as a run adds it: on when the model returns router logits and its coefficient
+    (`train.router_aux_loss_coef`, else the config's own) is not 0."""
+
+    enabled: bool
+    coef: float
+
+
+def ready(model, args) -> RouterAux:
+    """What a model needs before the Trainer takes it (what TRL 1.16's trainers did in their `__init__`, kept for the
+    same numbers): input gradients for adapters under activation checkpointing, a QLoRA's trained weights in bf16 (the
+    QLoRA paper's recipe; DoRA's magnitudes kept in their dtype), dropout off where the method's arguments say
+    (`disable_dropout`: the preference methods' default, so the two passes of a pair agree), and the MoE aux loss
+    decided once and written into the config the model's own forward reads."""
+    peft = hasattr(model, "peft_config")
+    if peft and (args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)):
+        model.enable_input_require_grads()
+    if peft and (getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)):
+        for name, param in model.named_parameters():
+            if param.requires_grad and "lora_magnitude_vector" not in name:
+                param.data = param.data.to(torch.bfloat16)
+    if getattr(args, "disable_dropout", False):
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    text = model.config.get_text_config()
+    chosen = getattr(args, "router_aux_loss_coef", None)
+    coef = getattr(text, "router_aux_loss_coef", 0.0) if chosen is None else chosen
+    if chosen and not hasattr(text, "output_router_logits"):
+        from erniekit_lite.errors import UserError
+
+        raise UserError(f"train.router_aux_loss_coef is {chosen} but {type(model).__name__} is not a mixture-of-experts model: remove it")
+    enabled = hasattr(text, "output_router_logits") and coef != 0.0
+    if hasattr(text, "router_aux_loss_coef"):
+        text.output_router_logits, text.router_aux_loss_coef = enabled, coef
+    return RouterAux(enabled, coef or 0.0)
