@@ -1,23 +1,37 @@
-"""Preference pair rows scored in one packed forward: what TRL's DPO trainer (dpo_trainer.py) and its
-reference-free ORPO / CPO trainers (reference_free.py) share.
+"""Preference pair rows scored in one packed forward: what DPO (dpo_loss.py), KTO (kto.py) and the reference-free
+ORPO / SimPO (reference_free.py) share.
 
 `PackedPairCollator` (data/pairs.py) gives a batch both ways: the packed sequence the model runs on (`packed_*`,
-per-sample attention, `use_cache=False`) and TRL's padded [2B, L] layout (chosen rows first). `pair_scores` runs the
-model once over the packed row, scores only the trained positions (`scoring.score`), and scatters the per-token
-values into TRL's [2B, L-1] layout with `logp_index`; each trainer reads its per-sequence sums or means there.
+per-sample attention, `use_cache=False`) and a padded [2B, L] layout (chosen rows first, TRL's). `pair_scores` runs
+the model once over the packed row, scores only the trained positions (`scoring.score`), and scatters the per-token
+values into the [2B, L-1] layout with `logp_index` (no boolean mask, so no size read back); each loss reads its
+per-sequence sums or means there.
 """
 
 from __future__ import annotations
 
 import torch
-from trl.trainer.utils import FusedCausalLMOutput
+from dataclasses import dataclass
 
 from erniekit_lite.data.sequence_shard import CUT_KEYS
 from erniekit_lite.train.scoring import score
 
 
-def pair_scores(model, kwargs: dict) -> FusedCausalLMOutput:
-    """Per-token scores of a pair batch (`scoring.score`), in the [2B, L-1] layout of TRL's DPO loss."""
+@dataclass
+class PairScores:
+    """Per-token values of a pair batch in the [2B, L-1] layout (chosen rows first), 0 where nothing is scored."""
+
+    log_probs: torch.Tensor  # differentiable on the policy's pass
+    entropy: torch.Tensor  # no grad, as the rest
+    log_sum_sq_probs: torch.Tensor
+    mean_logits: torch.Tensor
+    is_top1: torch.Tensor  # bool
+    mask: torch.Tensor  # bool: the scored (trained) positions
+    aux_loss: torch.Tensor | None  # MoE router load-balancing loss, when requested
+
+
+def pair_scores(model, kwargs: dict) -> PairScores:
+    """Per-token scores of a pair batch (`scoring.score`), in the [2B, L-1] layout."""
     rows, width = kwargs["input_ids"].shape
     if "packed_input_ids" in kwargs:  # one padding-free sequence, per-sample attention
         labels = kwargs["packed_labels"]
@@ -45,17 +59,12 @@ def pair_scores(model, kwargs: dict) -> FusedCausalLMOutput:
         return flat.view(rows, width - 1)
 
     token = scores.log_probs
-    chosen_nll = model.on_chosen_nll
-    if chosen_nll is not None and torch.is_grad_enabled():  # the policy's pass (DPO's `sft` term, step_weights.py)
-        chosen = index < (rows // 2) * (width - 1)  # chosen rows first; weights, not a mask (its size is a host read)
-        chosen_nll(-(token * chosen).sum() / chosen.sum().clamp(min=1))
-    return FusedCausalLMOutput(
-        loss=-token.sum() / max(1, token.numel()),
+    return PairScores(
         log_probs=layout(token),
         entropy=layout(scores.entropy.detach()),
         log_sum_sq_probs=layout(scores.log_sum_sq_probs),
         mean_logits=layout(scores.mean_logits),
         is_top1=layout(scores.is_top1.to(token.dtype)).bool(),
-        label_mask=layout(torch.ones_like(token)).bool(),
+        mask=layout(torch.ones_like(token)).bool(),
         aux_loss=scores.aux_loss,
     )
