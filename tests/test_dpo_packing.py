@@ -91,26 +91,38 @@ def _trl_examples(pairs):
 
 @pytest.mark.parametrize("loss_type", [["sigmoid"], ["ipo"], ["hinge"], ["sigmoid", "sft"]], ids=["sigmoid", "ipo", "hinge", "rpo"])
 def test_dpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_tokenizer, pairs, loss_type):
-    """Loss, metrics and LoRA gradients of TRL's own padded batch and forward equal ours on packed rows, for the
-    pairs as training makes them (end of turn labelled `</s>`)."""
+    """Loss, metrics and LoRA gradients of TRL's own DPOTrainer (the oracle: its padded batch and forward) equal the
+    project's DPO loss (train/dpo_loss.py) on packed rows, for the pairs as training makes them (end of turn
+    labelled `</s>`)."""
     from datasets import Dataset
-    from trl import DPOConfig
+    from trl import DPOConfig, DPOTrainer
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
     from erniekit_lite.model.lora import apply_lora
     from erniekit_lite.recipe import LoraSection
-    from erniekit_lite.train.dpo_trainer import ErnieDPOTrainer
+    from erniekit_lite.train import scored
+    from erniekit_lite.train.dpo_loss import DPOLoss
+    from erniekit_lite.train.reference import Reference
+    from erniekit_lite.train.trainer import Trainer, ready
 
     torch.manual_seed(0)
     model = apply_lora(load_model(str(tiny_dense_dir), "float32", "packed_sdpa"), LoraSection(r=4, dropout=0.0))
+    scored.take(model.get_base_model())  # as a run loads it (train/common.load_for_training)
     examples = _trl_examples(pairs)
     assert examples[0]["chosen_ids"][-1] == ernie_tokenizer.convert_tokens_to_ids("</s>")
     rows = pack_pairs(pairs, 256)
     dataset = Dataset.from_dict({"input_ids": [r.input_ids for r in rows], "labels": [r.labels for r in rows], "seq_lengths": [r.seq_lengths for r in rows]})
-    args = DPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, loss_type=loss_type, beta=0.1, max_length=None)
-    trainer = ErnieDPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=ernie_tokenizer, data_collator=PackedPairCollator(256))
-    # no forward on the instance (TRL's fused head taken off): the class's own scores (erniekit_lite/train/scored.py)
+    args = DPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, loss_type=loss_type, beta=0.1, max_length=None,
+                     remove_unused_columns=False)
+    # the oracle: TRL's own trainer (its reference: a frozen copy of the adapter as it starts, B = 0, i.e. the base)
+    oracle = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"prompt": ["a"], "chosen": ["b"], "rejected": ["c"]}),
+                        processing_class=ernie_tokenizer)
+    scored.without_trl_head(model.get_base_model())  # TRL's fused head put on in its __init__: back on only for its batch
+    ours = Trainer(model=model, args=args, loss=DPOLoss(args, ready(model, args), Reference("adapters off")),
+                   train_dataset=dataset, processing_class=ernie_tokenizer, data_collator=PackedPairCollator(256))
+    # no forward on the instance and no TRL class: the model's class scores (erniekit_lite/train/scored.py)
     assert "forward" not in vars(model.get_base_model()) and type(model.get_base_model()).__module__ == "erniekit_lite.train.scored"
+    assert not any(c.__module__.startswith("trl") for c in type(ours).__mro__)
     with torch.no_grad():  # move the policy away from the reference (the trained LoRA B starts at zero)
         for name, p in model.named_parameters():
             if "lora_B" in name and p.requires_grad:
@@ -120,21 +132,24 @@ def test_dpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_token
     packed = PackedPairCollator(256)([vars(r) for r in rows])
     trained = [p for p in model.parameters() if p.requires_grad]
 
-    def loss_and_grads(batch):
+    def loss_and_grads(trainer, batch):
         model.zero_grad()
         loss = trainer.compute_loss(model, batch)
         loss.backward()
-        metrics = {k: v[-1] for k, v in trainer._metrics["eval"].items()}
-        trainer._metrics["eval"].clear()
+        if trainer is oracle:
+            metrics = {k: v[-1] for k, v in oracle._metrics["eval"].items()}
+        else:
+            metrics = ours.metrics.read("eval", ours.accelerator)
         return loss.item(), metrics, [p.grad.clone() for p in trained]
 
     with trls_own_head(model.get_base_model(), ("log_probs", "entropy", "mean_logits", "is_top1")):
-        trl_loss, trl_metrics, trl_grads = loss_and_grads(padded)
-    our_loss, our_metrics, our_grads = loss_and_grads(packed)
+        trl_loss, trl_metrics, trl_grads = loss_and_grads(oracle, padded)
+    our_loss, our_metrics, our_grads = loss_and_grads(ours, packed)
     assert abs(trl_loss - our_loss) <= 1e-5
     assert max((a - b).abs().max().item() for a, b in zip(trl_grads, our_grads)) <= 1e-5
     assert max(g.abs().max().item() for g in our_grads) > 1e-3  # the gradients compared are not all zero
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected", "mean_token_accuracy"):
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected",
+                "mean_token_accuracy", "entropy", "logits/chosen", "logits/rejected"):
         assert abs(trl_metrics[key] - our_metrics[key]) <= 1e-4, key
     assert abs(our_metrics["rewards/margins"]) > 1e-4  # policy differs from the reference, so the check has teeth
 

@@ -1,8 +1,9 @@
-"""Preference tuning (DPO and TRL's other pairwise losses): what it adds to the shared run (run.py).
+"""Preference tuning (DPO with every loss type of TRL's, dpo_loss.py): what it adds to the shared run (run.py).
 
-A new adapter is handed to TRL as a config: its reference is then the base with the adapter disabled (no copy). A
-LoRA run dir given as model.path keeps its adapter, and TRL copies it as the reference. PiSSA and OLoRA take part of
-each base weight into the adapter, so "the base with the adapter disabled" would no longer be the base: refused."""
+A new adapter's reference is the base with the adapter disabled (no copy); a LoRA run dir given as model.path keeps
+its adapter, and a frozen copy of it is the reference; full fine-tuning keeps a frozen copy of the model, or
+precomputes (reference.py). PiSSA and OLoRA take part of each base weight into the adapter, so "the base with the
+adapter disabled" would no longer be the base: refused."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from erniekit_lite.data.prepare import PreparedPairs, describe_pairs, prepare_pa
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.run_plan import RunPlan
 from erniekit_lite.train import run as runner
-from erniekit_lite.train.common import trainer_inputs, trl_trainer, vl_trainer_inputs
+from erniekit_lite.train.common import trainer_inputs, vl_trainer_inputs
 
 
 def run(recipe: Recipe, log=print) -> Path:
@@ -30,7 +31,9 @@ def prepare_data(data, tokenizer, seed: int = 42, log=print, beside: Path | None
 
 
 def build_trainer(model, tokenizer, args, data: PreparedPairs, plan: RunPlan):
-    from erniekit_lite.train.dpo_trainer import ErnieDPOTrainer
+    from erniekit_lite.train import reference as references
+    from erniekit_lite.train.dpo_loss import DPOLoss
+    from erniekit_lite.train.trainer import Trainer, ready
 
     if plan.vl:  # rows of image-text pairs, always laid end to end, held by the collator (data/vl_rows.py)
         from erniekit_lite.data.vl_rows import VLPackedPairCollator
@@ -38,7 +41,23 @@ def build_trainer(model, tokenizer, args, data: PreparedPairs, plan: RunPlan):
         inputs = vl_trainer_inputs(data, tokenizer, plan, VLPackedPairCollator)
     else:
         inputs = trainer_inputs(data, tokenizer, plan, PackedPairCollator, PaddedPairCollator)
-    return trl_trainer(ErnieDPOTrainer, model, plan, args=args, reference_cache=plan.data.cache, **inputs)
+    reference = references.choose(model, plan.lora is not None, args.precompute_ref_log_probs, references.fsdp_launch(args),
+                                  lambda: references.load_copy(plan))
+    loss = DPOLoss(args, ready(model, args), reference)
+    trainer = Trainer(model=model, args=args, loss=loss, **inputs)
+    references.prepare(reference, trainer.accelerator)
+    if reference.precomputed:
+        references.precompute_datasets(trainer, reference, score=lambda model, batch: _reference_columns(loss, model, batch),
+                                       per_row=lambda row: len(row["seq_lengths"]) // 2,
+                                       settings={"method": "dpo", "ld_alpha": loss.ld_alpha}, cached=plan.data.cache)
+    return trainer
+
+
+def _reference_columns(loss, model, batch: dict) -> dict:
+    from erniekit_lite.train.dpo_loss import NOT_MODEL_INPUTS
+
+    chosen, rejected = loss.sequence_logps(model(**{k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS})).chunk(2)
+    return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
 
 
 def last_rewards(trainer) -> dict:
@@ -50,6 +69,6 @@ def last_rewards(trainer) -> dict:
 
 METHOD = runner.Method(
     prepare=prepare_data, describe=describe_pairs, build_trainer=build_trainer, trained=lambda data: len(data.train.pairs),
-    adapter_by_trainer=True, metrics=last_rewards,
+    metrics=last_rewards,
     summary=lambda metrics: f"reward accuracy {metrics.get('rewards/accuracies', float('nan')):.2f}, ",
 )

@@ -1,16 +1,14 @@
 """Reference log-probs computed once before training (`train.precompute_ref_log_probs`): DPO's and KTO's shared pass.
 
-TRL 1.16's `_precompute_ref_logps` shards a padded dataloader through `accelerator.prepare`, gathers each batch's
-values with `gather_for_metrics`, runs the policy in a DeepSpeed inference engine under ZeRO-3 (`prepare_deepspeed`:
-its module hooks gather each layer's parameters for its forward) and caches the new columns beside the dataset. Our
-rows hold a variable number of pairs or examples, so values come back as one list per row, and:
+The rows hold a variable number of pairs or examples, so values come back as one list per row (as TRL 1.16's
+`_precompute_ref_logps` would store them for its padded rows), and:
 - rows are sharded contiguously: rank r scores rows [r*n//W, (r+1)*n//W) (at most ceil(n/W) each), in batches of
   `batch_size` rows through the trainer's collator; each rank's (rank, row, values) triples are all-gathered and put
   back in row order (every row exactly once, checked);
 - a rank with fewer rows than ceil(n/W) scores one more: a repeat of a row, whose values are dropped. Every rank then
   runs the same number of forwards, which a sharded model (FSDP2 reference, ZeRO-3) needs: each forward is collective;
-- under ZeRO-3 without a separate reference, the model runs in TRL's own inference engine (built once, kept on the
-  trainer as TRL keeps it for later `evaluate` calls);
+- under ZeRO-3 without a separate reference, the policy runs in a DeepSpeed inference engine (reference.py; its
+  module hooks gather each layer's parameters for its forward), built once;
 - values are cached on disk (`<cache>/reference/<key>.npz`, beside data/cache.py's `data/`) under a key of everything
   that decides them (`cache_key`: the same for any number of processes and strategy), so a second run, or a
   `--resume`, reads them instead of scoring again; `data.cache: false` turns it off, and entries unused for
@@ -42,13 +40,14 @@ def cache_folder() -> Path:
     return cache.cache_dir().parent / "reference"
 
 
-def precompute(trainer, dataset, name: str, batch_size: int, score: Callable, per_row: Callable[[dict], int], settings: dict):
-    """`dataset` with one column per name `score(model, batch)` returns, each a list per row: `score` gives 1-D
-    tensors over the batch's pairs or examples in collator order, `per_row(row)` how many of them a row holds.
-    `settings`: what else changes the values (the loss's own options)."""
+def precompute(trainer, reference, dataset, name: str, batch_size: int, score: Callable, per_row: Callable[[dict], int],
+               settings: dict, cached: bool = True):
+    """`dataset` with one column per name `score(model, batch)` returns under the `reference` (reference.py), each a
+    list per row: `score` gives 1-D tensors over the batch's pairs or examples in collator order, `per_row(row)` how
+    many of them a row holds. `settings`: what else changes the values (the loss's own options); `cached`: the
+    recipe's `data.cache`."""
     accelerator = trainer.accelerator
-    cached = getattr(trainer, "reference_cache", True)  # the recipe's `data.cache`
-    key = cache_key(trainer, dataset, settings) if cached else None
+    key = cache_key(trainer, reference, dataset, settings) if cached else None
     path = cache_folder() / f"{key}.npz" if cached else None
     stored = [load(path, key, len(dataset)) if cached and accelerator.is_main_process else None]
     if accelerator.num_processes > 1:  # rank 0 decides, so all ranks take the same branch (collectives below)
@@ -59,7 +58,7 @@ def precompute(trainer, dataset, name: str, batch_size: int, score: Callable, pe
     if columns is not None:
         say(accelerator, f"reference log-probs ({name}): {words.count(len(dataset), 'row')} reused from {path}")
     else:
-        columns, shards = _score(trainer, dataset, batch_size, score, per_row)
+        columns, shards = _score(trainer, reference, dataset, batch_size, score, per_row)
         if accelerator.is_main_process:
             try:
                 if not cached:
@@ -81,15 +80,17 @@ def say(accelerator, line: str) -> None:
         print(line, flush=True)
 
 
-def reference_model(trainer):
-    """The model the reference pass runs on: TRL's choice (`_precompute_ref_logps`), its ZeRO-3 engine included."""
-    if trainer.ref_model is None and trainer.is_deepspeed_enabled:
-        from trl.models import prepare_deepspeed
+def reference_model(trainer, reference):
+    """The model the reference pass runs on: the frozen copy, or the policy (in a DeepSpeed inference engine under
+    ZeRO-3, built once)."""
+    if reference.model is not None:
+        return reference.model
+    if trainer.is_deepspeed_enabled:
+        from erniekit_lite.train.reference import deepspeed_engine
 
-        if getattr(trainer, "_precompute_engine", None) is None:
-            trainer._precompute_engine = prepare_deepspeed(trainer.model, trainer.accelerator)
-        return trainer._precompute_engine
-    return trainer.ref_model or trainer.model
+        reference.model = deepspeed_engine(trainer.model, trainer.accelerator)
+        return reference.model
+    return trainer.model
 
 
 def shard(n: int, rank: int, world: int) -> range:
@@ -97,7 +98,7 @@ def shard(n: int, rank: int, world: int) -> range:
     return range(rank * n // world, (rank + 1) * n // world)
 
 
-def _score(trainer, dataset, batch_size: int, score: Callable, per_row: Callable) -> tuple[dict, list[int]]:
+def _score(trainer, reference, dataset, batch_size: int, score: Callable, per_row: Callable) -> tuple[dict, list[int]]:
     from accelerate.utils import gather_object
     from torch.utils.data import DataLoader, Subset
 
@@ -108,12 +109,12 @@ def _score(trainer, dataset, batch_size: int, score: Callable, per_row: Callable
     padded = mine + [mine[0] if mine else 0] * (math.ceil(n / world) - len(mine))
     loader = DataLoader(Subset(dataset, padded), batch_size=batch_size, collate_fn=_Counted(trainer.data_collator, per_row),
                         shuffle=False, num_workers=trainer.args.dataloader_num_workers, pin_memory=trainer.args.dataloader_pin_memory)
-    model = reference_model(trainer)
+    model = reference_model(trainer, reference)
     results, at = [], 0
     for counts, batch in loader:
         batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items() if k not in ("token_slots", "row_units")}
         take_batch_lengths(batch)
-        values = {k: v.float().cpu().tolist() for k, v in score(model, batch).items() if v is not None}
+        values = {k: v.float().cpu().tolist() for k, v in reference(model, accelerator, batch, score).items() if v is not None}
         if any(len(v) != sum(counts) for v in values.values()):
             raise RuntimeError(f"reference pass: {sorted(map(len, values.values()))} values for {sum(counts)} pairs or examples")
         start = 0
@@ -140,7 +141,7 @@ class _Counted:
         return [self.per_row(row) for row in rows], self.collator(rows)
 
 
-def cache_key(trainer, dataset, settings: dict) -> str:
+def cache_key(trainer, reference, dataset, settings: dict) -> str:
     """Everything that decides the values: the rows' content, how they are collated, the reference model (its path,
     class, config, adapters' configs and a digest of every weight and buffer it holds: a full pass with xxh3, split
     across ranks, seconds even for 21B, where a key of path + config alone would reuse the values of a model since
@@ -148,15 +149,14 @@ def cache_key(trainer, dataset, settings: dict) -> str:
     The same on every rank and for any number of processes (ZeRO-3 and FSDP shards are gathered to hash)."""
     import peft
     import transformers
-    import trl
 
-    model = trainer.accelerator.unwrap_model(trainer.ref_model or trainer.model)
+    model = trainer.accelerator.unwrap_model(reference.model if reference.model is not None else trainer.model)
     config = model.config
     collator = trainer.data_collator
     parts = {
         "format": FORMAT,
         "code": _code_digest(),
-        "versions": [torch.__version__, transformers.__version__, trl.__version__, peft.__version__],
+        "versions": [torch.__version__, transformers.__version__, peft.__version__],
         "rows": rows_digest(dataset),
         "collator": [type(collator).__name__, vars(collator)],
         "model": {

@@ -49,9 +49,8 @@ def scored_class(cls: type) -> type:
     # head_keep_positions: a trained LM head keeps its chunks for backward up to this many positions (the run plan's
     #   choice; 0: recomputed); the first step's out-of-memory retry sets it to 0 (train/step.py)
     # expert_load: the ExpertLoad that records each training pass's routing (train/expert_load.py `track`)
-    # on_chosen_nll: DPO's `sft` term, called with the chosen rows' mean NLL in the policy's pass (dpo_trainer.py)
     # sequence_group: distributed.sequence_parallel's group of this process (train/sequence_parallel.py)
-    return same_named(cls, __name__, forward=forward, head_keep_positions=0, expert_load=None, on_chosen_nll=None,
+    return same_named(cls, __name__, forward=forward, head_keep_positions=0, expert_load=None,
                       sequence_group=None, **{SCORED: True})
 
 
