@@ -91,25 +91,26 @@ class DPOLoss:
         lengths = scores.mask.sum(1).clamp(min=1).to(logps.dtype)
         weights = self.wpo_weights(scores, lengths) if self.use_weighting else None
 
-        total = logps.new_zeros(())
+        total = logps.new_zeros(pairs)  # per pair, in row order
         tokens = None
         for loss_type, weight in zip(self.loss_types, self.loss_weights, strict=True):
             if loss_type == "sft":  # a per-token term: the chosen tokens' NLL, over the step's chosen tokens
-                nll = -(scores.log_probs[:pairs] * scores.mask[:pairs]).sum()
+                nll = -(scores.log_probs[:pairs] * scores.mask[:pairs]).sum(1)
                 # TRL expands its (micro-batch) mean over the pairs before WPO's weights: the same here, per token
-                term = nll * (weights.mean() if weights is not None else 1.0)
-                tokens = weight * term if tokens is None else tokens + weight * term
+                term = weight * nll * (weights.mean() if weights is not None else 1.0)
+                tokens = term if tokens is None else tokens + term
                 continue
             per_pair = self.per_pair(loss_type, chosen_ratio, rejected_ratio, chosen_score, rejected_score,
                                      chosen_logps - rejected_logps, ref_chosen - ref_rejected, lengths)
             if weights is not None:
                 per_pair = per_pair * weights
-            total = total + weight * per_pair.sum()
+            total = total + weight * per_pair
         metrics = self.metrics(scores, chosen_ratio, rejected_ratio, chosen_logps, rejected_logps, pairs)
         if scores.aux_loss is not None and self.aux.enabled:
-            total = total + self.aux.coef * scores.aux_loss * pairs
+            total = total + self.aux.coef * scores.aux_loss  # each pair carries the micro-batch's value
             metrics["aux_loss"] = (scores.aux_loss, 1)
-        return Parts(total=total, tokens=tokens, metrics=metrics)
+        return Parts(total=total, tokens=tokens, chosen=scores.mask[:pairs].sum(1) if tokens is not None else None,
+                     metrics=metrics)
 
     def f_scores(self, ratio: torch.Tensor) -> torch.Tensor:
         """f'(policy/reference) of the f-divergence (f-DPO), from the log-ratio."""

@@ -34,8 +34,9 @@ from erniekit_lite.train.step import ErnieTrainer, real_tokens
 class Parts:
     """One micro-batch's loss, as its method computes it (module doc)."""
 
-    total: torch.Tensor  # Σ per-unit losses over the micro-batch's units
-    tokens: torch.Tensor | None = None  # Σ per-token term over the micro-batch's chosen tokens, coefficient applied
+    total: torch.Tensor  # the per-unit losses, [units] in row order (or their sum)
+    tokens: torch.Tensor | None = None  # a per-token term summed over each unit's chosen tokens, coefficient applied
+    chosen: torch.Tensor | None = None  # [units]: each unit's chosen tokens (with `tokens` per unit)
     scaled: torch.Tensor | float = 0.0  # a term already scaled for the step (SFT's router losses); training only
     metrics: dict = field(default_factory=dict)  # name -> (sum, count)
 
@@ -103,29 +104,50 @@ class Trainer(ErnieTrainer, transformers.Trainer):
         inputs = dict(inputs)
         slots = inputs.pop("token_slots", 0)
         real = self.loss.real_tokens(inputs)
-        inputs.pop("row_units", None)
+        rows = inputs.pop("row_units", None)  # the collator's units per row (pair and KTO batches)
         units, chosen = self.loss.units(inputs), self.loss.chosen_tokens(inputs)
         parts = self.loss(model, inputs, self, real)
         self.count_tokens(model, real, slots)
         mode = "train" if model.training else "eval"
         self.metrics.add(mode, parts.metrics)
+        total, tokens = parts.total.sum(), parts.tokens.sum() if parts.tokens is not None else None
         if model.training and self.step_counts is not None:
             step = self.step_counts
-            loss = parts.total * (step.processes / step.units)
-            if parts.tokens is not None:  # C > 0: a pair is kept only if its prompt leaves room for a response
-                loss = loss + parts.tokens * (step.processes / step.tokens)
+            loss = total * (step.processes / step.units)
+            if tokens is not None:  # C > 0: a pair is kept only if its prompt leaves room for a response
+                loss = loss + tokens * (step.processes / step.tokens)
             loss = loss + parts.scaled
         else:  # evaluation: this micro-batch's own means; the evaluation loss pools them (`evaluation_loop`)
-            loss = parts.total / max(1, units)
-            if parts.tokens is not None:
-                loss = loss + parts.tokens / max(1, chosen)
+            loss = total / max(1, units)
+            if tokens is not None:
+                loss = loss + tokens / max(1, chosen)
             if self._eval_sums is not None:
-                sums = self._eval_sums
-                sums[0] += parts.total.detach().double()
-                sums[1] += parts.tokens.detach().double() if parts.tokens is not None else 0.0
-                sums[2] += units
-                sums[3] += chosen
+                self._pool(parts, rows, units, chosen)
         return (loss, parts) if return_outputs else loss
+
+    def _pool(self, parts: Parts, rows: list[int] | None, units: int, chosen: int) -> None:
+        """Adds an evaluation micro-batch to the pooled sums. At the end of the evaluation set accelerate evens out
+        the processes' last batch with rows from its start; those rows' units are left out where the loss gives its
+        per-unit values in row order (pair and KTO batches: `row_units`)."""
+        keep = None
+        state = self.accelerator.gradient_state
+        if rows is not None and state.end_of_dataloader and state.remainder > 0 and parts.total.dim() == 1:
+            # process p holds the global rows [p*b, (p+1)*b) of the last batch; the first `remainder` of them are real
+            group = self.accelerator.process_index // self.sequence_parallel
+            kept_rows = min(max(state.remainder - group * len(rows), 0), len(rows))
+            keep = sum(rows[:kept_rows])
+        sums = self._eval_sums
+        if keep is None:
+            sums[0] += parts.total.detach().double().sum()
+            sums[1] += parts.tokens.detach().double().sum() if parts.tokens is not None else 0.0
+            sums[2] += units
+            sums[3] += chosen
+            return
+        sums[0] += parts.total.detach().double()[:keep].sum()
+        if parts.tokens is not None:
+            sums[1] += parts.tokens.detach().double()[:keep].sum()
+            sums[3] += parts.chosen[:keep].sum()  # a device sum: nothing read back here
+        sums[2] += keep
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -144,8 +166,7 @@ class Trainer(ErnieTrainer, transformers.Trainer):
             total, tokens, units, chosen = self._eval_sums
         finally:
             self._eval_sums = None
-        sums = torch.stack([total, tokens, torch.tensor(float(units), dtype=torch.float64, device=device),
-                            torch.tensor(float(chosen), dtype=torch.float64, device=device)])
+        sums = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device).reshape(()) for x in (total, tokens, units, chosen)])
         if self.accelerator.num_processes > 1:
             sums = self.accelerator.reduce(sums, "sum")
         total, tokens, units, chosen = sums.tolist()
