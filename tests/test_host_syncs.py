@@ -10,9 +10,8 @@ still on the host there. Outside the dispatch, `Tensor.tolist` is counted the sa
 back; `.cpu()` and `.numpy()` are not seen); per-sample attention reading its sample lengths
 (`attention.sample_lengths`) is counted separately: each time they were not handed over from the collator.
 
-What remains is TRL's and is named here: its preference loss functions (DPO, KTO, ORPO, SimPO, the reward model) read
-their metrics with `.item()`, test counts as Python bools and index by boolean masks, and KTO splits each batch by
-label with `nonzero`; this project leaves them to TRL (train/trl_metrics.py).
+Every method but GRPO is the project's own step (train/trainer.py) and loss: nothing is read back between logging
+steps, for SFT, pt, DPO, KTO, ORPO, SimPO and the reward model, full and LoRA, in 1 process and in each of 2.
 """
 
 from __future__ import annotations
@@ -90,16 +89,11 @@ def syncs_per_step(tmp_path, monkeypatch, recipe_of, steps: int = 3) -> dict[tup
 
 
 DATA = {"pt": ROOT / "recipes" / "data" / "pt_demo.jsonl", "kto": ROOT / "recipes" / "data" / "identity_kto.jsonl"}
-# TRL 1.16's own reads, per micro-batch, in its preference loss functions (the module doc): the function, and how many
-# of each kind. Its metrics' `.item()`, its `count > 0` tests and boolean-mask sums; KTO's split by label (`nonzero`)
-TRL_LOSS = {"dpo": ("trl/trainer/dpo_trainer.py", "_compute_loss"), "kto": ("trl/trainer/kto_trainer.py", "_compute_loss"),
-            "orpo": ("trl/experimental/orpo/orpo_trainer.py", "get_batch_loss_metrics"),
-            "simpo": ("trl/experimental/cpo/cpo_trainer.py", "get_batch_loss_metrics"),
-            "rm": ("trl/trainer/reward_trainer.py", "compute_loss")}
-SCALAR, INDEX, NONZERO = "aten::_local_scalar_dense", "aten::index", "aten::nonzero"
-TRL_READS = {"dpo": {SCALAR: 15, INDEX: 2}, "kto": {NONZERO: 2, INDEX: 2}, "orpo": {SCALAR: 11}, "simpo": {SCALAR: 9},
-             "rm": {SCALAR: 6}}
-KTO_READS = (10, 14)  # KTO's `.item()`s and `count > 0` tests: 4 of them only when the micro-batch holds that label
+PAIR_METHODS = ("dpo", "orpo", "simpo", "rm")
+
+
+def data_of(method: str) -> str:
+    return str(DATA.get(method, PAIRS if method in PAIR_METHODS else IDENTITY))
 
 
 @pytest.mark.parametrize("lora", [None, {"r": 4}], ids=["full", "lora"])
@@ -107,29 +101,16 @@ KTO_READS = (10, 14)  # KTO's `.item()`s and `count > 0` tests: 4 of them only w
 def test_a_training_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch, tiny_own_dir, method, lora):
     """Before (issue 44, counted the same way): 8 per step for SFT, 33.5 for DPO LoRA: the LM head's underflow
     branch, the NaN/inf filter, metrics' `.item()`, the divergence guard's `float(grad_norm)`, the boolean masks of
-    trained positions, the step's pair counts, TRL's metrics. Now the collators count what the step needs on the CPU
-    and the project's metrics stay on the device until a logging step; the preference methods' reads are TRL's own,
-    inside its loss function (`TRL_READS`)."""
+    trained positions, the step's pair counts, TRL's metrics; then (issue 76) TRL's preference losses still read 6-17
+    per step (their metrics' `.item()`, `count > 0` tests, KTO's `nonzero` split by label). Now the collators count
+    what the step needs on the CPU and every method's metrics stay on the device until a logging step."""
 
     def recipe_of(path, out, steps):
-        data = [str(DATA.get(method, PAIRS if method in ("dpo", "orpo", "simpo", "rm") else IDENTITY))]
-        return write_recipe(path, tiny_own_dir, method=method, lora=lora, out=out, data={"train": data},
+        return write_recipe(path, tiny_own_dir, method=method, lora=lora, out=out, data={"train": [data_of(method)]},
                             train={"max_steps": steps, "logging_steps": 1000, "save_strategy": "no", "learning_rate": 1e-3,
                                    "per_device_train_batch_size": 1})
 
-    counts = syncs_per_step(tmp_path, monkeypatch, recipe_of)
-    if method not in TRL_LOSS:
-        assert counts == {}
-        return
-    where, function = TRL_LOSS[method]
-    assert {(k[1].rsplit(":", 1)[0], k[2]) for k in counts} == {(where, function)}, f"calls outside TRL's loss: {counts}"
-    kinds = collections.Counter()
-    for (call, _, _), n in counts.items():
-        kinds[call] += n
-    if method == "kto":
-        scalar = kinds.pop(SCALAR)
-        assert KTO_READS[0] <= scalar <= KTO_READS[1], counts
-    assert kinds == TRL_READS[method], counts
+    assert syncs_per_step(tmp_path, monkeypatch, recipe_of) == {}
 
 
 @pytest.mark.parametrize("case", ["moe-full", "moe-lora", "qlora", "moe-qlora"])
@@ -148,16 +129,22 @@ def test_an_moe_or_qlora_sft_step_reads_nothing_back(tmp_path, monkeypatch, tiny
     assert syncs_per_step(tmp_path, monkeypatch, recipe_of) == {}
 
 
-def test_metrics_kept_on_the_device_are_read_back_exactly_integers_as_integers():
-    """A logging step reads the kept metrics back in one transfer per kind: TRL's token counter (an int64 tensor when
-    its `.item()` is kept on the device) stays an integer; through float32 123456789 read 123456792. Only the read-back
-    that the Trainer's `log` calls runs here, on TRL's metric dict."""
-    from erniekit_lite.train.trl_metrics import read_back
+def test_metrics_read_back_pooled_over_the_window():
+    """A logging step reads the kept sums and counts back in one transfer: the means are pooled over the window's
+    micro-batches (a micro-batch of 1 pair weighs a third of one of 3), a window's min and max are kept as such, and
+    the window starts again after the read."""
+    from types import SimpleNamespace
 
-    metrics = {"train": {"num_tokens": [torch.tensor(123456789)], "rewards/margins": [torch.tensor(0.25), 0.5]}}
-    read_back(list(metrics.values()))
-    assert metrics["train"] == {"num_tokens": [123456789], "rewards/margins": [0.25, 0.5]}
-    assert type(metrics["train"]["num_tokens"][0]) is int
+    from erniekit_lite.train.metrics import Metrics
+
+    accelerator = SimpleNamespace(num_processes=1, device=torch.device("cpu"))
+    metrics = Metrics()
+    metrics.add("train", {"rewards/margins": (torch.tensor(0.3), 1), "num": (torch.tensor(123456789, dtype=torch.int64), 1)})
+    metrics.add("train", {"rewards/margins": (torch.tensor(1.5), 3), "num": (0, 0)})
+    metrics.add_extreme("train", "min_reward", torch.tensor([0.5, -2.0]), "min")
+    metrics.add_extreme("train", "min_reward", torch.tensor([1.0]), "min")
+    assert metrics.read("train", accelerator) == {"rewards/margins": pytest.approx(1.8 / 4), "num": 123456789.0, "min_reward": -2.0}
+    assert metrics.read("train", accelerator) == {}
 
 
 # In each launched process (LOCAL_RANK set): the same counting as `syncs_per_step`, over optimizer steps 2 and 3 of 4
@@ -206,7 +193,7 @@ if os.environ.get("LOCAL_RANK") is not None and os.environ.get("COUNT_SYNCS"):
         trainer.add_callback(Window())
         result = train(trainer, out, resume)
         per_step = {" | ".join(k): n / (steps[1] - steps[0]) for k, n in syncs.calls.items()}
-        with open(os.path.join(os.environ["COUNT_SYNCS"], os.environ["RANK"] + ".json"), "w") as f:
+        with open(os.path.join(os.environ["COUNT_SYNCS"], f"{out.name}-{os.environ['RANK']}.json"), "w") as f:
             json.dump(per_step, f)
         return result
 
@@ -214,36 +201,40 @@ if os.environ.get("LOCAL_RANK") is not None and os.environ.get("COUNT_SYNCS"):
 """
 
 
-@pytest.mark.slow  # one launch of 2 processes per case (~15 s on 2 idle cores)
-@pytest.mark.parametrize("case", ["sft-lora", "moe-full", "dpo-lora"])
-def test_two_processes_read_nothing_back_but_trls_own_metrics(tmp_path, tiny_own_dir, tiny_moe_dir, case):
-    """In each of 2 gloo processes (DDP), steps read what one process reads: SFT nothing (the stop-on-signal flag is
-    summed in host memory, DDP does not search for unused parameters), DPO only inside TRL's own loss function (its
-    metrics, and gathering them: the ragged gather reads the processes' pair counts there)."""
+CASES = {"sft-lora": ("sft", "lora"), "moe-full": ("sft", "full"), "dpo-lora": ("dpo", "lora"), "dpo-full": ("dpo", "full"),
+         "kto-lora": ("kto", "lora"), "orpo-lora": ("orpo", "lora"), "simpo-full": ("simpo", "full"), "rm-lora": ("rm", "lora")}
+
+
+@pytest.mark.slow  # one launch of 2 processes for every case, the runs one after another (tests/sequence_runs.py)
+def test_two_processes_read_nothing_back(tmp_path, tiny_own_dir, tiny_moe_dir):
+    """In each of 2 gloo processes (DDP), steps 2 and 3 read nothing back, for every method (the stop-on-signal flag
+    is summed in host memory, DDP does not search for unused parameters, the step's unit counts are summed on the
+    device, the metrics wait for a logging step)."""
     import json
+    import os
+    import subprocess
+    import sys
 
-    from test_distributed import GLOO_AT_EXIT, head_chunks_env, train_cli, write_data
+    from test_distributed import GLOO_AT_EXIT, head_chunks_env, write_data
 
-    method, kind = {"sft-lora": ("sft", "lora"), "moe-full": ("sft", "full"), "dpo-lora": ("dpo", "lora")}[case]
     counts = tmp_path / "counts"
     counts.mkdir()
-    data = PAIRS if method == "dpo" else write_data(tmp_path / "data.jsonl")
-    path = write_recipe(tmp_path / "recipe.yaml", tiny_moe_dir if case == "moe-full" else tiny_own_dir, method=method,
-                        lora={"r": 4, "alpha": 8, "dropout": 0.0} if kind == "lora" else None, out=tmp_path / "run",
-                        data={"train": [str(data)], "max_length": 64 if method == "sft" else 128},
-                        train={"max_steps": 4, "logging_steps": 1000, "save_strategy": "no", "learning_rate": 1e-3,
-                               "per_device_train_batch_size": 1, "activation_checkpointing": False, "seed": 0})
-    env = head_chunks_env(tmp_path / "hook", GLOO_AT_EXIT + IN_EACH_PROCESS)
-    done = train_cli(tmp_path, str(path), "--num-processes", "2",
-                     env={**env, "COUNT_SYNCS": str(counts), "COUNT_SYNCS_TESTS": str(Path(__file__).parent)})
+    sft_data = write_data(tmp_path / "data.jsonl")
+    argv = []
+    for case, (method, kind) in CASES.items():
+        data = data_of(method) if method != "sft" else str(sft_data)
+        path = write_recipe(tmp_path / f"{case}.yaml", tiny_moe_dir if case == "moe-full" else tiny_own_dir, method=method,
+                            lora={"r": 4, "alpha": 8, "dropout": 0.0} if kind == "lora" else None, out=tmp_path / case,
+                            data={"train": [data], "max_length": 64 if method == "sft" else 128},
+                            train={"max_steps": 4, "logging_steps": 1000, "save_strategy": "no", "learning_rate": 1e-3,
+                                   "per_device_train_batch_size": 1, "activation_checkpointing": False, "seed": 0})
+        argv += [str(path), str(tmp_path / case)]
+    env = {**os.environ, **head_chunks_env(tmp_path / "hook", GLOO_AT_EXIT + IN_EACH_PROCESS), "CUDA_VISIBLE_DEVICES": "",
+           "ACCELERATE_USE_CPU": "true", "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1",
+           "COUNT_SYNCS": str(counts), "COUNT_SYNCS_TESTS": str(Path(__file__).parent)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(Path(__file__).parent / "sequence_runs.py"), *argv], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    for rank in (0, 1):
-        per_step = json.loads((counts / f"{rank}.json").read_text())
-        if method == "sft":
-            assert per_step == {}, (rank, per_step)
-            continue
-        where, function = TRL_LOSS[method]
-        trl = {k for k in per_step if k.split(" | ")[1].startswith(where) and k.endswith(function)}
-        # TRL's metric gathers go through the ragged gather (train/ragged_gather.py), which reads the processes' counts
-        gathers = {k for k in per_step if k.startswith("Tensor.tolist | ") and "ragged_gather.py:" in k and k.endswith(" | gather_ragged")}
-        assert trl and gathers and set(per_step) == trl | gathers, (rank, per_step)
+    read = {(case, rank): json.loads((counts / f"{case}-{rank}.json").read_text()) for case in CASES for rank in (0, 1)}
+    assert all(per_step == {} for per_step in read.values()), {k: v for k, v in read.items() if v}
