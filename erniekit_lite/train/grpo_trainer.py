@@ -123,6 +123,10 @@ class ErnieGRPOTrainer(ErnieTrainer, GRPOTrainer):
         return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None,
                 torch.stack(aux).mean() if compute_aux_loss else None)
 
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        read_back(self._metrics.values())  # before TRL's `log` averages them: one transfer
+        super().log(logs, start_time)
+
     def count_tokens(self, model, real: int, slots: int) -> None:
         # TRL's `_generate` already adds prompt + completion tokens to num_input_tokens_seen: only the throughput
         # counters (tokens scored with grad, per second) are kept here
@@ -169,3 +173,17 @@ class EpochRepeatSampler(RepeatSampler):
         self.generator.manual_seed(self.seed)
         for _ in range(epoch):
             torch.randperm(self.num_samples, generator=self.generator)
+
+
+def read_back(kept) -> None:
+    """The project's metrics kept as device tensors in TRL's metric lists (`kept`: metric name -> list of values per
+    mode) between logging steps (a `.item()` per micro-batch stalled the GPU each time), replaced by Python numbers:
+    one transfer per kind. Counts come back as integers: through float32 they are exact only below 2^24."""
+    held = [(values, i) for metrics in kept for values in metrics.values() for i, v in enumerate(values) if torch.is_tensor(v)]
+    parts = {kind: [(values, i) for values, i in held if values[i].is_floating_point() == (kind is torch.float32)]
+             for kind in (torch.float32, torch.int64)}  # split before either is read (reading replaces the tensors)
+    for kind, these in parts.items():
+        if these:
+            read = torch.stack([values[i].detach().to(kind).reshape(()) for values, i in these]).tolist()
+            for (values, i), value in zip(these, read):
+                values[i] = value

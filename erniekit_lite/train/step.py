@@ -1,25 +1,21 @@
-"""The base of every method's Trainer: one optimizer step, read top to bottom here.
+"""What every Trainer of the project adds to the step, whatever computes the loss: the project's Trainer
+(train/trainer.py: every method but GRPO) and GRPO's adapter onto TRL (train/grpo_trainer.py) both put
+`ErnieTrainer` first. Per optimizer step, in this order:
 
-Each method's Trainer is `ErnieTrainer` (or `step_weights.PairTrainer` for the preference methods) placed before
-TRL's trainer class; the method adds its loss and its data, nothing else. Per optimizer step, in this order:
-
-1. `_get_num_items_in_batch`: the Trainer fetches the step's micro-batches and counts them once (TRL's token count;
-   the SFT router's real tokens, the preference methods' pairs: counted on the host by the collators);
-2. per micro-batch, `training_step` -> `_prepare_inputs` (accelerate moves the batch; the host-counted sample lengths
-   are handed to per-sample attention, `attention.take_batch_lengths`) -> the method's `compute_loss` (the packed
-   forward through the project's scoring, the method's loss, its step weight, `count_tokens`) -> backward (the
-   Trainer's); the first step's out-of-memory retry wraps this, the one re-decision a run makes (below);
-3. `_get_grad_norm`: clipping, and the divergence guard (`checkpoints.DivergenceGuard`: on the device with fused
+1. per micro-batch, `training_step` -> `_prepare_inputs` (accelerate moves the batch; the host-counted sample lengths
+   are handed to per-sample attention, `attention.take_batch_lengths`) -> the loss (`Trainer.compute_loss`, or TRL's
+   for GRPO), `count_tokens` -> backward (the Trainer's); the first step's out-of-memory retry wraps this, the one
+   re-decision a run makes (below);
+2. `_get_grad_norm`: clipping, and the divergence guard (`checkpoints.DivergenceGuard`: on the device with fused
    AdamW, so the step does not wait);
-4. the optimizer (`create_optimizer`: LoRA+ when the adapter asks, the host step under `train.offload: optimizer`);
-5. the callbacks at step end, in the order `train/run.py` adds them: weight EMA (after any sync, so it reads averaged
+3. the optimizer (`create_optimizer`: LoRA+ when the adapter asks, the host step under `train.offload: optimizer`);
+4. the callbacks at step end, in the order `train/run.py` adds them: weight EMA (after any sync, so it reads averaged
    weights), the slow-link sync, the first-step and stop-on-signal bookkeeping;
-6. `log` at logging steps only: the divergence guard read, the project's metrics kept on the device read in one
-   transfer (`trl_metrics.read_back`), real-token rates.
+5. `log` at logging steps only: the divergence guard read, real-token rates.
 
 Checkpoints are atomic (`checkpoints.py`: written into `tmp-checkpoint-N/`, renamed whole), and a PiSSA/OLoRA
 adapter is saved as a plain LoRA at the end (`lora.save_as_plain_lora`). Everything else (schedule, accumulation,
-mixed precision) is TRL and transformers.
+mixed precision) is transformers'.
 """
 
 from __future__ import annotations
@@ -39,18 +35,19 @@ from erniekit_lite.model.attention import take_batch_lengths
 from erniekit_lite.model.expert_lora import forget_layouts, layout_holders
 from erniekit_lite.model.lora import save_as_plain_lora, unwrap
 from erniekit_lite.run_plan import CHECKPOINTING_OFF_BY_PLAN
-from erniekit_lite.train import checkpoints, offload, optimizer, trl_metrics
+from erniekit_lite.train import checkpoints, offload, optimizer
 
 # What a micro-batch's training step adds to, put back before the first step's batches run again: the real-token
-# counts, TRL's logged metrics, GRPO's micro-step counter (it picks the buffered generation) and step time
-_STEP_STATE = ("real_tokens", "token_slots", "_since_log", "_metrics", "_step", "_current_train_step_time")
+# counts, the metrics kept for the next log (the project's `metrics`, TRL's `_metrics` in GRPO), GRPO's micro-step
+# counter (it picks the buffered generation) and step time
+_STEP_STATE = ("real_tokens", "token_slots", "_since_log", "metrics", "_metrics", "_step", "_current_train_step_time")
 RETRIED_AT = "activation_checkpointing_turned_on_at_step"  # train_results.json: the first step ran out of memory
 TOTALS = "erniekit_totals.json"  # in a checkpoint: the run so far over all processes, rank 0's (`_RunTotals`)
 TOTALS_PER_RANK = "erniekit_totals-rank*.json"  # older checkpoints: one per process, its own counts (`read_totals`)
 
 
 class ErnieTrainer:
-    """Placed before a TRL trainer class (see the module doc). What it owns: the divergence guard, the real-token
+    """Placed before a Trainer class (see the module doc). What it owns: the divergence guard, the real-token
     counters, the first step's batches (for the out-of-memory retry) and, while saving, the staging dir."""
 
     real_tokens = 0  # non-pad tokens forwarded in training
@@ -148,8 +145,6 @@ class ErnieTrainer:
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         self.guard.check(self._apart())  # a logging step reads values back anyway
-        # ORPO and CPO keep theirs in `_stored_metrics`
-        trl_metrics.read_back([*getattr(self, "_metrics", {}).values(), *getattr(self, "_stored_metrics", {}).values()])
         if "loss" in logs:  # every process logs the same steps, so the sum below is collective-safe
             now = time.perf_counter()
             then, tokens, slots = self._since_log or (now, 0, 0)
