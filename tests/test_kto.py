@@ -1,6 +1,6 @@
 """KTO (`method: kto`): unpaired feedback records, KL twins paired within packed groups, packed scores equal each
-sequence alone, TRL's KTO loss / metrics / gradients equal on packed rows and on TRL's own padded batch, and a CLI
-run that learns the labels."""
+sequence alone, the project's KTO loss / metrics / gradients on packed rows equal TRL's own KTOTrainer on its padded
+batch, and a CLI run that learns the labels."""
 
 from __future__ import annotations
 
@@ -154,15 +154,10 @@ def test_one_example_alone_pairs_with_itself_and_apo_rows_hold_no_twins(examples
 # --- packed scoring = each sequence alone; TRL's loss on packed rows = on its own padded batch -----------------------
 
 
-def _trl_patched(model):
-    from trl.trainer.utils import add_fused_lm_head
-
+def _scored(model):
     from erniekit_lite.train import scored
 
-    # as the KTO trainer leaves it: TRL's fused head put on in its `__init__`, then taken off for our class's forward
-    scored.take(model)
-    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits"))
-    scored.without_trl_head(model)
+    scored.take(model)  # as a run loads it (train/common.load_for_training): the class's forward scores our batches
     return model
 
 
@@ -177,14 +172,14 @@ def _logp_alone(model, ids, labels) -> float:
 
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 def test_packed_example_and_twin_logps_equal_each_sequence_alone(tiny_dense_dir, examples, packing):
-    from erniekit_lite.train.kto_trainer import side
+    from erniekit_lite.train.kto_loss import side
 
-    model = _trl_patched(load_model(str(tiny_dense_dir), "float32", "packed_sdpa").eval())
+    model = _scored(load_model(str(tiny_dense_dir), "float32", "packed_sdpa").eval())
     rows = pack_feedback(examples[2], 256, packing)
     collate = PackedFeedbackCollator(256) if packing else PaddedFeedbackCollator(0)
     batch = collate([vars(r) for r in rows])
     with torch.no_grad():
-        scores = [model(**side(batch, kl), use_cache=False, fused_lm_head=True).log_probs.sum(-1) for kl in (False, True)]
+        scores = [model(**side(batch, kl)).log_probs.sum(-1) for kl in (False, True)]
     seqs = [s for row in rows for s in zip(*_split_row(row))]  # (example, twin) in batch order
     assert len(seqs) == len(examples[2]) == len(scores[0]) == len(scores[1])
     for k, pair in enumerate(seqs):
@@ -210,28 +205,43 @@ def _trl_examples(rows):
 @pytest.mark.parametrize("loss_type, weights", [("kto", (1.0, 1.0)), ("kto", (1.0, 1.5)), ("apo_zero_unpaired", (1.0, 1.0))],
                          ids=["kto", "kto-weighted", "apo_zero_unpaired"])
 def test_kto_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_tokenizer, examples, loss_type, weights):
-    """Loss, metrics and LoRA gradients of TRL's own padded batch (its collator, its forward) equal ours on packed rows,
-    with the same KL pairs."""
-    from trl import KTOConfig
+    """Loss, metrics and LoRA gradients of TRL's own KTOTrainer (the oracle: its padded batch and forward) equal the
+    project's KTO loss (train/kto_loss.py) on packed rows, with the same KL pairs."""
+    from datasets import Dataset
+    from trl import KTOConfig, KTOTrainer
     from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 
     from erniekit_lite.model.lora import apply_lora
     from erniekit_lite.recipe import LoraSection
+    from erniekit_lite.train import scored
     from erniekit_lite.train.kto import rows_dataset
-    from erniekit_lite.train.kto_trainer import ErnieKTOTrainer
+    from erniekit_lite.train.kto_loss import KTOLoss
+    from erniekit_lite.train.reference import Reference
+    from erniekit_lite.train.trainer import Trainer, ready
 
     torch.manual_seed(0)
     model = apply_lora(load_model(str(tiny_dense_dir), "float32", "packed_sdpa"), LoraSection(r=4, dropout=0.0))
+    scored.take(model.get_base_model())  # as a run loads it (train/common.load_for_training)
     rows = pack_feedback(examples[2], 50)  # rows of two and rows of one
     assert len(rows) > 1
-    args = KTOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, loss_type=loss_type, beta=0.1, max_length=None,
-                     desirable_weight=weights[0], undesirable_weight=weights[1], per_device_train_batch_size=1)
-    trainer = ErnieKTOTrainer(model=model, args=args, train_dataset=rows_dataset(rows), processing_class=ernie_tokenizer,
-                              data_collator=PackedFeedbackCollator(50))
-    assert (args.per_device_train_batch_size, args.train_sampling_strategy) == (1, "sequential")  # the caller's, kept
-    # no forward on the instance (TRL's fused head taken off): the class's own scores (erniekit_lite/train/scored.py)
+
+    def config(**kwargs):
+        return KTOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, loss_type=loss_type, beta=0.1, max_length=None,
+                         desirable_weight=weights[0], undesirable_weight=weights[1], remove_unused_columns=False, **kwargs)
+
+    # the oracle: TRL's own trainer, with what it asks of the KL term (sequential order, more than one example per
+    # batch); its reference: a frozen copy of the adapter as it starts (B = 0, i.e. the base)
+    oracle = KTOTrainer(model=model, args=config(per_device_train_batch_size=2, train_sampling_strategy="sequential"),
+                        train_dataset=Dataset.from_dict({"prompt": ["a", "b"], "completion": ["c", "d"], "label": [True, False]}),
+                        processing_class=ernie_tokenizer)
+    scored.without_trl_head(model.get_base_model())  # TRL's fused head put on in its __init__: back on only for its batch
+    args = config(per_device_train_batch_size=1, train_sampling_strategy="random")  # any order, any batch size
+    ours = Trainer(model=model, args=args, loss=KTOLoss(args, ready(model, args), Reference("adapters off")),
+                   train_dataset=rows_dataset(rows), processing_class=ernie_tokenizer, data_collator=PackedFeedbackCollator(50))
+    # no forward on the instance and no TRL class: the model's class scores (erniekit_lite/train/scored.py)
     assert "forward" not in vars(model.get_base_model()) and type(model.get_base_model()).__module__ == "erniekit_lite.train.scored"
-    with torch.no_grad():  # move the policy away from its reference (the "ref" adapter, a copy of the initial one)
+    assert not any(c.__module__.startswith("trl") for c in type(ours).__mro__)
+    with torch.no_grad():  # move the policy away from its reference (the trained LoRA B starts at zero)
         for name, p in model.named_parameters():
             if "lora_B" in name and p.requires_grad:
                 p.normal_(0, 0.05)
@@ -242,17 +252,19 @@ def test_kto_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_token
         packed = {k: v for k, v in packed.items() if not k.startswith("KL_")}
     trained = [p for p in model.parameters() if p.requires_grad]
 
-    def loss_and_grads(batch):
+    def loss_and_grads(trainer, batch):
         model.zero_grad()
         loss = trainer.compute_loss(model, batch)
         loss.backward()
-        metrics = {k: v[-1] for k, v in trainer._metrics["eval"].items()}
-        trainer._metrics["eval"].clear()
+        if trainer is oracle:
+            metrics = {k: v[-1] for k, v in oracle._metrics["eval"].items()}
+        else:
+            metrics = ours.metrics.read("eval", ours.accelerator)
         return loss.item(), metrics, [p.grad.clone() for p in trained]
 
     with trls_own_head(model.get_base_model(), ("log_probs", "entropy", "mean_logits")):
-        trl_loss, trl_metrics, trl_grads = loss_and_grads(padded)
-    our_loss, our_metrics, our_grads = loss_and_grads(packed)
+        trl_loss, trl_metrics, trl_grads = loss_and_grads(oracle, padded)
+    our_loss, our_metrics, our_grads = loss_and_grads(ours, packed)
     assert abs(trl_loss - our_loss) <= 1e-5
     assert max((a - b).abs().max().item() for a, b in zip(trl_grads, our_grads)) <= 1e-5
     assert max(g.abs().max().item() for g in our_grads) > 1e-3  # the gradients compared are not all zero

@@ -1,10 +1,14 @@
-"""KTO (`method: kto`, TRL's KTOTrainer) on unpaired feedback: what it adds to the shared run (run.py).
+"""KTO (`method: kto`, TRL 1.16's loss ported in kto_loss.py) on unpaired feedback: what it adds to the shared run
+(run.py).
 
 The data are labelled completions, each packed with its KL twin (data/unpaired.py); `train.loss_type:
-apo_zero_unpaired` has no KL term, so its rows hold the examples alone. The reference is DPO's: a new adapter is
-handed to TRL as a config, so the reference is the base with the adapter disabled (no copy); a LoRA run dir given
-as model.path keeps its adapter and TRL copies it as the reference; full fine-tuning keeps a frozen copy (or
-precomputes, `train.precompute_ref_log_probs`). PiSSA and OLoRA change the base itself: refused as for DPO.
+apo_zero_unpaired` has no KL term, so its rows hold the examples alone. The rows are shuffled and any batch size
+works: the twins are fixed inside each row, where TRL pairs them within blocks of its batch in dataset order. The
+reference is DPO's (reference.py): a new adapter's is the base with the adapter disabled (no copy); a LoRA run dir
+given as model.path keeps its adapter, and a frozen copy of it is the reference; full fine-tuning keeps a frozen
+copy of the model, or precomputes (`train.precompute_ref_log_probs`: `ref_logps` per example, `ref_KL_logps` per
+twin). PiSSA and OLoRA change the base itself: refused as for DPO. `train:` holds TRL's `KTOConfig` fields
+(trainer_args.py), read from the arguments.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from erniekit_lite.data.unpaired import PackedFeedbackCollator, PaddedFeedbackCo
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.run_plan import RunPlan
 from erniekit_lite.train import run as runner
-from erniekit_lite.train.common import trainer_inputs, trl_trainer
+from erniekit_lite.train.common import trainer_inputs
 
 
 def run(recipe: Recipe, log=print) -> Path:
@@ -43,10 +47,27 @@ def rows_dataset(rows):
 
 
 def build_trainer(model, tokenizer, args, data: PreparedFeedback, plan: RunPlan):
-    from erniekit_lite.train.kto_trainer import ErnieKTOTrainer
+    from erniekit_lite.train import reference as references
+    from erniekit_lite.train.kto_loss import KTOLoss
+    from erniekit_lite.train.trainer import Trainer, ready
 
-    return trl_trainer(ErnieKTOTrainer, model, plan, args=args, reference_cache=plan.data.cache, **trainer_inputs(
-        data, tokenizer, plan, PackedFeedbackCollator, PaddedFeedbackCollator, rows=rows_dataset))
+    inputs = trainer_inputs(data, tokenizer, plan, PackedFeedbackCollator, PaddedFeedbackCollator, rows=rows_dataset)
+    reference = references.choose(model, plan.lora is not None, args.precompute_ref_log_probs, references.fsdp_launch(args),
+                                  lambda: references.load_copy(plan))
+    loss = KTOLoss(args, ready(model, args), reference)
+    trainer = Trainer(model=model, args=args, loss=loss, **inputs)
+    references.prepare(reference, trainer.accelerator)
+    if reference.precomputed:
+        references.precompute_datasets(trainer, reference, score=lambda model, batch: _reference_columns(loss, model, batch),
+                                       per_row=lambda row: len(row["desirable"]), settings={"method": "kto", "kl": loss.kl},
+                                       cached=plan.data.cache)
+    return trainer
+
+
+def _reference_columns(loss, model, batch: dict) -> dict:
+    """The reference's summed log-probs per example and per KL twin (no twins, no column), in collator order."""
+    examples, twins = loss.reference_scores(model, batch)
+    return {"ref_logps": examples, "ref_KL_logps": twins}
 
 
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -65,5 +86,5 @@ def summary(metrics: dict) -> str:
 
 METHOD = runner.Method(
     prepare=prepare_feedback, describe=describe_feedback, build_trainer=build_trainer,
-    trained=lambda data: len(data.train.examples), adapter_by_trainer=True, metrics=last_rewards, summary=summary,
+    trained=lambda data: len(data.train.examples), metrics=last_rewards, summary=summary,
 )
