@@ -1,7 +1,7 @@
-"""`method: rm`: reward models through TRL's RewardTrainer on packed preference pairs.
+"""`method: rm`: reward models on the project's Trainer (train/rm.py's loss) over packed preference pairs.
 
-Packed rewards equal each sequence run alone; TRL's loss, metrics and gradients equal TRL's own RewardTrainer on its own
-padded batches; a short CLI run learns the identity pairs; the saved run reloads (erniekit-lite, transformers' Auto
+Packed rewards equal each sequence run alone; the loss, metrics and gradients equal TRL's own RewardTrainer (the oracle)
+on its own padded batches; a short CLI run learns the identity pairs; the saved run reloads (erniekit-lite, transformers' Auto
 class in a fresh process, merged) with the trained rewards; `score()` renders items as training did.
 """
 
@@ -131,10 +131,12 @@ def test_packed_rewards_equal_each_sequence_alone(arch, tiny_dense_dir, tiny_moe
         assert (model(**padded).logits[:, 0] - alone).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("arch,lora", [("dense", None), ("moe", {"r": 4, "alpha": 8})], ids=["dense-full", "moe-lora"])
-def test_loss_metrics_and_gradients_equal_trls_own_reward_trainer(arch, lora, tiny_dense_dir, tiny_moe_dir, tmp_path, one_thread):
-    """Our trainer (packed rows, our forward) against TRL's RewardTrainer with its own collator and transformers' stock
-    forward, on the same pairs and weights: loss (with center_rewards_coefficient), every metric, every gradient."""
+@pytest.mark.parametrize("arch,lora,margin", [("dense", None, False), ("moe", {"r": 4, "alpha": 8}, True)],
+                         ids=["dense-full", "moe-lora-margin"])
+def test_loss_metrics_and_gradients_equal_trls_own_reward_trainer(arch, lora, margin, tiny_dense_dir, tiny_moe_dir, tmp_path, one_thread):
+    """Our Trainer and loss (packed rows, our forward) against TRL's RewardTrainer with its own collator and transformers'
+    stock forward, on the same pairs and weights: loss (with center_rewards_coefficient, and a batch's `margin` per
+    pair), every metric, every gradient."""
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
@@ -156,23 +158,41 @@ def test_loss_metrics_and_gradients_equal_trls_own_reward_trainer(arch, lora, ti
     ours = rm.build_trainer(ours_model, tokenizer, args, data, plan)
 
     pairs = data.train.pairs
+    margins = [0.5 * (i % 3) for i in range(len(pairs))]  # distinct per pair: a pair given another's would show
+    columns = {"chosen_ids": [p.chosen.input_ids for p in pairs], "rejected_ids": [p.rejected.input_ids for p in pairs]}
     theirs = RewardTrainer(
         model=theirs_model,
         args=RewardConfig(output_dir=str(tmp_path / "theirs"), report_to="none", bf16=False, use_cpu=True, center_rewards_coefficient=0.01),
-        train_dataset=Dataset.from_dict({"chosen_ids": [p.chosen.input_ids for p in pairs], "rejected_ids": [p.rejected.input_ids for p in pairs]}),
+        train_dataset=Dataset.from_dict({**columns, **({"margin": margins} if margin else {})}),
         processing_class=tokenizer,
     )
     assert type(theirs.data_collator).__name__ == "DataCollatorForPreference"
+    assert not any(cls.__module__.startswith("trl") for cls in type(ours).__mro__)  # TRL is the oracle only
+    # no router aux loss on an MoE, as TRL adds none: the config keeps the forward from collecting router logits
+    assert not ours.loss.aux.enabled and not getattr(unwrap(ours.model).config, "output_router_logits", False)
     ours.model.train()
     theirs.model.train()
-    loss = ours.compute_loss(ours.model, ours.data_collator([vars(row) for row in data.train.rows]))
-    expected = theirs.compute_loss(theirs.model, theirs.data_collator([theirs.train_dataset[i] for i in range(len(pairs))]))
+    # the whole training set as one optimizer step of one micro-batch, counted as the Trainer counts a step
+    batch = ours.data_collator([vars(row) for row in data.train.rows])
+    if margin:  # in the batch's pair order (rows as packed), each pair's own
+        index = {tuple(p.chosen.input_ids): i for i, p in enumerate(pairs)}
+        batch["margin"] = torch.tensor([margins[index[tuple(ids)]] for ids in _sequences(batch)[:len(pairs)]])
+    batches, _ = ours.get_batch_samples(iter([batch]), 1, torch.device("cpu"))
+    assert ours.step_counts.units == len(pairs) and ours.step_counts.micro_batches == 1
+    loss = ours.compute_loss(ours.model, ours._prepare_inputs(batches[0]))
+    theirs_batch = theirs.data_collator([theirs.train_dataset[i] for i in range(len(pairs))])
+    assert ("margin" in theirs_batch) == margin
+    expected = theirs.compute_loss(theirs.model, theirs_batch)
     assert abs(loss.item() - expected.item()) <= TOL
     assert loss.item() > 0.1  # an untrained head: a real loss, not a saturated one
-    metrics = {k: v[-1] for k, v in ours._metrics["train"].items()}
-    assert metrics.keys() == {"num_tokens", "min_reward", "mean_reward", "max_reward", "accuracy", "margin"}
+    metrics = ours.metrics.read("train", ours.accelerator)  # what the next logging step logs
+    assert metrics.keys() == set(rm.METRICS)
     for key, value in theirs._metrics["train"].items():
-        assert abs(metrics[key] - value[-1]) <= TOL * max(1.0, abs(value[-1])), key  # num_tokens: real tokens, both
+        if key == "num_tokens":  # TRL's running count of real tokens: ours is the Trainer's own (throughput)
+            assert ours.real_tokens == value[-1] > 0
+            continue
+        assert abs(metrics[key] - value[-1]) <= TOL * max(1.0, abs(value[-1])), key
+    assert metrics.keys() == theirs._metrics["train"].keys() - {"num_tokens"}
     loss.backward()
     expected.backward()
     theirs_grads = dict(theirs.model.named_parameters())

@@ -1,24 +1,25 @@
-"""Reward models (`method: rm`): TRL's RewardTrainer on packed preference pairs.
+"""Reward models (`method: rm`): the project's Trainer (train/trainer.py) with the pairwise reward loss.
 
-TRL keeps all of it: the loss (-log sigmoid(r_chosen - r_rejected), plus `center_rewards_coefficient` x mean(r^2)
-when set), the metrics (accuracy, margin, min/mean/max reward, num_tokens) and the training loop. Its
-`compute_loss` calls `model(**inputs)` and splits `outputs.logits` [2B, 1] into chosen and rejected halves; we change
-only what feeds it: the model class's forward (model/reward.py) scores the pair rows of data/pairs.py,
-packed (one forward over the row, per-sample attention, the reward at each sequence's last token) or padded, in that
-layout. TRL's own tokenization (`_prepare_dataset`) is skipped: the rows are tokenized and packed already, exactly as
-for DPO (the same formats and template).
+The loss is TRL 1.16's RewardTrainer's, ported (`RewardLoss`; TRL itself is only the tests' oracle): per pair
+−log σ(r_chosen − r_rejected [− margin, when the batch has one]), plus `center_rewards_coefficient` × (r_chosen +
+r_rejected)² when set, so that the step's mean over its pairs is TRL's loss of one micro-batch. Its metrics keep TRL's
+names: `accuracy` (r_chosen > r_rejected) and `margin` (r_chosen − r_rejected) over the pairs, `mean_reward` over
+both sides, `min_reward` and `max_reward` over the logging window, all kept on the device until a logging step.
+The model class's forward (model/reward.py) scores the pair rows of data/pairs.py, packed (one forward over the row,
+per-sample attention, the reward at each sequence's last token) or padded, as `logits` [2B, 1]: chosen rows, then
+rejected. The rows are tokenized and packed as for DPO (the same formats and template).
 
 The model is model/reward.py's sequence-classification class: the base checkpoint's body and a new `score` head.
 LoRA adapters are made as for SFT (model/lora.py, the MoE's fused experts included) with the head trained in full
-(peft `modules_to_save`); full fine-tuning trains everything. TRL's RewardTrainer adds no router aux loss on an MoE
-(nor does transformers' sequence-classification forward): none is added here either.
+(peft `modules_to_save`); full fine-tuning trains everything. No router aux loss is added on an MoE (TRL's
+RewardTrainer added none, nor does transformers' sequence-classification forward).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from trl import RewardTrainer
+import torch
 
 from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator
 from erniekit_lite.data.prepare import describe_pairs, prepare_pairs
@@ -29,7 +30,7 @@ from erniekit_lite.recipe import Recipe
 from erniekit_lite.run_plan import RunPlan
 from erniekit_lite.train import run as runner
 from erniekit_lite.train.common import trainer_inputs
-from erniekit_lite.train.step_weights import PairTrainer
+from erniekit_lite.train.trainer import Loss, Parts, RouterAux, Trainer, ready
 
 
 def run(recipe: Recipe, log=print) -> Path:
@@ -40,27 +41,55 @@ def run(recipe: Recipe, log=print) -> Path:
     return runner.run(recipe, METHOD, log)
 
 
-class ErnieRewardTrainer(PairTrainer, RewardTrainer):
-    aux_loss_enabled = False  # TRL's RewardTrainer adds no MoE router aux loss (read by train/common.watch_moe)
-    router_aux_loss_coef = 0.0
+class RewardLoss(Loss):
+    """The unit is a pair: a micro-batch of [2B, L] rows (chosen, then rejected) holds B."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        base = unwrap(self.model)  # model/reward.py's class: its forward scores our pair batches
-        # TRL casts every trainable parameter of a quantized model to bf16 (for QLoRA's adapters); the head's trained copy
-        # computes on the body's output, in the model's dtype, as peft made it (the adapters keep TRL's and our bf16)
-        dtype = base.get_input_embeddings().weight.dtype
-        for name, param in self.model.named_parameters():
-            if param.requires_grad and f"{HEAD}." in name and "lora_" not in name:
-                param.data = param.data.to(dtype)
+    aux = RouterAux(False, 0.0)  # no MoE router aux loss (read by train/common.watch_moe)
 
-    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
-        return dataset  # already tokenized and packed by erniekit_lite.data.pairs
+    def __init__(self, center_rewards_coefficient: float | None = None):
+        self.center = center_rewards_coefficient
+
+    def units(self, batch: dict) -> int:
+        return batch["input_ids"].shape[0] // 2
+
+    def __call__(self, model, batch: dict, trainer, real: int) -> Parts:
+        margin = batch.pop("margin", None)
+        rewards = model(**batch, use_cache=False).logits.squeeze(-1).float()  # [2B]
+        chosen, rejected = torch.chunk(rewards, chunks=2)
+        difference = chosen - rejected
+        losses = -torch.nn.functional.logsigmoid(difference if margin is None else difference - margin)
+        if self.center is not None:  # TRL: coefficient x mean over the pairs of (r_chosen + r_rejected)^2
+            losses = losses + self.center * (chosen + rejected) ** 2
+        pairs = chosen.shape[0]
+        mode = "train" if model.training else "eval"
+        trainer.metrics.add_extreme(mode, "min_reward", rewards, "min")
+        trainer.metrics.add_extreme(mode, "max_reward", rewards, "max")
+        metrics = {"accuracy": ((chosen > rejected).sum(), pairs), "margin": (difference.sum(), pairs),
+                   "mean_reward": (rewards.sum(), 2 * pairs)}
+        return Parts(total=losses.sum(), metrics=metrics)
 
 
 def build_trainer(model, tokenizer, args, data, plan: RunPlan):
-    trainer = ErnieRewardTrainer(model=model, args=args,
-                                 **trainer_inputs(data, tokenizer, plan, PackedPairCollator, PaddedPairCollator))
+    loss = RewardLoss(args.center_rewards_coefficient)
+    text = model.config.get_text_config()
+    routing = {k: getattr(text, k) for k in ("output_router_logits", "router_aux_loss_coef") if hasattr(text, k)}
+    ready(model, args)
+    for key, value in routing.items():  # the config as loaded: ready() would turn an MoE's aux loss on, rm adds none
+        setattr(text, key, value)
+    # The head's trained copy computes on the body's output, in the model's dtype, as peft made it; ready() casts every
+    # trainable parameter of a quantized model to bf16 for QLoRA's adapters (as TRL did), which keep it
+    base = unwrap(model)
+    dtype = base.get_input_embeddings().weight.dtype
+    for name, param in model.named_parameters():
+        if param.requires_grad and f"{HEAD}." in name and "lora_" not in name:
+            param.data = param.data.to(dtype)
+    # transformers' own forward (a reload scoring a batch) finds each sequence's last token by the pad id, which TRL's
+    # RewardTrainer wrote into the config (the tokenizer's pad token, else its end-of-sequence token)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    text.pad_token_id = tokenizer.pad_token_id
+    trainer = Trainer(model=model, args=args, loss=loss,
+                      **trainer_inputs(data, tokenizer, plan, PackedPairCollator, PaddedPairCollator))
     # the head itself, or under LoRA peft's trained copy of it (modules_to_save; the original stays frozen beside it)
     trained = sum(p.numel() for n, p in trainer.model.named_parameters() if p.requires_grad and f"{HEAD}." in n)
     if trained != getattr(unwrap(trainer.model), HEAD).in_features:
@@ -72,7 +101,7 @@ METRICS = ("accuracy", "margin", "mean_reward", "min_reward", "max_reward")
 
 
 def last_metrics(trainer) -> dict:
-    """TRL's reward metrics of the last logged training step (averaged over its logging window), for train_results.json."""
+    """The reward metrics of the last logged training step (over its logging window), for train_results.json."""
     logged = [h for h in trainer.state.log_history if "accuracy" in h and "loss" in h]
     return {k: logged[-1][k] for k in METRICS if logged and k in logged[-1]}
 
