@@ -115,6 +115,20 @@ class ErnieTrainer:
         # once the batch is on the device, so no step reads them back (a host sync each)
         return take_batch_lengths(super()._prepare_inputs(inputs))
 
+    def get_train_dataloader(self):
+        return self._by_groups(super().get_train_dataloader())
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._by_groups(super().get_eval_dataloader(eval_dataset))
+
+    def _by_groups(self, loader):
+        # distributed.sequence_parallel: the processes of a group read the same batches (train/sequence_parallel.py)
+        if self.sequence_parallel == 1:
+            return loader
+        from erniekit_lite.train.sequence_parallel import by_groups
+
+        return by_groups(loader, self.accelerator, self.sequence_parallel)
+
     def _get_grad_norm(self, model, grad_norm=None):
         grad_norm = super()._get_grad_norm(model, grad_norm)
         if grad_norm is None or self.args.fp16:
