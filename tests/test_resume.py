@@ -42,6 +42,16 @@ def recipe_file(tmp_path: Path, model_dir: Path, name: str, lora: bool = True, *
                         lora={"r": 4, "alpha": 8, "dropout": 0.1} if lora else None)
 
 
+def dpo_recipe_file(tmp_path: Path, model_dir: Path, name: str, **train) -> Path:
+    """LoRA DPO (with dropout) on the identity demo's pairs (helpers.PAIRS: 8 pairs in 2 packed rows), 12 steps as
+    `recipe_file`'s: one row per step and no accumulation, so each step's logged reward metrics are its one batch's."""
+    train = {"beta": 0.1, "learning_rate": 5e-3, "max_steps": 12, "per_device_train_batch_size": 1, "logging_steps": 1,
+             "save_steps": 4, "activation_checkpointing": False, "seed": 0, "lr_scheduler_type": "cosine",
+             "warmup_steps": 3, **train}
+    return write_recipe(tmp_path / f"{name}.yaml", model_dir, method="dpo", train=train, out=tmp_path / name,
+                        lora={"r": 4, "alpha": 8, "dropout": 0.1})
+
+
 def history(out: Path) -> list[dict]:
     """Per-step training logs of a finished run (a resumed run's include those restored from its checkpoint)."""
     logs = json.loads((out / "trainer_state.json").read_text())["log_history"]
@@ -162,10 +172,11 @@ FIXTURES = ROOT / "tests" / "fixtures" / "checkpoints"  # written by tests/fixtu
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_a_checkpoint_written_before_the_trainer_redesign_resumes_as_an_uninterrupted_run_goes_on(tmp_path, capsys, tiny_own_dir, lora):
-    """tests/fixtures/checkpoints holds step 4 of this file's two runs, written at the commit its `written_at.json` names
-    (before the step moved into train/step.py). Resumed from by path into a new run dir, a run at today's code logs
-    steps 1-12 as an uninterrupted one: the same learning rates (rel 1e-9) and token counts, losses, gradient norms and
-    accuracies within rel 1e-4 (the fixture was computed on another CPU, whose float sums may differ in the last bits)."""
+    """tests/fixtures/checkpoints holds step 4 of this file's two runs, written at the commit its `written_at.json`
+    names (before the project's own Trainer replaced TRL's). Resumed from by path into a new run dir, a run at today's
+    code logs steps 1-12 as an uninterrupted one: the same learning rates (rel 1e-9) and token counts, losses, gradient
+    norms and accuracies within rel 1e-4 (the fixture was computed on another CPU, whose float sums may differ in the
+    last bits)."""
     code, _, err = train(capsys, recipe_file(tmp_path, tiny_own_dir, "reference", lora))
     assert code == 0, err
     reference = history(tmp_path / "reference")
@@ -180,6 +191,32 @@ def test_a_checkpoint_written_before_the_trainer_redesign_resumes_as_an_uninterr
         for key in ("loss", "grad_norm", "mean_token_accuracy"):
             assert got[key] == pytest.approx(ref[key], rel=1e-4), (got["step"], key)
         assert got["num_tokens"] == ref["num_tokens"], got["step"]
+
+
+# TRL's DPOTrainer logged these; today's DPO logs them under the same names (the old run also logged num_tokens)
+DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected",
+               "logits/chosen", "logits/rejected")
+
+
+def test_a_dpo_checkpoint_written_before_the_trainer_redesign_resumes_as_an_uninterrupted_run_goes_on(tmp_path, capsys, tiny_own_dir):
+    """tests/fixtures/checkpoints/dpo-lora holds step 4 of `dpo_recipe_file`'s run, written when DPO ran on TRL's
+    DPOTrainer (`written_at.json`'s commit). Resumed from by path into a new run dir, a run at today's code (the
+    project's own Trainer and DPO loss) logs steps 1-12 as an uninterrupted one: the same learning rates (rel 1e-9),
+    losses, gradient norms and reward metrics (under the same names) within rel 1e-4. One batch per logged step, so
+    today's metrics pooled over the logging window are the old per-batch ones."""
+    code, _, err = train(capsys, dpo_recipe_file(tmp_path, tiny_own_dir, "reference"))
+    assert code == 0, err
+    fixture = FIXTURES / "dpo-lora" / "checkpoint-4"
+    code, stdout, err = train(capsys, dpo_recipe_file(tmp_path, tiny_own_dir, "resumed"), f"train.resume_from_checkpoint={fixture}")
+    assert code == 0, err
+    assert f"resuming from {fixture}" in stdout
+    reference, resumed = ([h for h in json.loads((tmp_path / name / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+                          for name in ("reference", "resumed"))
+    assert [h["step"] for h in resumed] == [h["step"] for h in reference] == list(range(1, 13))
+    for ref, got in zip(reference, resumed):
+        assert got["learning_rate"] == pytest.approx(ref["learning_rate"], rel=1e-9), got["step"]
+        for key in ("loss", "grad_norm", *DPO_METRICS):
+            assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (got["step"], key)
 
 
 def test_resume_without_checkpoint_starts_fresh(tmp_path, capsys, tiny_own_dir):
