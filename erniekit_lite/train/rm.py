@@ -66,16 +66,13 @@ class RewardLoss(Loss):
         trainer.metrics.add_extreme(mode, "max_reward", rewards, "max")
         metrics = {"accuracy": ((chosen > rejected).sum(), pairs), "margin": (difference.sum(), pairs),
                    "mean_reward": (rewards.sum(), 2 * pairs)}
-        return Parts(total=losses.sum(), metrics=metrics)
+        return Parts(total=losses, metrics=metrics)  # per pair, in row order
 
 
 def build_trainer(model, tokenizer, args, data, plan: RunPlan):
     loss = RewardLoss(args.center_rewards_coefficient)
     text = model.config.get_text_config()
-    routing = {k: getattr(text, k) for k in ("output_router_logits", "router_aux_loss_coef") if hasattr(text, k)}
-    ready(model, args)
-    for key, value in routing.items():  # the config as loaded: ready() would turn an MoE's aux loss on, rm adds none
-        setattr(text, key, value)
+    ready(model, args, moe_aux=False)  # a reward model adds no MoE aux loss (nor did TRL's RewardTrainer)
     # The head's trained copy computes on the body's output, in the model's dtype, as peft made it; ready() casts every
     # trainable parameter of a quantized model to bf16 for QLoRA's adapters (as TRL did), which keep it
     base = unwrap(model)

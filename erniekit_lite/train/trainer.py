@@ -190,12 +190,13 @@ class RouterAux:
     coef: float
 
 
-def ready(model, args) -> RouterAux:
+def ready(model, args, moe_aux: bool = True) -> RouterAux:
     """What a model needs before the Trainer takes it (what TRL 1.16's trainers did in their `__init__`, kept for the
     same numbers): input gradients for adapters under activation checkpointing, a QLoRA's trained weights in bf16 (the
     QLoRA paper's recipe; DoRA's magnitudes kept in their dtype), dropout off where the method's arguments say
     (`disable_dropout`: the preference methods' default, so the two passes of a pair agree), and the MoE aux loss
-    decided once and written into the config the model's own forward reads."""
+    decided once and written into the config the model's own forward reads (`moe_aux=False`: the method adds none,
+    and the config is left as loaded)."""
     peft = hasattr(model, "peft_config")
     if peft and (args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)):
         model.enable_input_require_grads()
@@ -208,6 +209,8 @@ def ready(model, args) -> RouterAux:
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
     text = model.config.get_text_config()
+    if not moe_aux:
+        return RouterAux(False, 0.0)
     chosen = getattr(args, "router_aux_loss_coef", None)
     coef = getattr(text, "router_aux_loss_coef", 0.0) if chosen is None else chosen
     if chosen and not hasattr(text, "output_router_logits"):
