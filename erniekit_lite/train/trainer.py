@@ -178,6 +178,8 @@ class Trainer(ErnieTrainer, transformers.Trainer):
         evaluation = any(k.startswith("eval_") for k in logs) and "loss" not in logs
         means = self.metrics.read("eval" if evaluation else "train", self.accelerator)
         logs.update({f"eval_{k}" if evaluation else k: v for k, v in means.items()})
+        if "loss" in logs:  # the real tokens trained so far (this process's, the run before a resume's included)
+            logs["num_tokens"] = float(self.state.num_input_tokens_seen)
         super().log(logs, start_time)
 
 
