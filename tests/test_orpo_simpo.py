@@ -1,5 +1,6 @@
-"""ORPO and SimPO (TRL's experimental ORPO and CPO trainers) on packed pair rows: per-sequence log-probs equal each
-sequence alone; loss, metrics and LoRA gradients equal TRL's own padded computation; CLI runs learn the pairs."""
+"""ORPO and SimPO on the project's Trainer (train/reference_free.py: TRL's experimental ORPO and CPO losses ported)
+on packed pair rows: per-sequence log-probs equal each sequence alone; loss, metrics and LoRA gradients equal TRL's own
+ORPOTrainer / CPOTrainer on its padded batch; CLI runs learn the pairs."""
 
 from __future__ import annotations
 
@@ -39,15 +40,30 @@ def _dataset(rows):
     return Dataset.from_dict({"input_ids": [r.input_ids for r in rows], "labels": [r.labels for r in rows], "seq_lengths": [r.seq_lengths for r in rows]})
 
 
-def _trainer(method: str, model, tokenizer, rows, tmp_path, **config):
+def _args(method: str, tmp_path, **config):
     from erniekit_lite.recipe import train_config_class
-    from erniekit_lite.train.reference_free import ErnieCPOTrainer, ErnieORPOTrainer
 
-    args = train_config_class(method)(output_dir=str(tmp_path), report_to="none", bf16=False, max_length=256, remove_unused_columns=False,
+    return train_config_class(method)(output_dir=str(tmp_path), report_to="none", bf16=False, max_length=256, remove_unused_columns=False,
                                       **config)
-    trainer = (ErnieORPOTrainer if method == "orpo" else ErnieCPOTrainer)(
-        model=model, args=args, train_dataset=_dataset(rows), processing_class=tokenizer, data_collator=PackedPairCollator(256))
-    return trainer
+
+
+def _trainer(method: str, model, tokenizer, rows, tmp_path, **config):
+    from erniekit_lite.train.reference_free import pair_trainer
+
+    return pair_trainer(method, model, _args(method, tmp_path, **config), train_dataset=_dataset(rows), processing_class=tokenizer,
+                        data_collator=PackedPairCollator(256))
+
+
+def _trl_trainer(method: str, model, tokenizer, tmp_path, **config):
+    """TRL's own ORPOTrainer / CPOTrainer on the same model and arguments: the oracle. Its `__init__` tokenizes a
+    dataset of text it is handed (never iterated here: the batch compared is `_trl_batch`)."""
+    from datasets import Dataset
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    text = Dataset.from_dict({"prompt": ["Hi?"], "chosen": ["Hello."], "rejected": ["No."]})
+    return (ORPOTrainer if method == "orpo" else CPOTrainer)(model=model, args=_args(method, tmp_path, **config), train_dataset=text,
+                                                              processing_class=tokenizer)
 
 
 def _alone(model, sample) -> tuple[float, int, float]:
@@ -64,7 +80,9 @@ def _alone(model, sample) -> tuple[float, int, float]:
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 def test_per_sequence_logps_equal_each_sequence_alone(tmp_path, tiny_dense_dir, ernie_tokenizer, pairs, packing):
     """ORPO's averages and CPO sigmoid's sums per sequence, from rows packed whole (one packed forward) or padded,
-    equal each sequence scored alone (1e-5); the logits metric is the mean logit over the responses' positions."""
+    equal each sequence scored alone (1e-5); the logits metric is the mean logit over the responses' positions; the
+    NLL term is each chosen response's sum over its tokens, and the collator's chosen-token count (the Trainer's
+    divisor) is their number."""
     model = load_model(str(tiny_dense_dir), "float32", "packed_sdpa").eval()
     rows = pack_pairs(pairs, 256, packing=packing)
     assert len(rows) == (1 if packing else len(pairs))
@@ -72,9 +90,10 @@ def test_per_sequence_logps_equal_each_sequence_alone(tmp_path, tiny_dense_dir, 
     batch = collate([vars(r) for r in rows])
     orpo = _trainer("orpo", model, ernie_tokenizer, rows, tmp_path / "orpo")
     cpo = _trainer("simpo", model, ernie_tokenizer, rows, tmp_path / "cpo", loss_type="sigmoid")
+    assert (orpo.loss.average, cpo.loss.average) == (True, False)
     with torch.no_grad():
-        means = orpo.concatenated_forward(model, batch)
-        sums = cpo.concatenated_forward(model, batch)
+        means = orpo.loss.sequences(model, dict(batch))
+        sums = cpo.loss.sequences(model, dict(batch))
     # the collators keep whole pairs in order, chosen rows first: find each packed pair by its chosen ids
     ids, starts = batch["input_ids"], batch["attention_mask"].sum(1)
     order = [next(p for p in pairs if p.chosen.input_ids == ids[k, : starts[k]].tolist()) for k in range(len(pairs))]
@@ -82,19 +101,25 @@ def test_per_sequence_logps_equal_each_sequence_alone(tmp_path, tiny_dense_dir, 
     positions = {"chosen": 0, "rejected": 0}
     logits_sum = {"chosen": 0.0, "rejected": 0.0}
     for k, pair in enumerate(order):
-        for side, sample, column in (("chosen", pair.chosen, 0), ("rejected", pair.rejected, 1)):
+        for side, sample in (("chosen", pair.chosen), ("rejected", pair.rejected)):
             total, n, mean_logit = _alone(model, sample)
-            assert abs(sums[column][k].item() - total) <= 1e-4
-            assert abs(means[column][k].item() - total / n) <= 1e-5
+            assert abs(getattr(sums, side)[k].item() - total) <= 1e-4
+            assert abs(getattr(means, side)[k].item() - total / n) <= 1e-5
+            if side == "chosen":  # the NLL term per pair, in row order: its chosen response's sum and token count
+                assert abs(means.chosen_nll[k].item() + total) <= 1e-4 and means.chosen_tokens[k].item() == n
             positions[side] += n
             logits_sum[side] += mean_logit * n
-    for side, column in (("chosen", 2), ("rejected", 3)):
-        assert means[column].numel() == 1  # the side's mean logit over its scored positions, TRL's metric
-        assert abs(means[column].mean().item() - logits_sum[side] / positions[side]) <= 1e-5
-    # ORPO's NLL: the mean over every chosen response token of the batch
+    for side in ("chosen", "rejected"):  # (Σ mean logit over the side's scored positions, their count): TRL's metric
+        value, count = means.logits[side]
+        assert count.item() == positions[side]
+        assert abs(value.item() / count.item() - logits_sum[side] / positions[side]) <= 1e-5
+    # the NLL term: Σ -log p over every chosen response token of the batch, divided by the collator's count
     chosen_total = sum(_alone(model, p.chosen)[0] for p in pairs)
-    assert abs(means[4].item() + chosen_total / positions["chosen"]) <= 1e-5
-    assert sums[4].item() == pytest.approx(means[4].item(), abs=1e-6)  # CPO's cpo_alpha term: the same NLL
+    assert batch["chosen_tokens"] == positions["chosen"] == orpo.loss.chosen_tokens(batch)
+    nll = means.chosen_nll.sum().item() / batch["chosen_tokens"]  # the mean the step takes (one micro-batch)
+    assert abs(nll + chosen_total / positions["chosen"]) <= 1e-5
+    assert sums.chosen_nll.sum().item() / batch["chosen_tokens"] == pytest.approx(nll, abs=1e-6)  # CPO's cpo_alpha term: the same NLL
+    assert orpo.loss.units(batch) == len(pairs)
 
 
 def _trl_batch(pairs):
@@ -131,16 +156,46 @@ def _lora_model(tiny_dense_dir):
     return model.eval()
 
 
-def _loss_metrics_grads(trainer, model, batch):
-    trained = [p for p in model.parameters() if p.requires_grad]
+def _grads(model) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def _trl_loss_metrics_grads(trainer, model, batch):
+    """TRL's own: its `get_batch_loss_metrics` (its `concatenated_forward`, loss and metrics) on its padded batch."""
     model.zero_grad()
     loss, metrics = trainer.get_batch_loss_metrics(model, batch, train_eval="train")
     loss.backward()
-    return loss.item(), metrics, [p.grad.clone() for p in trained]
+    return loss.item(), metrics, _grads(model)
+
+
+def _our_loss_metrics_grads(trainer, model, batch):
+    """Ours as a training step runs it: the step's pairs and chosen tokens counted (`get_batch_samples`), the
+    micro-batch's loss (`compute_loss`: our `Loss` on the packed row), its backward, and the metrics as a logging
+    step reads them from the device. The evaluation path (the micro-batch's own means) gives the same loss."""
+    batch = trainer._prepare_inputs(batch)
+    model.zero_grad()
+    trainer.get_batch_samples(iter([batch]), 1, trainer.accelerator.device)
+    assert (trainer.step_counts.units, trainer.step_counts.tokens) == (len(PROMPTS), batch["chosen_tokens"])
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    grads = _grads(model)
+    metrics = trainer.metrics.read("train", trainer.accelerator)
+    model.eval()
+    with torch.no_grad():
+        evaluated, parts = trainer.compute_loss(model, batch, return_outputs=True)
+    model.train()
+    assert trainer.metrics.read("eval", trainer.accelerator).keys() == metrics.keys()
+    assert evaluated.item() == pytest.approx(loss.item(), abs=1e-6)
+    # per pair in row order, so the evaluation loss can leave out the rows accelerate repeats (`Trainer._pool`)
+    assert parts.total.shape == (len(PROMPTS),)
+    if parts.tokens is not None:
+        assert parts.tokens.shape == (len(PROMPTS),) and int(parts.chosen.sum()) == batch["chosen_tokens"]
+    return loss.item(), metrics, grads
 
 
 def _compare(trl, ours, keys):
     (trl_loss, trl_metrics, trl_grads), (our_loss, our_metrics, our_grads) = trl, ours
+    assert set(our_metrics) == set(trl_metrics)  # every metric TRL logs, by its name, and no other
     assert abs(trl_loss - our_loss) <= 1e-5
     assert max((a - b).abs().max().item() for a, b in zip(trl_grads, our_grads)) <= 1e-5
     assert max(g.abs().max().item() for g in our_grads) > 1e-3  # the gradients compared are not all zero
@@ -149,15 +204,18 @@ def _compare(trl, ours, keys):
 
 
 def test_orpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_tokenizer, pairs):
-    """TRL's ORPO loss and metrics (its `get_batch_loss_metrics` and `odds_ratio_loss` on its own padded batch and
-    `concatenated_forward`) equal ours on packed rows, LoRA gradients included, with one difference by design: TRL's
-    ORPO takes the NLL over prompt + response (trl#1516); ours over the response, as TRL's CPO does. The TRL side
-    takes its NLL so (the cross-entropy of its own logits against the chosen labels) for the comparison."""
+    """TRL's ORPOTrainer (its `get_batch_loss_metrics` and `odds_ratio_loss` on its own padded batch and
+    `concatenated_forward`) and our Trainer with `ORPOLoss` on packed rows give the same loss, metrics and LoRA
+    gradients, with one difference by design: TRL's ORPO takes the NLL over prompt + response (trl#1516); ours over the
+    response, as TRL's CPO does. The TRL side takes its NLL so (the cross-entropy of its own logits against the chosen
+    labels) for the comparison."""
     from trl.experimental.orpo import ORPOTrainer
 
     model = _lora_model(tiny_dense_dir)
     rows = pack_pairs(pairs, 256)
-    trainer = _trainer("orpo", model, ernie_tokenizer, rows, tmp_path, beta=0.1)
+    trainer = _trainer("orpo", model, ernie_tokenizer, rows, tmp_path / "ours", beta=0.1)
+    trl = _trl_trainer("orpo", model, ernie_tokenizer, tmp_path / "trl", beta=0.1)
+    model.train()  # dropout is off (both trainers' disable_dropout)
     padded = _trl_batch(pairs)
     prompt_nll = []
 
@@ -169,31 +227,69 @@ def test_orpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_toke
         out[4] = F.cross_entropy(out[2].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE)
         return tuple(out)
 
-    ours = _loss_metrics_grads(trainer, model, PackedPairCollator(256)([vars(r) for r in rows]))
-    trainer.concatenated_forward = types.MethodType(trl_forward, trainer)
-    trl = _loss_metrics_grads(trainer, model, padded)
-    _compare(trl, ours, COMPARED + ("log_odds_ratio", "log_odds_chosen"))
+    ours = _our_loss_metrics_grads(trainer, model, PackedPairCollator(256)([vars(r) for r in rows]))
+    trl.concatenated_forward = types.MethodType(trl_forward, trl)
+    theirs = _trl_loss_metrics_grads(trl, model, padded)
+    _compare(theirs, ours, COMPARED + ("log_odds_ratio", "log_odds_chosen"))
     # the check has teeth: the values compared to 1e-5 are larger than that (the margin measured 8e-5 to over 1e-4, by run)
     assert abs(ours[1]["rewards/margins"]) > 2e-5 and abs(ours[1]["log_odds_chosen"]) > 1e-3
-    assert abs(prompt_nll[0] - trl[1]["nll_loss"]) > 1e-2  # TRL's own ORPO NLL (prompt included) is another number
+    assert abs(prompt_nll[0] - theirs[1]["nll_loss"]) > 1e-2  # TRL's own ORPO NLL (prompt included) is another number
 
 
 @pytest.mark.parametrize(("loss_type", "cpo_alpha"), [("simpo", 0.0), ("simpo", 0.5), ("sigmoid", 1.0)],
                          ids=["simpo", "cpo-simpo", "cpo-sigmoid"])
 def test_cpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_tokenizer, pairs, loss_type, cpo_alpha):
-    """TRL's CPO loss and metrics (SimPO: length-normalised log-probs, margin simpo_gamma; cpo_alpha x NLL of the
-    chosen responses) on its own padded batch and forward equal ours on packed rows, LoRA gradients included."""
-    from trl.experimental.cpo import CPOTrainer
-
+    """TRL's CPOTrainer (SimPO: length-normalised log-probs, margin simpo_gamma; cpo_alpha x NLL of the chosen
+    responses) on its own padded batch and forward, and our Trainer with `CPOLoss` on packed rows, give the same loss,
+    metrics and LoRA gradients."""
     model = _lora_model(tiny_dense_dir)
     rows = pack_pairs(pairs, 256)
-    trainer = _trainer("simpo", model, ernie_tokenizer, rows, tmp_path, loss_type=loss_type, cpo_alpha=cpo_alpha, beta=2.0, simpo_gamma=1.0)
-    ours = _loss_metrics_grads(trainer, model, PackedPairCollator(256)([vars(r) for r in rows]))
-    trainer.concatenated_forward = types.MethodType(CPOTrainer.concatenated_forward, trainer)
-    trl = _loss_metrics_grads(trainer, model, _trl_batch(pairs))
-    _compare(trl, ours, COMPARED)
+    config = {"loss_type": loss_type, "cpo_alpha": cpo_alpha, "beta": 2.0, "simpo_gamma": 1.0}
+    trainer = _trainer("simpo", model, ernie_tokenizer, rows, tmp_path / "ours", **config)
+    trl = _trl_trainer("simpo", model, ernie_tokenizer, tmp_path / "trl", **config)
+    model.train()  # dropout is off (both trainers' disable_dropout)
+    ours = _our_loss_metrics_grads(trainer, model, PackedPairCollator(256)([vars(r) for r in rows]))
+    theirs = _trl_loss_metrics_grads(trl, model, _trl_batch(pairs))
+    _compare(theirs, ours, COMPARED)
     assert abs(ours[1]["rewards/margins"]) > 1e-4
     assert (ours[1]["nll_loss"] > 0) == (cpo_alpha > 0)  # TRL logs 0 when cpo_alpha is 0
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_ernie_dir(tmp_path_factory, ernie_tokenizer_dir) -> Path:
+    """The tiny MoE with the real tokenizer (the pairs' ids)."""
+    from erniekit_lite.tiny import write_tiny
+
+    return Path(write_tiny(str(tmp_path_factory.mktemp("tiny-moe-ernie")), "moe", str(ernie_tokenizer_dir), hidden_size=64, layers=3))
+
+
+def test_moe_aux_loss_equals_trl(tmp_path, tiny_moe_ernie_dir, ernie_tokenizer, pairs):
+    """On the MoE (full fine-tuning, the router trained) the router aux loss is on with the config's coefficient, and
+    TRL's CPOTrainer (CPO-SimPO), which adds coef x aux to its micro-batch's mean loss from the stock forward's padded
+    rows, gives the loss, gradients and metrics ours gives with coef x aux on each pair from the packed row."""
+    torch.manual_seed(0)
+    model = load_model(str(tiny_moe_ernie_dir), "float32", "packed_sdpa")
+    rows = pack_pairs(pairs, 256)
+    config = {"cpo_alpha": 0.5, "beta": 2.0, "simpo_gamma": 1.0, "loss_type": "simpo"}
+    trainer = _trainer("simpo", model, ernie_tokenizer, rows, tmp_path / "ours", **config)
+    assert trainer.loss.aux.enabled and trainer.loss.aux.coef == 0.001
+    trl = _trl_trainer("simpo", model, ernie_tokenizer, tmp_path / "trl", **config)
+    assert trl.aux_loss_enabled and trl.aux_loss_coef == 0.001  # the config as `ready` wrote it: TRL's own rule reads it
+    model.train()
+    ours = _our_loss_metrics_grads(trainer, model, PackedPairCollator(256)([vars(r) for r in rows]))
+    aux = []
+    forward = type(trl).concatenated_forward
+
+    def trl_forward(self, model, batch):  # TRL's own, its aux loss kept for the check below
+        out = forward(self, model, batch)
+        aux.append(out[5].item())
+        return out
+
+    trl.concatenated_forward = types.MethodType(trl_forward, trl)
+    theirs = _trl_loss_metrics_grads(trl, model, _trl_batch(pairs))
+    assert abs(ours[1].pop("aux_loss") - aux[0]) <= 1e-6 and aux[0] > 0.1  # TRL logs none: compared with its forward's
+    _compare(theirs, ours, COMPARED)
+    assert 0.001 * aux[0] > 1e-4  # the term is well above the loss's tolerance: dropped or doubled, the loss would differ
 
 
 def _recipe(tmp_path: Path, model_dir, method: str, lora=True, data=None, **train) -> Path:
