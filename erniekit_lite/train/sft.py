@@ -36,6 +36,8 @@ class TokenLoss:
         self.aux, self.router = aux, router  # trainer.RouterAux, router_losses.RouterLosses
 
     def units(self, batch: dict) -> int:
+        if "score_total" in batch:  # a sequence-parallel cut (data/sequence_shard.py): the whole row's, scored on each
+            return batch["score_total"]
         targets = batch.get("score_targets")
         if targets is not None:  # counted by the collator (`collate.host_facts`)
             return targets.numel()
