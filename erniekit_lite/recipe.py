@@ -636,65 +636,74 @@ def _did_you_mean(key: str, candidates: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else f"; expected one of: {', '.join(candidates)}"
 
 
-CONFIG_CLASSES = {"dpo": "DPOConfig", "kto": "KTOConfig", "rm": "RewardConfig", "grpo": "GRPOConfig", "orpo": "ORPOConfig",
-                  "simpo": "CPOConfig"}  # TRL's config class of each method's `train:` (others: SFTConfig)
-
-
 def train_config_class(method: str):
-    """TRL's config class whose fields a method's `train:` holds (ORPO's and CPO's are in trl.experimental)."""
-    if method in ("orpo", "simpo"):
-        import warnings
+    """The Trainer arguments class whose fields a method's `train:` holds: the project's (train/arguments.py), and for
+    GRPO, which runs on TRL's trainer, TRL's `GRPOConfig`."""
+    if method == "grpo":
+        import trl
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # trl.experimental warns once, at import, that its APIs may change
-            from trl.experimental.cpo import CPOConfig
-            from trl.experimental.orpo import ORPOConfig
-        return ORPOConfig if method == "orpo" else CPOConfig
-    import trl
+        return trl.GRPOConfig
+    from erniekit_lite.train.arguments import CLASSES
 
-    return getattr(trl, CONFIG_CLASSES.get(method, "SFTConfig"))
+    return CLASSES[method]
 
 
-# TRL's config fields, as `_check_train_keys` reads them, for the TRL version the file names: checking a recipe then
-# imports no TRL (transformers, peft, bitsandbytes: ~3 s), so `train --num-processes N` starts its workers that much
-# sooner. tests/test_recipe.py checks the file against TRL; `write_trl_fields()` rewrites it after a TRL upgrade.
-TRL_FIELDS = Path(__file__).with_name("trl_fields.json")
+# The argument classes' fields, as `_check_train_keys` reads them, for the transformers and TRL versions the file
+# names: checking a recipe then imports neither (transformers, peft, bitsandbytes: ~3 s), so `train --num-processes N`
+# starts its workers that much sooner. tests/test_recipe.py checks the file against the classes; `write_train_fields()`
+# rewrites it after an upgrade or a change of train/arguments.py.
+TRAIN_FIELDS = Path(__file__).with_name("train_fields.json")
+FIELD_METHODS = ("sft", "pt", "dpo", "kto", "orpo", "simpo", "rm", "grpo")
+# TRL's keys for its own data preparation and model loading, which erniekit-lite does itself: no field of the
+# project's argument classes (GRPO, on TRL's trainer, keeps them); refused naming what does it here
+TRLS_OWN_KEYS = {"model_init_kwargs": "model (model.dtype, model.attention)", "trust_remote_code": "model.trust_remote_code",
+                 "chat_template_path": "the data's template", "eos_token": "the data's template", "pad_token": "the tokenizer",
+                 "pad_to_multiple_of": "data.packing", "dataset_num_proc": "data.num_proc", "truncation_mode": "data.max_length",
+                 "max_prompt_length": "data.max_length", "max_completion_length": "data.max_length",
+                 "padding_value": "the tokenizer", "shuffle_dataset": "train.seed (rows are shuffled every epoch)", "activation_offloading": "train.offload",
+                 "generate_during_eval": "output.sample_prompts", "is_encoder_decoder": "model.path"}
+NOT_SUPPORTED = {"sync_ref_model": "TR-DPO's reference updates", "ref_model_mixup_alpha": "TR-DPO's reference updates",
+                 "ref_model_sync_steps": "TR-DPO's reference updates"}
 
 
-def trl_fields_from_trl() -> dict[str, dict[str, dict]]:
-    """Per config class: each init field's plain-type sample (`_primitive`) and listed choices (`listed_choices`)."""
+def train_fields_from_classes() -> dict[str, dict[str, dict]]:
+    """Per method: each init field's plain-type sample (`_primitive`) and listed choices (`listed_choices`)."""
     import dataclasses
 
     out = {}
-    for method in ("sft", *CONFIG_CLASSES):
+    for method in FIELD_METHODS:
         fields = [f for f in dataclasses.fields(train_config_class(method)) if f.init]
         choices = {f.name: listed_choices(f) for f in fields}
-        out[CONFIG_CLASSES.get(method, "SFTConfig")] = {
-            f.name: {"sample": _primitive(f), "choices": None if choices[f.name] is None else list(choices[f.name])} for f in fields}
+        out[method] = {f.name: {"sample": _primitive(f), "choices": None if choices[f.name] is None else list(choices[f.name])}
+                       for f in fields}
     return out
 
 
-def write_trl_fields() -> None:
+def _field_versions() -> dict[str, str]:
     from importlib.metadata import version
 
-    TRL_FIELDS.write_text(json.dumps({"trl": version("trl"), "classes": trl_fields_from_trl()}, indent=0) + "\n")
+    return {"transformers": version("transformers"), "trl": version("trl")}
+
+
+def write_train_fields() -> None:
+    TRAIN_FIELDS.write_text(json.dumps({"versions": _field_versions(), "methods": train_fields_from_classes()}, indent=0) + "\n")
 
 
 @functools.cache
-def _trl_fields() -> dict[str, dict[str, dict]]:
-    from importlib.metadata import PackageNotFoundError, version
+def _train_fields() -> dict[str, dict[str, dict]]:
+    from importlib.metadata import PackageNotFoundError
 
     try:
-        shipped = json.loads(TRL_FIELDS.read_text())
-        if shipped["trl"] == version("trl"):
-            return shipped["classes"]
+        shipped = json.loads(TRAIN_FIELDS.read_text())
+        if shipped["versions"] == _field_versions():
+            return shipped["methods"]
     except (OSError, ValueError, KeyError, PackageNotFoundError):
         pass
-    return trl_fields_from_trl()  # another TRL than the file's: read from TRL itself
+    return train_fields_from_classes()  # other versions than the file's: read from the classes themselves
 
 
 def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int], method: str = "sft", lora: bool = False) -> None:
-    fields = _trl_fields()[CONFIG_CLASSES.get(method, "SFTConfig")]
+    fields = _train_fields()[method]
     valid = list(fields) + [k for k, own in OWN_TRAIN_KEYS.items() if method in own.methods]
     for key, value in list(train.items()):
         where = _where(source, lines, ("train", key))
@@ -703,6 +712,11 @@ def _check_train_keys(train: dict[str, Any], source: str, lines: dict[tuple, int
         if key in OWN_TRAIN_KEYS:
             train[key] = _check_own(key, value, method, lora, where)
             continue
+        if key not in valid and key in TRLS_OWN_KEYS:
+            raise RecipeError(where, f"train.{key} is TRL's, for its own data preparation or model loading; erniekit-lite "
+                                     f"does that itself for {method} (use {TRLS_OWN_KEYS[key]})")
+        if key not in valid and key in NOT_SUPPORTED:
+            raise RecipeError(where, f"train.{key}: {NOT_SUPPORTED[key]} are not supported by erniekit-lite's {method}")
         if key not in valid:
             raise RecipeError(where, f"unknown key '{key}' in train{_did_you_mean(key, valid)}")
         train[key] = _check_type(key, value, fields[key]["sample"], where)
@@ -746,8 +760,8 @@ def _check_own(key: str, value: Any, method: str, lora: bool, where: str) -> Any
 
 
 def listed_choices(field) -> tuple | None:
-    """The values a TRL config field lists: its `choices`, or for DPO's `loss_type` (a list field, without `choices`)
-    the values its help names (`'sigmoid'`, `'ipo'`, ...), which are the ones DPOTrainer accepts."""
+    """The values an argument field lists: its `choices`, or for a list field without `choices` (TRL's DPO
+    `loss_type`) the values its help names (`'sigmoid'`, `'ipo'`, ...)."""
     choices = field.metadata.get("choices")
     if choices is None and field.name == "loss_type":
         choices = dict.fromkeys(re.findall(r"`'(\w+)'`", field.metadata.get("help", ""))) or None

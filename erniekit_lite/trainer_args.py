@@ -1,5 +1,5 @@
-"""The Trainer arguments a recipe makes (TRL's SFTConfig / DPOConfig / ORPOConfig / CPOConfig / GRPOConfig): read by `validate`'s
-plan and by training.
+"""The Trainer arguments a recipe makes (the project's argument classes, train/arguments.py; GRPO: TRL's GRPOConfig):
+read by `validate`'s plan and by training.
 
 Knows nothing about the plan or the training loop; `train/common.py` adds what only a run decides (CPU sharding,
 activation checkpointing by the memory free on the device).
@@ -13,13 +13,10 @@ from erniekit_lite.errors import UserError
 from erniekit_lite.recipe import OWN_TRAIN_KEYS, Recipe, own_train, train_config_class
 
 PAIR_METHODS = ("dpo", "orpo", "simpo", "rm")  # trained on preference pairs (data/pairs.py)
-# RewardConfig fields that TRL reads only to load the model or tokenize the data itself, which erniekit-lite does
-RM_LOADING_KEYS = {"model_init_kwargs": "model", "trust_remote_code": "model.trust_remote_code", "chat_template_path": "data",
-                   "eos_token": "data", "pad_token": "data", "pad_to_multiple_of": "data", "dataset_num_proc": "data.num_proc"}
 
 
 def training_args(recipe: Recipe, out: Path):
-    """TRL's config for the recipe's method (`recipe.train_config_class`), its `train:` keys over erniekit-lite's
+    """The arguments for the recipe's method (`recipe.train_config_class`), its `train:` keys over erniekit-lite's
     defaults."""
     import torch
 
@@ -63,33 +60,12 @@ def training_args(recipe: Recipe, out: Path):
     for key in ("save_strategy", "eval_strategy", "logging_strategy"):
         if settings.get(key) is False:  # YAML 1.1 reads `save_strategy: no` as false
             settings[key] = "no"
-    if recipe.method in ("sft", "pt", "dpo"):
-        settings["padding_free"] = False  # our collators are padding-free; TRL's flag would reject a custom collator
-    if recipe.method == "dpo":
-        settings["max_length"] = None  # pairs are already cut to data.max_length per sequence
-    elif recipe.method in PAIR_METHODS:
-        settings["max_length"] = recipe.data.max_length  # per sequence, as pairs are cut (TRL reads it only to tokenize)
-        if recipe.method == "simpo":
-            if settings.get("loss_type", "simpo") != "simpo":
-                raise UserError(f"train.loss_type: method simpo is TRL's CPO loss_type simpo; leave loss_type out "
-                                f"(got {settings['loss_type']!r})")
-            settings["loss_type"] = "simpo"
-            settings.setdefault("cpo_alpha", 0.0)  # SimPO has no NLL term (TRL: loss_type simpo + cpo_alpha 0); > 0: CPO-SimPO
-        for key in RM_LOADING_KEYS if recipe.method == "rm" else ():
-            if key in recipe.train:
-                raise UserError(f"train.{key}: TRL's RewardTrainer reads it only to load the model or tokenize the pairs itself; "
-                                f"erniekit-lite does both (use {RM_LOADING_KEYS[key]} instead)")
-    elif recipe.method == "kto":
-        settings["max_length"] = recipe.data.max_length  # per sequence, as examples are cut (TRL reads it only to tokenize)
-        # TRL's default is sequential because it pairs KL completions within batches in dataset order; ours are fixed
-        # inside each row (data/unpaired.py), so rows are shuffled as for every other method
-        settings.setdefault("train_sampling_strategy", "random")
-    elif recipe.method == "grpo":
-        pass  # prompts are cut by data.max_length, completions by train.max_completion_length; TRL packs nothing itself
-    else:
-        settings["max_length"] = recipe.data.max_length
-        settings["packing"] = False  # we pack ourselves, exactly; TRL must not repack
-        settings["dataset_kwargs"] = {"skip_prepare_dataset": True}
+    if recipe.method == "simpo":
+        if settings.get("loss_type", "simpo") != "simpo":
+            raise UserError(f"train.loss_type: method simpo is CPO's loss_type simpo; leave loss_type out "
+                            f"(got {settings['loss_type']!r})")
+        settings["loss_type"] = "simpo"
+        settings.setdefault("cpo_alpha", 0.0)  # SimPO has no NLL term (CPO's loss_type simpo + cpo_alpha 0); > 0: CPO-SimPO
     if settings.get("fp16") and not cuda:
         raise UserError("train.fp16: true needs a CUDA GPU and none was found; on CPU use train.bf16=true (bf16 autocast) or train.fp16=false")
     if settings.get("bf16") and not cuda:

@@ -43,8 +43,7 @@ def _dataset(rows):
 def _args(method: str, tmp_path, **config):
     from erniekit_lite.recipe import train_config_class
 
-    return train_config_class(method)(output_dir=str(tmp_path), report_to="none", bf16=False, max_length=256, remove_unused_columns=False,
-                                      **config)
+    return train_config_class(method)(output_dir=str(tmp_path), report_to="none", bf16=False, remove_unused_columns=False, **config)
 
 
 def _trainer(method: str, model, tokenizer, rows, tmp_path, **config):
@@ -348,32 +347,19 @@ def test_validate_and_simpo_loss_type(tmp_path, capsys, tiny_own_dir):
     assert code == 0, err
     assert "8 pairs in 2 rows" in out and "512 tokens per micro-batch" in out  # 2 rows of whole pairs, 2 x max_length each
     code, out, err = run_cli(capsys, "validate", _recipe(tmp_path, tiny_own_dir, "simpo", loss_type="sigmoid"))
-    assert code == 2 and "train.loss_type: method simpo is TRL's CPO loss_type simpo" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "train.loss_type: method simpo is CPO's loss_type simpo" in err and len(err.strip().splitlines()) == 1
     code, out, err = run_cli(capsys, "validate", _recipe(tmp_path, tiny_own_dir, "orpo", simpo_gamma=1.0))
     assert code == 2 and "unknown key 'simpo_gamma' in train" in err  # ORPOConfig's fields only
 
 
-def test_trl_experimental_configs_as_relied_on(tmp_path):
-    """What DEVELOPERS.md says of TRL 1.16's ORPOConfig / CPOConfig, and what `method: simpo` makes of CPOConfig."""
-    import dataclasses
-
-    from trl.experimental.cpo import CPOConfig, CPOTrainer
-    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
-
-    from erniekit_lite.recipe import from_dict, train_config_class
+def test_what_method_simpo_makes_of_the_cpo_arguments(tmp_path):
+    """`method: simpo` is CPO's loss_type simpo with no NLL term; `cpo_alpha` > 0 makes it CPO-SimPO."""
+    from erniekit_lite.recipe import from_dict
     from erniekit_lite.trainer_args import training_args
 
-    assert train_config_class("orpo") is ORPOConfig and train_config_class("simpo") is CPOConfig
-    for config in (ORPOConfig, CPOConfig):
-        fields = {f.name: f.default for f in dataclasses.fields(config)}
-        assert not {"padding_free", "router_aux_loss_coef", "precompute_ref_log_probs"} & set(fields)
-        assert (fields["learning_rate"], fields["beta"]) == (1e-6, 0.1)
-    cpo = {f.name: f.default for f in dataclasses.fields(CPOConfig)}
-    assert (cpo["loss_type"], cpo["cpo_alpha"], cpo["simpo_gamma"]) == ("sigmoid", 1.0, 0.5)
-    assert ORPOTrainer.loss_is_scaled_for_ga is False and CPOTrainer.loss_is_scaled_for_ga is False
     raw = {"model": {"path": "m"}, "method": "simpo", "data": {"train": ["x.jsonl"]}, "output": {"dir": str(tmp_path / "o")}}
     args = training_args(from_dict(raw), tmp_path / "o")
-    assert (args.loss_type, args.cpo_alpha, args.simpo_gamma, args.max_length) == ("simpo", 0.0, 0.5, 2048)  # data.max_length
+    assert (args.loss_type, args.cpo_alpha, args.simpo_gamma, args.beta) == ("simpo", 0.0, 0.5, 0.1)
     assert training_args(from_dict({**raw, "train": {"cpo_alpha": 0.5}}), tmp_path / "o").cpo_alpha == 0.5  # CPO-SimPO
 
 

@@ -68,7 +68,8 @@ def test_shorthand_source_and_lora_true(tmp_path):
         (BASE.replace("\ntrain:\n", "\nmethod: dpo\ntrain:\n") + "  loss_type: [sigmoid, sigmod]\n",
          "r.yaml:12: train.loss_type: expected one of sigmoid, hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard, aot, "
          "aot_unpaired, apo_zero, apo_down, discopop, sft, sigmoid_norm (got 'sigmod')"),
-        (BASE + "  truncation_mode: keep_middle\n", "r.yaml:11: train.truncation_mode: expected one of keep_end, keep_start (got 'keep_middle')"),
+        (BASE + "  truncation_mode: keep_middle\n", "r.yaml:11: train.truncation_mode is TRL's, for its own data preparation or model loading; erniekit-lite does that itself for sft (use data.max_length)"),
+        (BASE + "  save_strategy: sometimes\n", "r.yaml:11: train.save_strategy: expected one of no, steps, epoch, best (got 'sometimes')"),
     ],
 )
 def test_errors_name_file_line_key_and_fix(tmp_path, text, expected):
@@ -121,16 +122,58 @@ def test_every_shipped_recipe_validates(path, tmp_path, monkeypatch):
     assert "../shared" not in path.read_text(encoding="utf-8")
 
 
-def test_the_shipped_trl_fields_are_trls():
-    """erniekit_lite/trl_fields.json (what checking `train:` reads) is TRL's own config fields, for the TRL
-    installed: after a TRL upgrade, `python -c 'from erniekit_lite.recipe import write_trl_fields; write_trl_fields()'`."""
+def test_the_shipped_train_fields_are_the_argument_classes():
+    """erniekit_lite/train_fields.json (what checking `train:` reads) is the argument classes' fields (the project's,
+    train/arguments.py; GRPO's from TRL), for the transformers and TRL installed: after an upgrade or a change of the
+    classes, `python -c 'from erniekit_lite.recipe import write_train_fields; write_train_fields()'`. TRL's own keys
+    for its data preparation are named as such."""
     import json
-    from importlib.metadata import version
 
-    shipped = json.loads(recipes.TRL_FIELDS.read_text())
-    assert shipped["trl"] == version("trl")
-    assert shipped["classes"] == json.loads(json.dumps(recipes.trl_fields_from_trl()))
-    assert list(shipped["classes"]["DPOConfig"]["loss_type"]["choices"])[:2] == ["sigmoid", "hinge"]
+    shipped = json.loads(recipes.TRAIN_FIELDS.read_text())
+    assert shipped["versions"] == recipes._field_versions()
+    assert shipped["methods"] == json.loads(json.dumps(recipes.train_fields_from_classes()))
+    assert list(shipped["methods"]["dpo"]["loss_type"]["choices"])[:2] == ["sigmoid", "hinge"]
+    assert "dataset_text_field" not in shipped["methods"]["sft"] and "model_init_kwargs" in shipped["methods"]["grpo"]
+    with pytest.raises(RecipeError, match=r"train.pad_token is TRL's, for its own data preparation or model loading; "
+                                          r"erniekit-lite does that itself for dpo \(use the tokenizer\)"):
+        recipes.load(QUICKSTART_DPO, ["train.pad_token=x"])
+
+
+def test_the_argument_classes_keep_trls_defaults_and_choices():
+    """A recipe that leaves a key out trains as it did on TRL 1.16's configs (the oracle here): every field the
+    project's argument classes share with the TRL config of the method has TRL's default and choices, and the only
+    fields of TRL's the project's lack are TRL's own data preparation and model loading keys (refused by name), the
+    unsupported TR-DPO keys and those of TRL's data preparation the recipe's data section owns."""
+    import dataclasses
+    import warnings
+
+    import trl
+
+    from erniekit_lite.train.arguments import CLASSES
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from trl.experimental.cpo import CPOConfig
+        from trl.experimental.orpo import ORPOConfig
+    trls = {"sft": trl.SFTConfig, "pt": trl.SFTConfig, "dpo": trl.DPOConfig, "kto": trl.KTOConfig, "orpo": ORPOConfig,
+            "simpo": CPOConfig, "rm": trl.RewardConfig}
+    never_read = {"dataset_text_field", "dataset_kwargs", "packing", "packing_strategy", "padding_free", "eval_packing",
+                  "completion_only_loss", "assistant_only_loss", "max_length", "use_logits_to_keep"}
+
+    def default(f):
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+    for method, cls in CLASSES.items():
+        ours = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        theirs = {f.name: f for f in dataclasses.fields(trls[method]) if f.init}
+        for name in ours.keys() & theirs.keys():
+            if (method, name) == ("kto", "train_sampling_strategy"):
+                continue  # KTO's rows hold their KL twins: shuffled as any method's (the project's default all along)
+            assert default(ours[name]) == default(theirs[name]), (method, name)
+            listed = recipes.listed_choices(theirs[name])  # where TRL lists none, ours may (checked before the run)
+            assert listed is None or recipes.listed_choices(ours[name]) == listed, (method, name)
+        left = set(theirs) - set(ours) - set(recipes.TRLS_OWN_KEYS) - set(recipes.NOT_SUPPORTED) - never_read
+        assert not left, (method, sorted(left))
 
 
 def test_checking_a_recipe_imports_no_trl(tmp_path):

@@ -1,5 +1,5 @@
 """Every preference method computes the same optimizer step at any micro-batching, accumulation and process count
-(train/step_weights.py): each pair (KTO: each example) weighs 1/(pairs in the step), each chosen token of a per-token
+(train/trainer.py): each pair (KTO: each example) weighs 1/(pairs in the step), each chosen token of a per-token
 term 1/(chosen tokens in the step).
 
 One step of plain SGD (learning rate 1, no clipping, no decay) from a new LoRA adapter (B = 0) leaves B = -gradient,
@@ -116,7 +116,7 @@ def write_run_data(folder: Path) -> dict[str, Path]:
         for _ in range(24):
             f.write(json.dumps({"src": [text(2, 6)], "tgt": [], "response": [[text(2, 12)], [text(2, 12)]], "sort": [1, 0]}) + "\n")
     # DPO's evaluation set: the first 10 pairs pack into 3 rows (3, 3, 4 pairs), so 2 processes' last eval batch is
-    # evened out with a repeat of the first row, which the eval loss must leave out (train/ragged_gather.py)
+    # evened out with a repeat of the first row, which the eval loss must leave out (train/trainer.py)
     (folder / "run-pairs-eval.jsonl").write_text("".join(files["pairs"].read_text().splitlines(keepends=True)[:10]))
     with open(files["feedback"], "w") as f:
         for i in range(36):

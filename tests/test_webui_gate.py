@@ -168,7 +168,7 @@ def test_a_ui_others_reach_downloads_runs_and_pushes_nothing_of_the_servers(tmp_
             {"model": "baidu/ERNIE-4.5-0.3B-PT"}, {"data": "someone/chats"}, {"extra": "hub:\n  repo_id: someone/x\n"},
             {"extra": "train:\n  push_to_hub: true\n"}, {"extra": "train:\n  report_to: wandb\n"},
             {"extra": "method: grpo\nrewards:\n  - name: length\ntrain:\n  log_completions_hub_repo: someone/completions\n"},
-            {"extra": "train:\n  model_init_kwargs:\n    cache_dir: /tmp/elsewhere\n"},
+            {"extra": "method: grpo\nrewards:\n  - name: length\ntrain:\n  model_init_kwargs:\n    cache_dir: /tmp/elsewhere\n"},
             {"extra": "train:\n  chat_template_path: /etc/hostname\n"}, {"extra": "train:\n  hub_token: hf_x\n"},
             {"model": "runs/lora"}, {"extra": "output:\n  dir: .erniekit-webui/x\n"})]
         pushed = client.predict("runs/a", "someone/x", True, False, "hf_typed_secret", api_name="/push_run")
@@ -195,8 +195,8 @@ def test_a_ui_others_reach_downloads_runs_and_pushes_nothing_of_the_servers(tmp_
         "it from the Export tab with your own token",
         f"error: train.model_init_kwargs: {EXPOSED}, where a run loads no model and reaches no server but the ones "
         "erniekit-lite loads from the folder; train this recipe from the command line",
-        f"error: train.chat_template_path: /etc/hostname is outside {root}, the directory the web UI was started in; "
-        "use a path inside it",
+        "error: recipe.yaml:8: train.chat_template_path is TRL's, for its own data preparation or model loading; "
+        "erniekit-lite does that itself for sft (use the data's template)",
         "error: train.hub_token: a token in a recipe is shown to every page of the web UI (the running job's recipe); "
         "remove it, and push from the Export tab with a token typed there"]
     validated = validated[:-6]

@@ -190,7 +190,8 @@ class PaddedPairCollator:
 
 
 def row_pairs(rows: list[dict]) -> list[int]:
-    """The pairs each row holds, in batch order (train/ragged_gather.py cuts a last batch's repeated rows with it)."""
+    """The pairs each row holds, in batch order (the evaluation loss leaves out a last batch's repeated rows with it,
+    train/trainer.py)."""
     return [len(row["seq_lengths"]) // 2 for row in rows]
 
 

@@ -219,7 +219,7 @@ class PaddedFeedbackCollator:
 def _batch(rows: list[dict], side, max_length: int | None) -> dict:
     matched, twins, desirable = _sides(rows)
     batch = {**side(matched), "label": torch.tensor(desirable, dtype=torch.bool),
-             "row_units": [len(row["desirable"]) for row in rows]}  # examples per row (train/ragged_gather.py)
+             "row_units": [len(row["desirable"]) for row in rows]}  # examples per row (the evaluation loss's cut, train/trainer.py)
     if twins:
         batch.update({f"KL_{k}": v for k, v in side(twins).items()})
     if max_length is None:  # padded: the slots are the padded tensors

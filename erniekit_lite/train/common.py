@@ -121,17 +121,3 @@ def vl_trainer_inputs(data, tokenizer, plan: RunPlan, collator) -> dict:
     return {"train_dataset": index_dataset(0, len(data.train.rows)),
             "eval_dataset": index_dataset(len(data.train.rows), len(held)) if data.eval is not None else None,
             "processing_class": tokenizer, "data_collator": collator(plan.data.max_length, data.train.rows + held)}
-
-
-def trl_trainer(trainer_class, model, plan: RunPlan, **kwargs):
-    """A TRL trainer (built with `kwargs`) that adds the recipe's adapter itself (given a peft config, its reference is
-    then the base with the adapter disabled: no copy), with the adapters checked."""
-    from erniekit_lite.model.lora import check_adapters, expert_compute, lora_config, targets_as_written
-
-    config = lora_config(model, plan.lora) if plan.lora is not None else None
-    with targets_as_written():  # TRL calls get_peft_model itself
-        trainer = trainer_class(model=model, peft_config=config, **kwargs)
-    if config is not None:
-        check_adapters(trainer.model, config)
-        expert_compute(trainer.model, plan.lora.expert_compute)
-    return trainer

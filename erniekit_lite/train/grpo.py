@@ -16,7 +16,6 @@ from erniekit_lite.data.prompts import PreparedPrompts, describe_prompts, prepar
 from erniekit_lite.recipe import Recipe
 from erniekit_lite.run_plan import RunPlan
 from erniekit_lite.train import run as runner
-from erniekit_lite.train.common import trl_trainer
 
 
 def run(recipe: Recipe, log=print) -> Path:
@@ -66,3 +65,17 @@ METHOD = runner.Method(
     prepare=prepare_prompts, describe=describe_prompts, build_trainer=build_trainer,
     trained=lambda data: len(data.train.items), adapter_by_trainer=True, metrics=last_rewards, summary=summary,
 )
+
+
+def trl_trainer(trainer_class, model, plan: RunPlan, **kwargs):
+    """TRL's GRPO trainer (built with `kwargs`), which adds the recipe's adapter itself (given a peft config, its
+    reference is then the base with the adapter disabled: no copy), with the adapters checked."""
+    from erniekit_lite.model.lora import check_adapters, expert_compute, lora_config, targets_as_written
+
+    config = lora_config(model, plan.lora) if plan.lora is not None else None
+    with targets_as_written():  # TRL calls get_peft_model itself
+        trainer = trainer_class(model=model, peft_config=config, **kwargs)
+    if config is not None:
+        check_adapters(trainer.model, config)
+        expert_compute(trainer.model, plan.lora.expert_compute)
+    return trainer

@@ -196,4 +196,4 @@ def build_trainer(model, tokenizer, args, data, plan: RunPlan):
 
 
 # DPO's pair data, metrics and summary; the adapter made as for SFT (no reference needs the base without it)
-METHOD = replace(dpo.METHOD, build_trainer=build_trainer, adapter_by_trainer=False)
+METHOD = replace(dpo.METHOD, build_trainer=build_trainer)

@@ -26,7 +26,7 @@ class Method:
     describe: Callable  # that data -> the lines `train` and `validate` print about it
     build_trainer: Callable  # (model, tokenizer, args, data, the run plan) -> the Trainer
     trained: Callable  # that data -> samples or pairs trained (train_results.json's train_samples)
-    adapter_by_trainer: bool = False  # TRL adds a new adapter itself (the DPO reference is the base without it)
+    adapter_by_trainer: bool = False  # GRPO: TRL's trainer adds a new adapter itself (its reference: the base without it)
     metrics: Callable = lambda trainer: {}  # what the method adds to train_results.json
     summary: Callable = lambda metrics: ""  # what it adds to the final `done:` line
     finish: Callable | None = None  # (trainer, tokenizer, the run plan, out or None, log): after the final save

@@ -4,18 +4,16 @@ A model to train (`common.load_for_training`) gets the class `scored_class(its c
 class, named as it is (so `save_pretrained` writes the same `architectures`), whose forward takes
 
 - `score_labels=`: SFT's and pt's packed rows, the LM head at trained positions only (`scoring.score`);
-- a pair batch (`logp_index` among its keys): DPO, KTO, ORPO and SimPO, in TRL's [2B, L-1] layout
+- a pair batch (`logp_index` among its keys): DPO, KTO, ORPO and SimPO, in a padded [2B, L-1] layout
   (`pair_scoring.pair_scores`);
 - GRPO's packed generation batch (`grpo_scoring.MARK`): `grpo_scoring.completion_scores`;
 
 and is transformers' forward for anything else (generation, a plain `model(input_ids=...)`). The reward model's
 class has its own (model/reward.py).
 
-TRL 1.16 replaces `forward` on the instance itself in its SFT, DPO, KTO and GRPO trainers (`add_fused_lm_head`,
-during `__init__`, around the forward it finds then): the class is set before, so TRL's wrapper passes our keywords
-on to this forward. DPO and KTO call their model with `fused_lm_head=True`, which TRL's wrapper answers on its own:
-there TRL's wrapper is taken off after `__init__` (`without_trl_head`), our forward scores every batch of theirs. A
-reference TRL builds itself (full fine-tuning: from the path, with transformers' class) gets the class too.
+TRL 1.16 replaces `forward` on the instance itself in its GRPO trainer (`add_fused_lm_head`, during `__init__`,
+around the forward it finds then): the class is set before, so TRL's wrapper passes our keywords on to this forward;
+a reference TRL builds itself (full fine-tuning: from the path, with transformers' class) gets the class too.
 """
 
 from __future__ import annotations
@@ -61,16 +59,7 @@ def take(model, head_keep_positions: int = 0) -> None:
         model.head_keep_positions = head_keep_positions
 
 
-def instead_of_trl_head(*models) -> None:
-    """Each of `models` (None skipped) scores in its class's forward, ours, with TRL's fused head taken off (DPO,
-    KTO: see the module doc)."""
-    for model in models:
-        if model is not None:
-            take(model)
-            without_trl_head(model)
-
-
 def without_trl_head(model) -> None:
-    """TRL's fused-LM-head wrapper taken off `model`'s instance (DPO, KTO: see the module doc); its class's forward,
-    ours, runs again. A no-op where TRL put none."""
+    """TRL's fused-LM-head wrapper taken off `model`'s instance (GRPO's reference; the tests' TRL oracles); its
+    class's forward, ours, runs again. A no-op where TRL put none."""
     model.__dict__.pop("forward", None)

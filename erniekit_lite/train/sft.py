@@ -30,10 +30,12 @@ class TokenLoss:
     """SFT's and pt's loss: the negative log-likelihood of each trained token (the unit), with the LM head run only
     at those positions in memory-bounded chunks (`scoring.py`, the model's `score_labels=` forward: ERNIE's 103k-row
     head dominates small models), the token accuracy from the same pass, and for an MoE the router's aux loss (a
-    mean over the step's micro-batches) and the z-loss and orthogonal loss (`router_losses.RouterLosses`)."""
+    mean over the step's micro-batches) and the z-loss and orthogonal loss (`router_losses.RouterLosses`).
+    `train.loss_type: dft` weighs each token's NLL by its probability, not back-propagated (Dynamic Fine-Tuning, as
+    TRL 1.16's SFT computes it); `chunked_nll` is `nll` here (the head always runs in chunks)."""
 
-    def __init__(self, aux, router):
-        self.aux, self.router = aux, router  # trainer.RouterAux, router_losses.RouterLosses
+    def __init__(self, aux, router, dft: bool = False):
+        self.aux, self.router, self.dft = aux, router, dft  # trainer.RouterAux, router_losses.RouterLosses
 
     def units(self, batch: dict) -> int:
         if "score_total" in batch:  # a sequence-parallel cut (data/sequence_shard.py): the whole row's, scored on each
@@ -72,7 +74,10 @@ class TokenLoss:
             metrics["aux_loss"] = (scores.aux_loss, 1)
         processes = step.processes if step is not None else 1
         scaled = scaled + self.router.terms(model, scores, batch.get("attention_mask"), real, steps, metrics, processes)
-        return Parts(total=-scores.log_probs.sum(), scaled=scaled, metrics=metrics)
+        nll = -scores.log_probs
+        if self.dft:
+            nll = nll * scores.log_probs.detach().exp()
+        return Parts(total=nll, scaled=scaled, metrics=metrics)  # per token, in row order
 
 
 def token_trainer(model, args, **inputs):
@@ -80,7 +85,7 @@ def token_trainer(model, args, **inputs):
     from erniekit_lite.train.router_losses import RouterLosses
     from erniekit_lite.train.trainer import Trainer, ready
 
-    return Trainer(model=model, args=args, loss=TokenLoss(ready(model, args), RouterLosses()), **inputs)
+    return Trainer(model=model, args=args, loss=TokenLoss(ready(model, args), RouterLosses(), args.loss_type == "dft"), **inputs)
 
 
 def build_trainer(model, tokenizer, args, data: PreparedData, plan: RunPlan):
