@@ -637,13 +637,13 @@ def _did_you_mean(key: str, candidates: list[str]) -> str:
 
 
 def train_config_class(method: str):
-    """The Trainer arguments class whose fields a method's `train:` holds: the project's (train/arguments.py), and for
+    """The Trainer arguments class whose fields a method's `train:` holds: the project's (arguments.py), and for
     GRPO, which runs on TRL's trainer, TRL's `GRPOConfig`."""
     if method == "grpo":
         import trl
 
         return trl.GRPOConfig
-    from erniekit_lite.train.arguments import CLASSES
+    from erniekit_lite.arguments import CLASSES
 
     return CLASSES[method]
 
@@ -651,7 +651,7 @@ def train_config_class(method: str):
 # The argument classes' fields, as `_check_train_keys` reads them, for the transformers and TRL versions the file
 # names: checking a recipe then imports neither (transformers, peft, bitsandbytes: ~3 s), so `train --num-processes N`
 # starts its workers that much sooner. tests/test_recipe.py checks the file against the classes; `write_train_fields()`
-# rewrites it after an upgrade or a change of train/arguments.py.
+# rewrites it after an upgrade or a change of arguments.py.
 TRAIN_FIELDS = Path(__file__).with_name("train_fields.json")
 FIELD_METHODS = ("sft", "pt", "dpo", "kto", "orpo", "simpo", "rm", "grpo")
 # TRL's keys for its own data preparation and model loading, which erniekit-lite does itself: no field of the

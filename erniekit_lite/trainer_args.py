@@ -1,4 +1,4 @@
-"""The Trainer arguments a recipe makes (the project's argument classes, train/arguments.py; GRPO: TRL's GRPOConfig):
+"""The Trainer arguments a recipe makes (the project's argument classes, arguments.py; GRPO: TRL's GRPOConfig):
 read by `validate`'s plan and by training.
 
 Knows nothing about the plan or the training loop; `train/common.py` adds what only a run decides (CPU sharding,

@@ -184,11 +184,12 @@ def test_disabled_adapters_run_the_base(tiny_moe_dir):
 
 
 def test_recipe_key_and_trainer_built_adapters(tiny_moe_dir):
-    """`lora.expert_compute` is validated; adapters that a TRL trainer adds itself (DPO, KTO, GRPO) follow it too."""
+    """`lora.expert_compute` is validated; adapters that TRL's GRPO trainer adds itself follow it too (a stand-in
+    trainer here, doing what TRL does with a peft_config)."""
     from peft import get_peft_model
     from pydantic import ValidationError
 
-    from erniekit_lite.train.common import trl_trainer
+    from erniekit_lite.train.grpo import trl_trainer
 
     with pytest.raises(ValidationError, match="expert_compute"):
         LoraSection(expert_compute="fused")

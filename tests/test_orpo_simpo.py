@@ -60,9 +60,14 @@ def _trl_trainer(method: str, model, tokenizer, tmp_path, **config):
     from trl.experimental.cpo import CPOTrainer
     from trl.experimental.orpo import ORPOTrainer
 
+    from trl.experimental.cpo import CPOConfig
+    from trl.experimental.orpo import ORPOConfig
+
     text = Dataset.from_dict({"prompt": ["Hi?"], "chosen": ["Hello."], "rejected": ["No."]})
-    return (ORPOTrainer if method == "orpo" else CPOTrainer)(model=model, args=_args(method, tmp_path, **config), train_dataset=text,
-                                                              processing_class=tokenizer)
+    # TRL's own config, with the values the project's arguments take for the method (trainer_args.py: simpo)
+    args = (ORPOConfig if method == "orpo" else CPOConfig)(output_dir=str(tmp_path), report_to="none", bf16=False, max_length=256,
+                                                           remove_unused_columns=False, **config)
+    return (ORPOTrainer if method == "orpo" else CPOTrainer)(model=model, args=args, train_dataset=text, processing_class=tokenizer)
 
 
 def _alone(model, sample) -> tuple[float, int, float]:

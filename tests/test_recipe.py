@@ -124,7 +124,7 @@ def test_every_shipped_recipe_validates(path, tmp_path, monkeypatch):
 
 def test_the_shipped_train_fields_are_the_argument_classes():
     """erniekit_lite/train_fields.json (what checking `train:` reads) is the argument classes' fields (the project's,
-    train/arguments.py; GRPO's from TRL), for the transformers and TRL installed: after an upgrade or a change of the
+    arguments.py; GRPO's from TRL), for the transformers and TRL installed: after an upgrade or a change of the
     classes, `python -c 'from erniekit_lite.recipe import write_train_fields; write_train_fields()'`. TRL's own keys
     for its data preparation are named as such."""
     import json
@@ -149,7 +149,7 @@ def test_the_argument_classes_keep_trls_defaults_and_choices():
 
     import trl
 
-    from erniekit_lite.train.arguments import CLASSES
+    from erniekit_lite.arguments import CLASSES
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

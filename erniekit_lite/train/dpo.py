@@ -31,7 +31,7 @@ def prepare_data(data, tokenizer, seed: int = 42, log=print, beside: Path | None
 
 
 def build_trainer(model, tokenizer, args, data: PreparedPairs, plan: RunPlan):
-    from erniekit_lite.train import reference as references
+    from erniekit_lite.train import reference as references, reference_logps
     from erniekit_lite.train.dpo_loss import DPOLoss
     from erniekit_lite.train.trainer import Trainer, ready
 
@@ -47,7 +47,7 @@ def build_trainer(model, tokenizer, args, data: PreparedPairs, plan: RunPlan):
     trainer = Trainer(model=model, args=args, loss=loss, **inputs)
     references.prepare(reference, trainer.accelerator)
     if reference.precomputed:
-        references.precompute_datasets(trainer, reference, score=lambda model, batch: _reference_columns(loss, model, batch),
+        reference_logps.precompute_datasets(trainer, reference, score=lambda model, batch: _reference_columns(loss, model, batch),
                                        per_row=lambda row: len(row["seq_lengths"]) // 2,
                                        settings={"method": "dpo", "ld_alpha": loss.ld_alpha}, cached=plan.data.cache)
     return trainer

@@ -47,7 +47,7 @@ def rows_dataset(rows):
 
 
 def build_trainer(model, tokenizer, args, data: PreparedFeedback, plan: RunPlan):
-    from erniekit_lite.train import reference as references
+    from erniekit_lite.train import reference as references, reference_logps
     from erniekit_lite.train.kto_loss import KTOLoss
     from erniekit_lite.train.trainer import Trainer, ready
 
@@ -58,7 +58,7 @@ def build_trainer(model, tokenizer, args, data: PreparedFeedback, plan: RunPlan)
     trainer = Trainer(model=model, args=args, loss=loss, **inputs)
     references.prepare(reference, trainer.accelerator)
     if reference.precomputed:
-        references.precompute_datasets(trainer, reference, score=lambda model, batch: _reference_columns(loss, model, batch),
+        reference_logps.precompute_datasets(trainer, reference, score=lambda model, batch: _reference_columns(loss, model, batch),
                                        per_row=lambda row: len(row["desirable"]), settings={"method": "kto", "kl": loss.kl},
                                        cached=plan.data.cache)
     return trainer

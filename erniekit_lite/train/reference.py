@@ -83,22 +83,6 @@ def load_copy(plan):
     return model
 
 
-def precompute_datasets(trainer, reference, score, per_row, settings: dict, cached: bool) -> None:
-    """The train (and eval) rows with the reference's values as columns (reference_logps.py), in the trainer's
-    datasets; a copy loaded only for this (FSDP) is dropped after."""
-    from erniekit_lite.train import reference_logps
-
-    args = trainer.args
-    trainer.train_dataset = reference_logps.precompute(
-        trainer, reference, trainer.train_dataset, "train", args.precompute_ref_batch_size or args.per_device_train_batch_size,
-        score, per_row, settings, cached)
-    if trainer.eval_dataset is not None:
-        trainer.eval_dataset = reference_logps.precompute(
-            trainer, reference, trainer.eval_dataset, "eval", args.precompute_ref_batch_size or args.per_device_eval_batch_size,
-            score, per_row, settings, cached)
-    reference.model = None
-
-
 def add_frozen_copy(model) -> None:
     """The loaded adapter copied as the frozen `ref` adapter (what the reference pass activates)."""
     config = model.peft_config["default"]

@@ -75,6 +75,20 @@ def precompute(trainer, reference, dataset, name: str, batch_size: int, score: C
     return dataset
 
 
+def precompute_datasets(trainer, reference, score, per_row, settings: dict, cached: bool) -> None:
+    """The train (and eval) rows with the reference's values as columns (`precompute`), in the trainer's
+    datasets; a copy loaded only for this (FSDP) is dropped after."""
+    args = trainer.args
+    trainer.train_dataset = precompute(
+        trainer, reference, trainer.train_dataset, "train", args.precompute_ref_batch_size or args.per_device_train_batch_size,
+        score, per_row, settings, cached)
+    if trainer.eval_dataset is not None:
+        trainer.eval_dataset = precompute(
+            trainer, reference, trainer.eval_dataset, "eval", args.precompute_ref_batch_size or args.per_device_eval_batch_size,
+            score, per_row, settings, cached)
+    reference.model = None
+
+
 def say(accelerator, line: str) -> None:
     if accelerator.is_main_process:
         print(line, flush=True)

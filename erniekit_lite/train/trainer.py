@@ -221,5 +221,5 @@ def ready(model, args, moe_aux: bool = True) -> RouterAux:
         raise UserError(f"train.router_aux_loss_coef is {chosen} but {type(model).__name__} is not a mixture-of-experts model: remove it")
     enabled = hasattr(text, "output_router_logits") and coef != 0.0
     if hasattr(text, "router_aux_loss_coef"):
-        text.output_router_logits, text.router_aux_loss_coef = enabled, coef
+        text.output_router_logits, text.router_aux_loss_coef = enabled, float(coef)
     return RouterAux(enabled, coef or 0.0)
