@@ -31,9 +31,8 @@ def prepare_data(data, tokenizer, seed: int = 42, log=print, beside: Path | None
 
 
 def build_trainer(model, tokenizer, args, data: PreparedPairs, plan: RunPlan):
-    from erniekit_lite.train import reference as references, reference_logps
     from erniekit_lite.train.dpo_loss import DPOLoss
-    from erniekit_lite.train.trainer import Trainer, ready
+    from erniekit_lite.train.reference import trainer_with
 
     if plan.vl:  # rows of image-text pairs, always laid end to end, held by the collator (data/vl_rows.py)
         from erniekit_lite.data.vl_rows import VLPackedPairCollator
@@ -41,16 +40,9 @@ def build_trainer(model, tokenizer, args, data: PreparedPairs, plan: RunPlan):
         inputs = vl_trainer_inputs(data, tokenizer, plan, VLPackedPairCollator)
     else:
         inputs = trainer_inputs(data, tokenizer, plan, PackedPairCollator, PaddedPairCollator)
-    reference = references.choose(model, plan.lora is not None, args.precompute_ref_log_probs, references.fsdp_launch(args),
-                                  lambda: references.load_copy(plan))
-    loss = DPOLoss(args, ready(model, args), reference)
-    trainer = Trainer(model=model, args=args, loss=loss, **inputs)
-    references.prepare(reference, trainer.accelerator)
-    if reference.precomputed:
-        reference_logps.precompute_datasets(trainer, reference, score=lambda model, batch: _reference_columns(loss, model, batch),
-                                       per_row=lambda row: len(row["seq_lengths"]) // 2,
-                                       settings={"method": "dpo", "ld_alpha": loss.ld_alpha}, cached=plan.data.cache)
-    return trainer
+    return trainer_with(model, args, plan, inputs, lambda aux, reference: DPOLoss(args, aux, reference), _reference_columns,
+                        per_row=lambda row: len(row["seq_lengths"]) // 2,
+                        settings={"method": "dpo", "ld_alpha": args.ld_alpha})
 
 
 def _reference_columns(loss, model, batch: dict) -> dict:

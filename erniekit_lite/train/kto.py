@@ -47,21 +47,12 @@ def rows_dataset(rows):
 
 
 def build_trainer(model, tokenizer, args, data: PreparedFeedback, plan: RunPlan):
-    from erniekit_lite.train import reference as references, reference_logps
     from erniekit_lite.train.kto_loss import KTOLoss
-    from erniekit_lite.train.trainer import Trainer, ready
+    from erniekit_lite.train.reference import trainer_with
 
     inputs = trainer_inputs(data, tokenizer, plan, PackedFeedbackCollator, PaddedFeedbackCollator, rows=rows_dataset)
-    reference = references.choose(model, plan.lora is not None, args.precompute_ref_log_probs, references.fsdp_launch(args),
-                                  lambda: references.load_copy(plan))
-    loss = KTOLoss(args, ready(model, args), reference)
-    trainer = Trainer(model=model, args=args, loss=loss, **inputs)
-    references.prepare(reference, trainer.accelerator)
-    if reference.precomputed:
-        reference_logps.precompute_datasets(trainer, reference, score=lambda model, batch: _reference_columns(loss, model, batch),
-                                       per_row=lambda row: len(row["desirable"]), settings={"method": "kto", "kl": loss.kl},
-                                       cached=plan.data.cache)
-    return trainer
+    return trainer_with(model, args, plan, inputs, lambda aux, reference: KTOLoss(args, aux, reference), _reference_columns,
+                        per_row=lambda row: len(row["desirable"]), settings={"method": "kto", "kl": args.loss_type != "apo_zero_unpaired"})
 
 
 def _reference_columns(loss, model, batch: dict) -> dict:

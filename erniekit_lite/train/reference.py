@@ -33,6 +33,13 @@ class Reference:
         with torch.no_grad(), self._switched(policy, accelerator):
             return score(self.model if self.model is not None else policy, batch)
 
+    def scoring_model(self, trainer):
+        """The model a precompute runs on: the frozen copy, or the policy (in a DeepSpeed inference engine under
+        ZeRO-3, built once)."""
+        if self.model is None and trainer.is_deepspeed_enabled:
+            self.model = deepspeed_engine(trainer.model, trainer.accelerator)
+        return self.model if self.model is not None else trainer.model
+
     @contextlib.contextmanager
     def _switched(self, policy, accelerator):
         if self.kind == "adapters off":
@@ -63,6 +70,24 @@ def choose(model, new_adapter: bool, precompute: bool, fsdp: bool, load_copy) ->
     if precompute and not fsdp:
         return Reference("copy", precomputed=True)
     return Reference("copy", frozen(load_copy()), precomputed=precompute)
+
+
+def trainer_with(model, args, plan, inputs: dict, make_loss, columns, per_row, settings: dict):
+    """The project's Trainer for a method with a reference (DPO, KTO): the reference chosen for the model (`choose`),
+    the loss `make_loss(aux, reference)`, the copy placed for the launch, and with `precompute_ref_log_probs` the rows
+    given the reference's values as columns (`columns(loss, model, batch)`, `per_row` and `settings` as
+    reference_logps.precompute takes them)."""
+    from erniekit_lite.train import reference_logps
+    from erniekit_lite.train.trainer import Trainer, ready
+
+    reference = choose(model, plan.lora is not None, args.precompute_ref_log_probs, fsdp_launch(args), lambda: load_copy(plan))
+    loss = make_loss(ready(model, args), reference)
+    trainer = Trainer(model=model, args=args, loss=loss, **inputs)
+    prepare(reference, trainer.accelerator)
+    if reference.precomputed:
+        reference_logps.precompute_datasets(trainer, reference, lambda model, batch: columns(loss, model, batch), per_row,
+                                            settings, plan.data.cache)
+    return trainer
 
 
 def fsdp_launch(args) -> bool:

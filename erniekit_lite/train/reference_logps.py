@@ -94,19 +94,6 @@ def say(accelerator, line: str) -> None:
         print(line, flush=True)
 
 
-def reference_model(trainer, reference):
-    """The model the reference pass runs on: the frozen copy, or the policy (in a DeepSpeed inference engine under
-    ZeRO-3, built once)."""
-    if reference.model is not None:
-        return reference.model
-    if trainer.is_deepspeed_enabled:
-        from erniekit_lite.train.reference import deepspeed_engine
-
-        reference.model = deepspeed_engine(trainer.model, trainer.accelerator)
-        return reference.model
-    return trainer.model
-
-
 def shard(n: int, rank: int, world: int) -> range:
     """This rank's contiguous slice of n rows: sizes differ by at most one, none above ceil(n / world)."""
     return range(rank * n // world, (rank + 1) * n // world)
@@ -123,7 +110,7 @@ def _score(trainer, reference, dataset, batch_size: int, score: Callable, per_ro
     padded = mine + [mine[0] if mine else 0] * (math.ceil(n / world) - len(mine))
     loader = DataLoader(Subset(dataset, padded), batch_size=batch_size, collate_fn=_Counted(trainer.data_collator, per_row),
                         shuffle=False, num_workers=trainer.args.dataloader_num_workers, pin_memory=trainer.args.dataloader_pin_memory)
-    model = reference_model(trainer, reference)
+    model = reference.scoring_model(trainer)
     results, at = [], 0
     for counts, batch in loader:
         batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items() if k not in ("token_slots", "row_units")}
