@@ -21,8 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from erniekit_lite.train.step import real_tokens
-from erniekit_lite.train.trainer import Parts
+from erniekit_lite.train.trainer import Loss, Parts
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
               "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
@@ -30,7 +29,7 @@ F_DIVERGENCE = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 NOT_MODEL_INPUTS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps", "chosen_tokens")
 
 
-class DPOLoss:
+class DPOLoss(Loss):
     def __init__(self, args, aux, reference):
         self.beta = args.beta
         self.loss_types = list(args.loss_type) if isinstance(args.loss_type, (list, tuple)) else [args.loss_type]
@@ -49,12 +48,6 @@ class DPOLoss:
 
     def chosen_tokens(self, batch: dict) -> int:
         return batch["chosen_tokens"] if "sft" in self.loss_types else 0  # counted by the pair collators on the CPU
-
-    def real_tokens(self, batch: dict) -> int:
-        return real_tokens(batch)
-
-    def count_step(self, batches: list, trainer, device) -> None:
-        pass
 
     def sequence_logps(self, scores) -> torch.Tensor:
         """[2B] summed completion log-probs; with `ld_alpha`, the tokens past the shorter answer's length weigh

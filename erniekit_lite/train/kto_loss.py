@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from erniekit_lite.train.step import real_tokens
-from erniekit_lite.train.trainer import Parts
+from erniekit_lite.train.trainer import Loss, Parts
 
 LOSS_TYPES = ("kto", "apo_zero_unpaired")
 # batch keys that are not model inputs: the loss's own (labels, precomputed reference values), the collators' counts
@@ -51,7 +51,7 @@ def side(batch: dict, kl: bool) -> dict:
     return {k: v for k, v in batch.items() if not k.startswith("KL_") and k not in NOT_MODEL_INPUTS}
 
 
-class KTOLoss:
+class KTOLoss(Loss):
     def __init__(self, args, aux, reference):
         if args.loss_type not in LOSS_TYPES:  # recipe.py checks the choices first
             raise ValueError(f"unknown KTO loss type {args.loss_type!r}")
@@ -66,18 +66,12 @@ class KTOLoss:
     def units(self, batch: dict) -> int:
         return len(batch["label"])  # one per example: its shape, no read
 
-    def chosen_tokens(self, batch: dict) -> int:
-        return 0  # no per-token term
-
     def real_tokens(self, batch: dict) -> int:
         real = real_tokens(batch)
         if "KL_input_ids" in batch:
             twins = real_tokens(batch, "KL_")
             real += twins if self.kl else 0  # the twins run through the model too
         return real
-
-    def count_step(self, batches: list, trainer, device) -> None:
-        pass
 
     @staticmethod
     def sequence_logps(model, inputs: dict, **kwargs) -> torch.Tensor:
