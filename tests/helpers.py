@@ -191,3 +191,14 @@ def trls_own_head(model, outputs: tuple):
         yield
     finally:
         scored.without_trl_head(model)
+
+
+def move_off_the_reference(model, std: float = 0.05) -> None:
+    """A new LoRA adapter's trained B (zero at the start) drawn from N(0, std), so the policy differs from its
+    reference (the base, or the adapter as it started) and a preference loss's comparison has teeth."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name and p.requires_grad:
+                p.normal_(0, std)

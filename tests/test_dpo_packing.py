@@ -10,7 +10,7 @@ from erniekit_lite.data.pairs import PackedPairCollator, Pair, pack_pairs
 from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import IGNORE, Sample, Tokenizer
 from erniekit_lite.model.load import load_model
-from helpers import trls_own_head
+from helpers import move_off_the_reference, trls_own_head
 
 PROMPTS = [("Who are you?", "I am a tiny ERNIE model.", "No."), ("2+2?", "4", "Five, probably, or maybe six."), ("写诗", "春风拂面。", "不会。")]
 
@@ -123,10 +123,7 @@ def test_dpo_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_token
     # no forward on the instance and no TRL class: the model's class scores (erniekit_lite/train/scored.py)
     assert "forward" not in vars(model.get_base_model()) and type(model.get_base_model()).__module__ == "erniekit_lite.train.scored"
     assert not any(c.__module__.startswith("trl") for c in type(ours).__mro__)
-    with torch.no_grad():  # move the policy away from the reference (the trained LoRA B starts at zero)
-        for name, p in model.named_parameters():
-            if "lora_B" in name and p.requires_grad:
-                p.normal_(0, 0.05)
+    move_off_the_reference(model)
     model.eval()
     padded = DataCollatorForPreference(pad_token_id=0)(examples)  # TRL's own padded batch, in TRL's own forward
     packed = PackedPairCollator(256)([vars(r) for r in rows])
@@ -196,10 +193,7 @@ def test_every_dpo_loss_type_and_option_equals_trl(tmp_path, tiny_dense_dir, ern
     loss = DPOLoss(args, ready(model, args), Reference("adapters off"))
     ours = Trainer(model=model, args=args, loss=loss, train_dataset=Dataset.from_dict({"input_ids": [r.input_ids for r in rows]}),
                    processing_class=ernie_tokenizer, data_collator=PackedPairCollator(256))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name and p.requires_grad:
-                p.normal_(0, 0.05)
+    move_off_the_reference(model)
     model.eval()
     padded = DataCollatorForPreference(pad_token_id=0)(_trl_examples(pairs))
     packed = PackedPairCollator(256)([vars(r) for r in rows])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_cli, trls_own_head, write_recipe
+from helpers import move_off_the_reference, run_cli, trls_own_head, write_recipe
 
 from erniekit_lite.data.formats import Conversation, Feedback, Skip, Turn, detect_feedback_format, to_feedback
 from erniekit_lite.data.load import Record
@@ -241,10 +241,7 @@ def test_kto_loss_packed_equals_trl_padded(tmp_path, tiny_dense_dir, ernie_token
     # no forward on the instance and no TRL class: the model's class scores (erniekit_lite/train/scored.py)
     assert "forward" not in vars(model.get_base_model()) and type(model.get_base_model()).__module__ == "erniekit_lite.train.scored"
     assert not any(c.__module__.startswith("trl") for c in type(ours).__mro__)
-    with torch.no_grad():  # move the policy away from its reference (the trained LoRA B starts at zero)
-        for name, p in model.named_parameters():
-            if "lora_B" in name and p.requires_grad:
-                p.normal_(0, 0.05)
+    move_off_the_reference(model)
     model.eval()
     padded = DataCollatorForUnpairedPreference(pad_token_id=0)(_trl_examples(rows))
     packed = PackedFeedbackCollator(50)([vars(r) for r in rows])

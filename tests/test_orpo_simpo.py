@@ -17,7 +17,7 @@ from erniekit_lite.data.pairs import PackedPairCollator, PaddedPairCollator, Pai
 from erniekit_lite.data.template import template_for
 from erniekit_lite.data.tokenize import IGNORE, Tokenizer
 from erniekit_lite.model.load import load_model
-from helpers import run_cli, write_recipe
+from helpers import move_off_the_reference, run_cli, write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = ROOT / "recipes" / "data" / "identity_dpo.jsonl"
@@ -153,10 +153,7 @@ def _lora_model(tiny_dense_dir):
 
     torch.manual_seed(0)
     model = apply_lora(load_model(str(tiny_dense_dir), "float32", "packed_sdpa"), LoraSection(r=4, dropout=0.0))
-    with torch.no_grad():  # the trained LoRA B starts at zero: give A a gradient too
-        for name, p in model.named_parameters():
-            if "lora_B" in name and p.requires_grad:
-                p.normal_(0, 0.05)
+    move_off_the_reference(model)
     return model.eval()
 
 
